@@ -1,0 +1,28 @@
+# Two entry points, both doing their own set-up on a fresh machine:
+#   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
+#   make test   same set-up, then the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.moestream-installed
+# The CPU build of torch is pinned here, not in pyproject: GPU users bring their own torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/moestream demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .moestream build *.egg-info

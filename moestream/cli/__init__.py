@@ -1,0 +1,48 @@
+"""`moestream <verb>`: one module per verb, each with `add_parser(subparsers)` that sets `func`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from moestream.errors import MoestreamError
+
+# verb modules, imported lazily so that e.g. `moestream simulate` never imports torch
+VERBS: dict[str, str] = {
+    "generate": "moestream.cli.generate",
+    "synth": "moestream.cli.synth",
+    "info": "moestream.cli.info",
+    "demo": "moestream.cli.demo",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for verb, module in VERBS.items():
+        if chosen in (None, verb) or chosen not in VERBS:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(verb)  # listed in --help without importing its module
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MoestreamError as exc:
+        print(f"moestream: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
