@@ -12,8 +12,10 @@ Access protocol for one MoE layer forward (both engine and simulator follow it):
 """
 from __future__ import annotations
 
+import heapq
+import sys
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 from typing import ClassVar
 
@@ -140,3 +142,237 @@ class ResidentSet:
 def slots_for_budget(budget_bytes: int, slot_bytes: int) -> int:
     """How many slots of `slot_bytes` a byte budget buys."""
     return budget_bytes // slot_bytes
+
+
+# --- Policies for the simulator and the engine alike (added for issue 4) -----------------------------
+# Each one implements `EvictionPolicy`, so `ResidentSet(capacity, SomePolicy(...))` works in both places.
+# Heaps below use lazy deletion: a stale entry stays in the heap until it reaches the top, which keeps
+# every hit O(log n) instead of re-sorting; `_compact` bounds the garbage.
+
+_NEVER = sys.maxsize  # "next use" of a key that is never used again
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used: the key with the fewest uses since the start leaves first; ties go to LRU.
+
+    Use counts survive eviction (a key that was popular earlier is still ranked by its whole history),
+    which is the "perfect LFU" variant; with counts reset on eviction, a returning key would always lose.
+    """
+
+    name: ClassVar[str] = "lfu"
+
+    def __init__(self) -> None:
+        self._count: dict[Key, int] = {}
+        self._stamp: dict[Key, int] = {}  # resident key -> tick of its live heap entry
+        self._heap: list[tuple[int, int, Key]] = []  # (uses, tick, key); ticks are unique
+        self._tick = 0
+
+    def _use(self, key: Key) -> None:
+        self._tick += 1
+        count = self._count.get(key, 0) + 1
+        self._count[key] = count
+        self._stamp[key] = self._tick
+        heapq.heappush(self._heap, (count, self._tick, key))
+        if len(self._heap) > 4 * len(self._stamp) + 64:
+            self._heap = [e for e in self._heap if self._stamp.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def on_hit(self, key: Key) -> None:
+        self._use(key)
+
+    def on_admit(self, key: Key) -> None:
+        self._use(key)
+
+    def on_evict(self, key: Key) -> None:
+        del self._stamp[key]
+
+    def victim(self) -> Key:
+        heap = self._heap
+        while self._stamp.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Belady's MIN (OPT): evicts the resident key whose next use lies farthest in the future.
+
+    It needs the whole future, so it is a bound for the simulator, not a policy for a live engine.
+    `groups` is the access sequence, one iterable of distinct keys per layer forward. Every `on_hit` or
+    `on_admit` of a key consumes that key's next occurrence, so the policy must see each forward's keys
+    exactly once, in forward order (which is what `ResidentSet.access_group` does).
+    """
+
+    name: ClassVar[str] = "opt"
+
+    def __init__(self, groups: Iterable[Iterable[Key]]) -> None:
+        self._uses: dict[Key, deque[int]] = {}
+        for index, group in enumerate(groups):
+            for key in group:
+                self._uses.setdefault(key, deque()).append(index)
+        self._next: dict[Key, int] = {}  # resident key -> index of its next use
+        self._heap: list[tuple[int, int, Key]] = []  # (-next use, tie-breaker, key)
+        self._tick = 0
+
+    def _use(self, key: Key) -> None:
+        pending = self._uses.get(key)
+        if not pending:
+            raise ValueError(f"{key!r} is used more often than the future given to BeladyPolicy says")
+        pending.popleft()
+        upcoming = pending[0] if pending else _NEVER
+        self._next[key] = upcoming
+        self._tick += 1
+        heapq.heappush(self._heap, (-upcoming, self._tick, key))
+        if len(self._heap) > 4 * len(self._next) + 64:
+            self._heap = [e for e in self._heap if self._next.get(e[2]) == -e[0]]
+            heapq.heapify(self._heap)
+
+    def on_hit(self, key: Key) -> None:
+        self._use(key)
+
+    def on_admit(self, key: Key) -> None:
+        self._use(key)
+
+    def on_evict(self, key: Key) -> None:
+        del self._next[key]
+
+    def victim(self) -> Key:
+        heap = self._heap
+        while self._next.get(heap[0][2]) != -heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+
+class StaticPolicy(EvictionPolicy):
+    """Static pinning: the pinned keys never leave; the slots they leave free are shared in LRU order."""
+
+    name: ClassVar[str] = "static"
+
+    def __init__(self, pinned: Iterable[Key]) -> None:
+        self.pinned = frozenset(pinned)
+        self._lru = LRUPolicy()  # unpinned residents only
+
+    def on_hit(self, key: Key) -> None:
+        if key not in self.pinned:
+            self._lru.on_hit(key)
+
+    def on_admit(self, key: Key) -> None:
+        if key not in self.pinned:
+            self._lru.on_admit(key)
+
+    def on_evict(self, key: Key) -> None:
+        if key not in self.pinned:
+            self._lru.on_evict(key)
+
+    def victim(self) -> Key:
+        try:
+            return self._lru.victim()
+        except StopIteration:
+            raise LookupError("every slot holds a pinned key; none is left for streamed experts") from None
+
+
+class PinnedResidentSet(ResidentSet):
+    """Static pinning as the seed simulated it: the most frequent keys fill the slots before the first
+    forward and stay. A key outside them is streamed (a miss); it is kept only in slots the pinned keys
+    left free (LRU among those), and with every slot pinned it is read and dropped."""
+
+    def __init__(self, capacity: int, ranked: Iterable[Key]) -> None:
+        pinned = list(ranked)[:capacity]  # most valuable first
+        super().__init__(capacity, StaticPolicy(pinned))
+        for key in pinned:
+            self.admit(key)
+        self.streaming_slots = capacity - len(pinned)
+
+    def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
+        """Touch hits, then admit misses while unpinned slots exist (else they bypass). Returns (hits, misses)."""
+        keys = list(keys)
+        hits = [k for k in keys if k in self]
+        misses = [k for k in keys if k not in self]
+        for key in hits:
+            self.touch(key)
+        if self.streaming_slots:
+            for key in misses:
+                self.admit(key)
+        return hits, misses
+
+
+class PartitionedLRUPolicy(EvictionPolicy):
+    """Per-layer LRU: keys are `(layer, expert)`; each layer evicts only its own least recent key."""
+
+    name: ClassVar[str] = "partitioned-lru"
+
+    def __init__(self) -> None:
+        self._per_layer: dict[Hashable, OrderedDict[Key, None]] = {}
+
+    def on_hit(self, key: Key) -> None:
+        self._per_layer[key[0]].move_to_end(key)  # type: ignore[index]
+
+    def on_admit(self, key: Key) -> None:
+        self._per_layer.setdefault(key[0], OrderedDict())[key] = None  # type: ignore[index]
+
+    def on_evict(self, key: Key) -> None:
+        del self._per_layer[key[0]][key]  # type: ignore[index]
+
+    def resident_in(self, layer: Hashable) -> int:
+        """How many keys of `layer` are resident."""
+        return len(self._per_layer.get(layer, ()))
+
+    def victim_in(self, layer: Hashable) -> Key:
+        """The least recently used resident key of `layer`."""
+        return next(iter(self._per_layer[layer]))
+
+    def victim(self) -> Key:
+        # Interface fallback (a plain ResidentSet has no quotas): the LRU key of the fullest layer.
+        fullest = max(self._per_layer, key=lambda layer: len(self._per_layer[layer]))
+        return self.victim_in(fullest)
+
+
+class PartitionedResidentSet(ResidentSet):
+    """Slots split between layers by fixed quotas, LRU within each layer. A layer with no quota streams."""
+
+    def __init__(self, quotas: dict[Hashable, int]) -> None:
+        super().__init__(max(1, sum(quotas.values())), PartitionedLRUPolicy())
+        self.quotas = dict(quotas)
+
+    def admit(self, key: Key) -> tuple[int, Key | None]:
+        """Give `key` a slot of its layer's share, evicting that layer's LRU key when the share is full."""
+        layer = key[0]  # type: ignore[index]
+        quota = self.quotas.get(layer, 0)
+        if quota < 1:
+            raise ValueError(f"layer {layer!r} has no slots in this partition")
+        evicted = None
+        if self.policy.resident_in(layer) >= quota:  # type: ignore[attr-defined]
+            evicted = self.policy.victim_in(layer)  # type: ignore[attr-defined]
+            self.remove(evicted)
+        # under quota, the total is under capacity (quotas sum to it), so a slot is free: no eviction
+        slot, _ = super().admit(key)
+        return slot, evicted
+
+    def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
+        """Touch hits, then admit misses of layers that own slots. Returns (hits, misses)."""
+        keys = list(keys)
+        hits = [k for k in keys if k in self]
+        misses = [k for k in keys if k not in self]
+        for key in hits:
+            self.touch(key)
+        for key in misses:
+            if self.quotas.get(key[0], 0) > 0:  # type: ignore[index]
+                self.admit(key)
+        return hits, misses
+
+
+def split_evenly(capacity: int, layers: Iterable[Hashable]) -> dict[Hashable, int]:
+    """Per-layer quotas that sum to `capacity`; the first `capacity % n` layers get one slot more."""
+    layers = list(layers)
+    base, extra = divmod(capacity, len(layers))
+    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(layers)}
+
+
+def prefetch(resident: ResidentSet, keys: Iterable[Key]) -> list[Key]:
+    """Admit every key that is not resident yet (one read each), in order; keys already resident are
+    left untouched, so a prediction does not refresh their recency. Returns the admitted keys."""
+    admitted = []
+    for key in keys:
+        if key not in resident:
+            resident.admit(key)
+            admitted.append(key)
+    return admitted

@@ -1,0 +1,293 @@
+"""The expert cache: a byte budget of locked slots, filled by the reader, evicted by the policy.
+
+One owner: this object owns slot memory and decides (through `ResidentSet`) which expert sits where.
+Compute asks for one layer at a time with `open_layer`, which returns a `LayerJob` that delivers one
+readiness event per (expert, kind): at once for cached experts, when the last piece lands for misses.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet
+from moestream.cache.slots import PartRead, plan_parts, slot_bytes
+from moestream.errors import CacheBudgetError
+from moestream.io.memory import AlignedBuffer
+from moestream.io.reader import Piece, Reader
+from moestream.store.experts import ExpertMap
+from moestream.units import format_size
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class CacheStats:
+    """Counters of everything the cache did; the engine snapshots them per phase."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    read_wait_s: float = 0.0
+
+    def copy(self) -> "CacheStats":
+        return CacheStats(self.hits, self.misses, self.evictions, self.read_wait_s)
+
+
+@dataclass
+class SizeClass:
+    """All slots of one size, carved from one aligned allocation."""
+
+    slot_bytes: int
+    capacity: int
+    buffer: AlignedBuffer
+    residents: ResidentSet
+
+
+@dataclass
+class SlotState:
+    """An expert occupying a slot: which kinds are still being read, and who waits for them."""
+
+    key: Key
+    cls: SizeClass
+    slot: int
+    plan: dict[str, list[PartRead]]
+    remaining: dict[str, int]  # pieces still in flight, per kind
+    errors: dict[str, BaseException | None]
+    pins: int = 0
+    listeners: list["LayerJob"] = field(default_factory=list)
+
+    @property
+    def base(self) -> int:
+        return self.slot * self.cls.slot_bytes
+
+    @property
+    def failed(self) -> bool:
+        return any(e is not None for e in self.errors.values())
+
+
+def budget_requirements(emap: ExpertMap, top_k: int) -> tuple[int, int]:
+    """(one layer's worst case, one token's working set over all layers) in slot bytes."""
+    per_layer = {}
+    for (layer, _), parts in emap.units.items():
+        per_layer[layer] = max(per_layer.get(layer, 0), slot_bytes(parts))
+    return top_k * max(per_layer.values()), top_k * sum(per_layer.values())
+
+
+class ExpertCache:
+    """Bounded, locked expert cache over an `ExpertMap`, filled through a `Reader`."""
+
+    def __init__(
+        self,
+        emap: ExpertMap,
+        budget_bytes: int,
+        reader: Reader,
+        *,
+        top_k: int,
+        piece_bytes: int = 128 * 1024,
+        lock_memory: bool = True,
+        policy_factory: Callable[[], EvictionPolicy] = LRUPolicy,
+    ) -> None:
+        if piece_bytes < 4096 or piece_bytes % 4096:
+            raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {piece_bytes}")
+        self.emap, self.reader, self.piece_bytes = emap, reader, piece_bytes
+        self.lock = threading.Lock()
+        self.stats = CacheStats()
+        self._job_seq = itertools.count()
+        self._states: dict[Key, SlotState] = {}
+        self._check_budget(budget_bytes, top_k)
+        self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
+        self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
+        self.budget_bytes = budget_bytes
+
+    def _check_budget(self, budget: int, top_k: int) -> None:
+        minimum, working_set = budget_requirements(self.emap, top_k)
+        if budget < minimum:
+            raise CacheBudgetError(
+                f"cache budget {format_size(budget)} is below one layer's worst case "
+                f"(top_k {top_k} x largest expert slot = {format_size(minimum)}, {minimum} bytes); "
+                f"use a cache of at least {format_size(minimum)}"
+            )
+        if budget < working_set:
+            warnings.warn(
+                f"cache budget {format_size(budget)} is smaller than one token's working set over all layers "
+                f"({format_size(working_set)}): expect most experts to be read again for every token",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _carve(self, budget: int, top_k: int, policy_factory: Callable[[], EvictionPolicy]):
+        by_size: dict[int, list[Key]] = {}
+        for key, parts in self.emap.units.items():
+            by_size.setdefault(slot_bytes(parts), []).append(key)
+        total = sum(size * len(keys) for size, keys in by_size.items())
+        classes, class_of = [], {}
+        for size, keys in sorted(by_size.items()):
+            share = budget * size * len(keys) // total if len(by_size) > 1 else budget
+            capacity = min(len(keys), max(top_k, share // size))
+            cls = SizeClass(size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory()))
+            classes.append(cls)
+            class_of.update((key, cls) for key in keys)
+        return classes, class_of
+
+    @property
+    def capacity(self) -> int:
+        """Number of expert slots."""
+        return sum(c.capacity for c in self.classes)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the largest slot (what the budget is charged per expert)."""
+        return max(c.slot_bytes for c in self.classes)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(c.buffer.nbytes for c in self.classes)
+
+    def open_layer(self, layer: int, experts: list[int]) -> "LayerJob":
+        """Start one layer forward over `experts` (distinct, in execution order)."""
+        return LayerJob(self, layer, experts, next(self._job_seq))
+
+    def resident_keys(self) -> set[Key]:
+        with self.lock:
+            return {key for c in self.classes for key in c.residents._slot_of}
+
+    # --- called with self.lock held -------------------------------------------------------------
+
+    def _pin_hit(self, key: Key, job: "LayerJob") -> None:
+        state = self._states[key]
+        state.cls.residents.touch(key)
+        state.pins += 1
+        for kind in self.emap.kinds:
+            if state.remaining[kind] == 0:
+                job.events.put((key[1], kind, state.errors[kind]))
+            else:
+                state.listeners.append(job)
+
+    def _blocked(self, key: Key) -> bool:
+        victim = self._class_of[key].residents.next_victim()
+        return victim is not None and self._states[victim].pins > 0
+
+    def _admit_miss(self, key: Key, job: "LayerJob", rank: int) -> list[Piece]:
+        cls = self._class_of[key]
+        slot, evicted = cls.residents.admit(key)
+        if evicted is not None:
+            del self._states[evicted]
+            self.stats.evictions += 1
+        plan = plan_parts(self.emap.kinds, self.emap.units[key])
+        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1, listeners=[job])
+        self._states[key] = state
+        pieces = []
+        for kind_rank, kind in enumerate(self.emap.kinds):
+            kind_pieces = self._kind_pieces(state, kind, (job.seq, kind_rank, rank))
+            state.remaining[kind] = len(kind_pieces)
+            pieces.extend(kind_pieces)
+        return pieces
+
+    def _kind_pieces(self, state: SlotState, kind: str, priority: tuple) -> list[Piece]:
+        pieces = []
+        for part_rank, part in enumerate(state.plan[kind]):
+            handle = self.reader.open(part.ref.file)
+            region = state.base + part.region_offset
+            for start, length, needed in part.pieces(self.piece_bytes):
+                dest = region + start
+                pieces.append(Piece(
+                    priority=(*priority, part_rank, start), seq=self.reader.next_seq(), file=handle,
+                    offset=part.file_offset + start, length=length, needed=needed,
+                    dest=state.cls.buffer.view[dest:dest + length],
+                    dest_address=state.cls.buffer.address + dest,
+                    on_done=lambda err, s=state, k=kind: self._piece_done(s, k, err),
+                ))
+        return pieces
+
+    def _piece_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
+        with self.lock:
+            if error is not None and state.errors[kind] is None:
+                state.errors[kind] = error
+            state.remaining[kind] -= 1
+            if state.remaining[kind] == 0:
+                for job in state.listeners:
+                    job.events.put((state.key[1], kind, state.errors[kind]))
+
+    def _release(self, key: Key, job: "LayerJob") -> None:
+        state = self._states[key]
+        state.pins -= 1
+        if job in state.listeners:
+            state.listeners.remove(job)
+        if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
+            state.cls.residents.remove(key)  # bad bytes must not be served as a hit later
+            del self._states[key]
+
+
+class LayerJob:
+    """One layer forward's view of the cache: readiness events in, releases out."""
+
+    def __init__(self, cache: ExpertCache, layer: int, experts: list[int], seq: int) -> None:
+        self.cache, self.layer, self.seq = cache, layer, seq
+        self.events: queue.SimpleQueue[tuple[int, str, BaseException | None]] = queue.SimpleQueue()
+        self.hits: list[int] = []
+        self.misses: list[int] = []
+        self._pending: list[int] = []
+        self._admitted = 0
+        self._active = 0  # experts pinned by this job and not yet released
+        self.wait_s = 0.0
+        with cache.lock:
+            for e in experts:
+                (self.hits if (layer, e) in cache._states else self.misses).append(e)
+            for e in self.hits:
+                cache._pin_hit((layer, e), self)
+            self._active = len(self.hits)
+            cache.stats.hits += len(self.hits)
+            cache.stats.misses += len(self.misses)
+            self._pending = list(self.misses)
+            pieces = self._admit_pending()
+        cache.reader.submit(pieces)
+
+    def _admit_pending(self) -> list[Piece]:
+        """Give slots to waiting misses, in order, while the next victim is not in use."""
+        pieces: list[Piece] = []
+        while self._pending and not self.cache._blocked((self.layer, self._pending[0])):
+            expert = self._pending.pop(0)
+            pieces.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted))
+            self._admitted += 1
+            self._active += 1
+        return pieces
+
+    def next_event(self) -> tuple[int, str, BaseException | None]:
+        """The next (expert, kind, error-or-None) whose bytes are in place; blocks while reads run."""
+        try:
+            return self.events.get_nowait()
+        except queue.Empty:
+            pass
+        if self._active == 0:
+            raise RuntimeError(f"layer {self.layer} waits for an expert slot that nothing will release")
+        start = time.perf_counter()
+        event = self.events.get()
+        waited = time.perf_counter() - start
+        self.wait_s += waited
+        with self.cache.lock:
+            self.cache.stats.read_wait_s += waited
+        return event
+
+    def drop_pending(self) -> list[int]:
+        """Give up on misses that never got a slot (after a failed read). Returns those experts."""
+        with self.cache.lock:
+            dropped, self._pending = self._pending, []
+        return dropped
+
+    def tensor_parts(self, expert: int, kind: str) -> list[tuple[AlignedBuffer, int, PartRead]]:
+        """(buffer, offset of the tensor's first byte in it, part) for each part of a kind in its slot."""
+        state = self.cache._states[(self.layer, expert)]
+        return [(state.cls.buffer, state.base + p.region_offset + p.head, p) for p in state.plan[kind]]
+
+    def release(self, expert: int) -> None:
+        """The layer is done with `expert`: its slot may be evicted; waiting misses may proceed."""
+        with self.cache.lock:
+            self.cache._release((self.layer, expert), self)
+            self._active -= 1
+            pieces = self._admit_pending()
+        self.cache.reader.submit(pieces)

@@ -1,0 +1,59 @@
+"""Slot geometry: where each part of an expert lands in a slot, and the aligned reads that fill it.
+
+A part of `n` bytes at file offset `o` is read as the 4096-aligned superset [o & ~4095, ...) of length
+round_up(head + n, 4096), head = o % 4096, into a region of round_up(n, 4096) + 4096 bytes, which always
+holds it. The tensor's bytes then start `head` bytes into the region. Regions never overlap, so an
+aligned tail can never overwrite a neighbour (the seed's gpt-oss bug came from sizing it otherwise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.store.safetensors_file import TensorRef
+from moestream.units import round_up
+
+ALIGN = 4096
+
+
+def region_bytes(nbytes: int) -> int:
+    """Bytes a part of `nbytes` occupies in a slot."""
+    return round_up(nbytes, ALIGN) + ALIGN
+
+
+@dataclass(frozen=True)
+class PartRead:
+    """How one part of one expert is read into its slot region."""
+
+    ref: TensorRef
+    region_offset: int  # from the slot's start, aligned
+    file_offset: int  # aligned start of the read
+    length: int  # aligned length of the read
+    head: int  # where the tensor's bytes start inside the region
+
+    def pieces(self, piece_bytes: int) -> list[tuple[int, int, int]]:
+        """(offset within region, length, bytes that must arrive) for each piece of the read."""
+        end = self.head + self.ref.nbytes
+        out = []
+        for start in range(0, self.length, piece_bytes):
+            length = min(piece_bytes, self.length - start)
+            out.append((start, length, min(length, end - start)))
+        return out
+
+
+def plan_parts(kinds: tuple[str, ...], parts_by_kind: dict[str, tuple[TensorRef, ...]]) -> dict[str, list[PartRead]]:
+    """Lay out one expert's parts in a slot, in kind order. Returns kind -> part reads."""
+    cursor = 0
+    plan: dict[str, list[PartRead]] = {}
+    for kind in kinds:
+        reads = []
+        for ref in parts_by_kind[kind]:
+            head = ref.offset % ALIGN
+            reads.append(PartRead(ref, cursor, ref.offset - head, round_up(head + ref.nbytes, ALIGN), head))
+            cursor += region_bytes(ref.nbytes)
+        plan[kind] = reads
+    return plan
+
+
+def slot_bytes(parts_by_kind: dict[str, tuple[TensorRef, ...]]) -> int:
+    """Bytes of one slot for an expert with these parts."""
+    return sum(region_bytes(ref.nbytes) for parts in parts_by_kind.values() for ref in parts)

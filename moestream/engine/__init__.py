@@ -1,0 +1,1 @@
+"""Loading a model for streaming, the generation loop, sampling and per-request statistics."""

@@ -1,0 +1,232 @@
+"""`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.activations import ACT2FN
+
+from moestream.cache.expert_cache import ExpertCache
+from moestream.engine.loop import ForwardStep, token_stream
+from moestream.engine.options import EngineOptions
+from moestream.engine.sampling import Sampler, SamplingParams
+from moestream.engine.stats import Counters, GenerationStats, PhaseStats
+from moestream.errors import MoestreamError
+from moestream.io.reader import Reader
+from moestream.model.arch import arch_for, num_experts, text_config, top_k
+from moestream.model.loader import build_model, load_config, streaming_modules
+from moestream.runtime.experts import ExpertRuntime, GptOssParams
+from moestream.runtime.weights import TORCH_DTYPES
+from moestream.store.checkpoint import open_checkpoint, resolve_path
+from moestream.store.experts import ExpertMap, build_expert_map
+from moestream.units import format_size
+
+
+@dataclass
+class Generation:
+    """The result of one request."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stats: GenerationStats
+    finish_reason: str = "length"  # "length", "stop" (eos or a stop string) or "cancelled"
+    done: bool = False  # set on the last object `Engine.stream` yields
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: str = "direct",
+         io_threads: int = 4, piece: int | str = "128KiB", threads: int | None = None, **extra: Any) -> "Engine":
+    """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
+
+    Args:
+        path: checkpoint directory (config.json, *.safetensors, tokenizer files) or hub id.
+        cache: expert cache budget in bytes or as "512MiB"/"2GiB".
+        device: "cpu".
+        io_mode: "direct" (O_DIRECT), "pagecache" (buffered reads) or "mmap" (reads through a memory map).
+        io_threads: dedicated I/O threads.
+        piece: read size of one I/O, a multiple of 4 KiB.
+        threads: torch compute threads (None: torch's default).
+        extra: `dtype` ("auto", "float32", "bfloat16", "float16"), `lock_memory` (mlock the cache).
+
+    Raises:
+        MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
+    """
+    try:
+        options = EngineOptions(cache=cache, device=device, io_mode=io_mode, io_threads=io_threads,
+                                piece=piece, threads=threads, **extra)
+    except ValueError as exc:
+        raise MoestreamError(str(exc)) from None
+    return Engine(resolve_path(path), options)
+
+
+class Engine:
+    """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
+
+    def __init__(self, path: Path, options: EngineOptions) -> None:
+        self.path, self.options = path, options
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        self.config = load_config(path)
+        self.arch = arch_for(self.config)
+        checkpoint = open_checkpoint(path)
+        dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
+        self.model = build_model(path, self.config, self.arch, dtype)
+        modules = streaming_modules(self.model)
+        self.top_k = top_k(self.config)
+        self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
+                                     num_experts(self.config))
+        self.reader = Reader(options.io_mode, options.io_threads)
+        try:
+            self.cache = ExpertCache(self.emap, options.cache, self.reader, top_k=self.top_k,
+                                     piece_bytes=options.piece, lock_memory=options.lock_memory)
+        except BaseException:
+            self.reader.close()
+            raise
+        self.runtime = self._make_runtime()
+        for layer, module in modules:
+            module.bind(layer, self.runtime)
+        self.tokenizer = _load_tokenizer(path)
+        self._step = ForwardStep(self.model)
+
+    def _make_runtime(self) -> ExpertRuntime:
+        cfg = text_config(self.config)
+        dtype = next(self.model.parameters()).dtype
+        if self.arch.family == "gpt_oss":
+            biases = {key: _read_tensor(ref, dtype) for key, ref in self.emap.resident.items()}
+            params = GptOssParams(alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(cfg.swiglu_limit))
+            return ExpertRuntime(self.cache, None, gpt_oss=params, biases=biases)
+        return ExpertRuntime(self.cache, ACT2FN[cfg.hidden_act])
+
+    # --- description -------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def mode_line(self) -> str:
+        """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
+        o, c = self.options, self.cache
+        io = o.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
+        return (
+            f"moestream: {self.config.model_type} on {o.device} | io {io}, {o.io_threads} io threads, "
+            f"{o.piece // 1024} KiB pieces | cache {format_size(o.cache)} = {c.capacity} slots of "
+            f"{format_size(c.slot_bytes)} ({'locked' if c.locked else 'unlocked'}) of "
+            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
+            f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')}"
+        )
+
+    def counters(self) -> Counters:
+        s = self.cache.stats
+        return Counters(self.reader.bytes_read, s.hits, s.misses, s.read_wait_s)
+
+    # --- generation --------------------------------------------------------------------------
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Prompt text -> token ids (through the tokenizer's chat template when `chat`)."""
+        if self.tokenizer is None:
+            raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
+        if chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
+
+    def _bos_or_eos(self) -> int:
+        tok = self.tokenizer
+        return tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
+                 **sampling: Any) -> Generation:
+        """Generate a completion (greedy unless temperature > 0). Keyword args build SamplingParams."""
+        result = None
+        for result in self.stream(prompt, params, chat=chat, **sampling):
+            pass
+        return result
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
+               cancelled: Callable[[], bool] | None = None, **sampling: Any) -> Iterator[Generation]:
+        """Yields the growing `Generation` after every token; the last one is final."""
+        try:
+            params = params or SamplingParams(**sampling)
+        except ValueError as exc:
+            raise MoestreamError(str(exc)) from None
+        ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise MoestreamError("the prompt is empty")
+        yield from self._run(ids, params, cancelled or (lambda: False))
+
+    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Generation]:
+        eos = _eos_ids(self.model, self.tokenizer)
+        start, before = time.perf_counter(), self.counters()
+        tokens: list[int] = []
+        gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()))
+        prefill_end, after_prefill = start, before
+        for token, _ in token_stream(self._step, ids, Sampler(params), params.max_tokens):
+            now = time.perf_counter()
+            if not tokens:
+                prefill_end, after_prefill = now, self.counters()
+                gen.stats.prefill = after_prefill.since(before, len(ids), now - start)
+            else:
+                gen.stats.decode = self.counters().since(after_prefill, len(tokens), now - prefill_end)
+            if token in eos and not params.ignore_eos:
+                gen.finish_reason = "stop"
+                break
+            tokens.append(token)
+            gen.text = self.decode(tokens)
+            if _apply_stop(gen, params.stop):
+                break
+            if cancelled():
+                gen.finish_reason = "cancelled"
+                break
+            yield gen
+        gen.done = True
+        yield gen
+
+    def close(self) -> None:
+        """Stop the I/O threads and close the checkpoint files."""
+        self.reader.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _apply_stop(gen: Generation, stops: list[str]) -> bool:
+    cut = min((i for i in (gen.text.find(s) for s in stops if s) if i >= 0), default=-1)
+    if cut < 0:
+        return False
+    gen.text, gen.finish_reason = gen.text[:cut], "stop"
+    return True
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _read_tensor(ref: Any, dtype: torch.dtype) -> torch.Tensor:
+    with open(ref.file, "rb") as f:
+        f.seek(ref.offset)
+        raw = bytearray(f.read(ref.nbytes))
+    return torch.frombuffer(raw, dtype=TORCH_DTYPES[ref.dtype]).reshape(ref.shape).to(dtype)

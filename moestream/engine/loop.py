@@ -1,0 +1,43 @@
+"""The token loop: prefill, then one forward per token through the model's own KV cache."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class ForwardStep:
+    """Calls a transformers causal LM one step at a time, whatever its cache argument is called
+    (`past_key_values` up to transformers 5.23, `cache` from 5.24)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.trim_logits = "logits_to_keep" in params
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32, cache)."""
+        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids]), "use_cache": True}
+        if self.trim_logits:
+            kwargs["logits_to_keep"] = 1
+        if cache is not None:
+            kwargs[self.cache_arg] = cache
+        out = self.model(**kwargs)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = out.past_key_values
+        return out.logits[0, -1].float(), new_cache
+
+
+def token_stream(step: ForwardStep, prompt: list[int], sample, max_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yields (token, logits it was sampled from) up to `max_tokens`; the caller decides when to stop."""
+    logits, cache = step(prompt, None)
+    for i in range(max_tokens):
+        token = sample(logits)
+        yield token, logits
+        if i + 1 < max_tokens:
+            logits, cache = step([token], cache)

@@ -1,0 +1,40 @@
+"""Engine options, validated once at the edge; sizes accepted as "512MiB"-style strings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.io.reader import IO_MODES
+from moestream.units import parse_size
+
+DEVICES = ("cpu",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineOptions:
+    """How a model is streamed. See `moestream.load` for the meaning of each field."""
+
+    cache: int | str = "512MiB"
+    device: str = "cpu"
+    io_mode: str = "direct"
+    io_threads: int = 4
+    piece: int | str = "128KiB"
+    threads: int | None = None
+    dtype: str = "auto"
+    lock_memory: bool = True
+
+    def __post_init__(self) -> None:
+        self.cache = parse_size(self.cache)
+        self.piece = parse_size(self.piece)
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not supported by this build (supported: {', '.join(DEVICES)})")
+        if self.io_mode not in IO_MODES:
+            raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
+        if self.io_threads < 1:
+            raise ValueError(f"io threads must be at least 1, got {self.io_threads}")
+        if self.piece < 4096 or self.piece % 4096:
+            raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {self.piece} bytes")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"compute threads must be at least 1, got {self.threads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")

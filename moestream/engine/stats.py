@@ -1,0 +1,91 @@
+"""Per-request statistics in physical units: tokens, seconds, bytes, hits, waits."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+
+
+@dataclass
+class PhaseStats:
+    """One phase (prefill or decode) of one request."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_wait_s: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Counters:
+    """A snapshot of the engine's cumulative counters."""
+
+    bytes_read: int
+    hits: int
+    misses: int
+    read_wait_s: float
+
+    def since(self, earlier: "Counters", tokens: int, seconds: float) -> PhaseStats:
+        return PhaseStats(tokens, seconds, self.bytes_read - earlier.bytes_read, self.hits - earlier.hits,
+                          self.misses - earlier.misses, self.read_wait_s - earlier.read_wait_s)
+
+
+@dataclass
+class GenerationStats:
+    """Both phases of a request, and the figures the CLI and server print."""
+
+    prefill: PhaseStats
+    decode: PhaseStats
+
+    @property
+    def bytes_read(self) -> int:
+        return self.prefill.bytes_read + self.decode.bytes_read
+
+    @property
+    def hits(self) -> int:
+        return self.prefill.hits + self.decode.hits
+
+    @property
+    def misses(self) -> int:
+        return self.prefill.misses + self.decode.misses
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def read_wait_ms(self) -> float:
+        return 1000 * (self.prefill.read_wait_s + self.decode.read_wait_s)
+
+    def to_dict(self) -> dict:
+        return {
+            "prefill_tok_s": self.prefill.tok_s,
+            "decode_tok_s": self.decode.tok_s,
+            "bytes_read": self.bytes_read,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hit_rate,
+            "read_wait_ms": self.read_wait_ms,
+            "mib_per_token": self.decode.bytes_read / MiB / max(1, self.decode.tokens),
+            "prefill": asdict(self.prefill),
+            "decode": asdict(self.decode),
+        }
+
+    def line(self) -> str:
+        """The stats line printed after a generation."""
+        decode_tokens = max(1, self.decode.tokens)
+        return (
+            f"prefill {self.prefill.tok_s:.2f} tok/s ({self.prefill.tokens} tok) | "
+            f"decode {self.decode.tok_s:.2f} tok/s ({self.decode.tokens} tok) | "
+            f"read {self.bytes_read / MiB:.1f} MiB "
+            f"({self.decode.bytes_read / MiB / decode_tokens:.1f} MiB/token decoding) | "
+            f"hit rate {100 * self.hit_rate:.1f}% | "
+            f"read wait {1000 * self.decode.read_wait_s / decode_tokens:.1f} ms/token"
+        )

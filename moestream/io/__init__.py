@@ -1,0 +1,1 @@
+"""Reading expert bytes: aligned, locked buffers and the I/O threads that fill them."""

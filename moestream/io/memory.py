@@ -1,0 +1,41 @@
+"""Page-aligned anonymous memory, optionally locked so the kernel never swaps or reclaims it."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import warnings
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+# memmove through ctypes releases the GIL, so mmap-mode readers copy in parallel with compute
+memmove = ctypes.memmove
+
+
+class AlignedBuffer:
+    """One anonymous mapping (page aligned, hence O_DIRECT aligned) that slots are carved from."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise ValueError(f"buffer size must be positive, got {nbytes}")
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.locked = False
+
+    def lock(self) -> bool:
+        """mlock the whole buffer. Returns False (and warns once) where RLIMIT_MEMLOCK forbids it."""
+        if _libc.mlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes)) == 0:
+            self.locked = True
+            return True
+        err = ctypes.get_errno()
+        warnings.warn(
+            f"could not lock {self.nbytes >> 20} MiB of expert cache in memory ({os.strerror(err)}); "
+            "running unlocked, so the kernel may swap it out (raise `ulimit -l` or grant CAP_IPC_LOCK)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False

@@ -1,0 +1,1 @@
+"""transformers integration: the architecture table, the streaming experts module and the loader."""

@@ -1,0 +1,1 @@
+"""Expert compute and the read/compute overlap scheduler."""

@@ -1,0 +1,80 @@
+"""A checkpoint directory: its config, its safetensors shards and every tensor's location."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moestream.errors import CheckpointError
+from moestream.store.safetensors_file import TensorRef, check_not_truncated, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class Checkpoint:
+    """The tensors of a local HF checkpoint directory, by name, with their file locations."""
+
+    path: Path
+    tensors: dict[str, TensorRef] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self.tensors.values())
+
+
+def resolve_path(path_or_id: str) -> Path:
+    """A local checkpoint directory, or a hub id resolved through the local HF cache / a download.
+
+    Raises:
+        CheckpointError: the path does not exist and is not a hub id that can be fetched.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)")
+    if path_or_id.count("/") == 1 and not path_or_id.startswith((".", "/", "~")):
+        return _from_hub(path_or_id)
+    raise CheckpointError(f"checkpoint directory {path} does not exist")
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
+        raise CheckpointError(f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})") from None
+
+
+def shard_files(path: Path) -> list[str]:
+    """The safetensors files of a checkpoint, from its index when it has one."""
+    index = path / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
+        files = sorted({str(path / name) for name in weight_map.values()})
+        for name in files:
+            if not os.path.exists(name):
+                raise CheckpointError(f"shard {name} listed in {index} is missing")
+        return files
+    files = sorted(str(p) for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} holds no *.safetensors files")
+    return files
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """Read every shard's header (not the tensors) and check no shard is truncated."""
+    ckpt = Checkpoint(path=path, files=shard_files(path))
+    for name in ckpt.files:
+        refs = read_header(name)
+        check_not_truncated(name, refs)
+        ckpt.tensors.update(refs)
+    return ckpt
