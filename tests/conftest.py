@@ -1,0 +1,32 @@
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(arch) -> a checkpoint directory written once per session by transformers itself."""
+    from tiny_models import write_tiny
+
+    made = {}
+
+    def make(arch: str, experts: int = 8, top_k: int = 2):
+        key = (arch, experts, top_k)
+        if key not in made:
+            made[key] = write_tiny(arch, tmp_path_factory.mktemp(f"{arch}-{experts}-{top_k}"), experts=experts, top_k=top_k)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _no_cache_size_warnings():
+    # budgets below a token's working set are the point of many tests; the warning has its own test
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="cache budget .* smaller than one token's working set")
+        yield

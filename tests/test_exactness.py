@@ -1,0 +1,58 @@
+"""Streamed vs stock transformers, fp32, every architecture: same greedy tokens, logits within 1e-5."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+import moestream
+from moestream.cache.expert_cache import budget_requirements
+from tiny_models import ARCHS
+
+PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def references(tiny_dir):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            path = tiny_dir(arch)
+            extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if arch.endswith("mxfp4") else {}
+            model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+            model.eval()
+            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+            tokens = out[0, len(PROMPT):].tolist()
+            with torch.inference_mode():
+                logits = model(out).logits[0]
+            cache[arch] = (path, tokens, out, logits)
+        return cache[arch]
+
+    return get
+
+
+def _budgets(path) -> list[int]:
+    probe = moestream.load(str(path), cache="64MiB", io_mode="pagecache", io_threads=1, lock_memory=False)
+    minimum, _ = budget_requirements(probe.emap, probe.top_k)
+    everything = probe.cache.slot_bytes * len(probe.emap.units)
+    probe.close()
+    return [minimum, (minimum + everything) // 2, everything]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_equals_stock(arch, references):
+    path, ref_tokens, full_ids, ref_logits = references(arch)
+    for budget in _budgets(path):
+        for io_mode, io_threads in (("direct", 1), ("pagecache", 4), ("mmap", 1), ("direct", 4), ("mmap", 4), ("pagecache", 1)):
+            with moestream.load(str(path), cache=budget, io_mode=io_mode, io_threads=io_threads) as engine:
+                gen = engine.generate(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
+                assert gen.tokens == ref_tokens, (arch, budget, io_mode, io_threads)
+                with torch.inference_mode():
+                    logits = engine.model(full_ids).logits[0]
+                diff = (logits - ref_logits).abs().max().item()
+                assert diff <= 1e-5, (arch, budget, io_mode, io_threads, diff)
+                if budget < engine.cache.slot_bytes * len(engine.emap.units):
+                    assert engine.cache.stats.misses > len(engine.emap.units), "small budgets must force re-reads"
