@@ -14,6 +14,7 @@ VERBS: dict[str, str] = {
     "synth": "moestream.cli.synth",
     "info": "moestream.cli.info",
     "demo": "moestream.cli.demo",
+    "gpu-floor": "moestream.cli.gpu_floor",
 }
 
 

@@ -61,6 +61,7 @@ class FloorDaemon:
             if line.strip():
                 log.info("bpftrace: %s", line.strip())
             return
+        log.debug("%s", line.strip())
         if not self.moe_process(event.pid):
             return
         if event.kind == "enter":
@@ -172,10 +173,8 @@ def make_daemon_floor(settings: DaemonSettings, root: str | os.PathLike[str] = "
     return ClockFloor(node, plan, StateFile(directory))
 
 
-def serve(settings: DaemonSettings, root: str | os.PathLike[str] = "/",
-          state_dir: str | os.PathLike[str] | None = None) -> int:
+def serve(settings: DaemonSettings, floor: ClockFloor, root: str | os.PathLike[str] = "/") -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT; returns the exit code."""
-    floor = make_daemon_floor(settings, root, state_dir)
     plan = floor.plan
     log.info("gpu floor on %s: %d MHz while busy, %d MHz after %g s idle (min_freq was %d MHz)",
              floor.node.name, mhz(plan.target_hz), mhz(plan.idle_hz), plan.hold_s, mhz(floor.original_hz))
