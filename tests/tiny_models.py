@@ -76,6 +76,7 @@ def write_tiny(arch: str, out: Path, seed: int = 0, experts: int = 8, top_k: int
             if p.dim() >= 2:
                 p.normal_(0, 0.2 if "embed" in name or "lm_head" in name else 0.15)
     model.save_pretrained(out)
+    write_tokenizer(out)
     if arch == "qwen3_5_moe":
         _fuse_qwen3_5(out, config)
     if arch == "gpt_oss_mxfp4":
@@ -125,3 +126,32 @@ def _to_mxfp4(out: Path) -> None:
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture of experts models route every token to a few experts.",
+    "Streaming weights from disk lets a small machine run a large model.",
+    "안녕하세요. 오늘은 날씨가 좋습니다.",
+    "Hello, world! 0123456789",
+]
+
+
+def write_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer (vocab < 320) with a ChatML template, saved beside a tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|bos|>",
+                                 pad_token="<|endoftext|>")
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf.save_pretrained(out)

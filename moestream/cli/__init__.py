@@ -5,6 +5,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from moestream.errors import MoestreamError
 
@@ -34,6 +35,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"moestream: warning: {message}\n"
     args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,0 +1,24 @@
+"""Engine options shared by generate, serve, bench and demo."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--cache", default="512MiB", help="expert cache budget, e.g. 512MiB, 2GiB (default 512MiB)")
+    group.add_argument("--device", default="cpu", help="compute device (default cpu)")
+    group.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"],
+                       help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map")
+    group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
+    group.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB)")
+    group.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's choice)")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="compute dtype (default: the checkpoint's)")
+    group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(cache=args.cache, device=args.device, io_mode=args.io_mode, io_threads=args.io_threads,
+                piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock)

@@ -1,0 +1,42 @@
+"""`moestream generate PATH --prompt TEXT`: one completion, with the mode line and the stats line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with experts streamed from disk")
+    p.add_argument("path", help="checkpoint directory or hub id")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import moestream
+
+    with moestream.load(args.path, **engine_kwargs(args)) as engine:
+        if not args.json:
+            print(engine.mode_line(), flush=True)
+        gen = engine.generate(args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        if args.json:
+            print(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
+                              "finish_reason": gen.finish_reason, "mode": engine.mode_line(),
+                              "stats": gen.stats.to_dict()}))
+        else:
+            print(gen.text, flush=True)
+            print(gen.stats.line())
+    return 0
