@@ -67,9 +67,10 @@ def test_program_rejects_paths_and_symbols_that_slipped_past_settings() -> None:
 
 def test_program_text_and_argv() -> None:
     program = build_program([LibraryRef("/opt/l/libllama.so", (1, 2, 3, 4), ("llama_decode",))])
+    body = 'printf("moestream-floor KIND %d %d llama_decode\\n", pid, tid); }'
     assert program == (
-        'uprobe:/opt/l/libllama.so:llama_decode { printf("moestream-floor enter %d %d llama_decode\\n", pid, tid); }\n'
-        'uretprobe:/opt/l/libllama.so:llama_decode { printf("moestream-floor exit %d %d llama_decode\\n", pid, tid); }\n'
+        "uprobe:/opt/l/libllama.so:llama_decode { " + body.replace("KIND", "enter") + "\n"
+        "uretprobe:/opt/l/libllama.so:llama_decode { " + body.replace("KIND", "exit") + "\n"
     )
     assert bpftrace_argv("/usr/bin/bpftrace", program) == ["/usr/bin/bpftrace", "-B", "line", "-e", program]
 

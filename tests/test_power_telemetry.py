@@ -46,7 +46,8 @@ def test_jetson_samples_and_summary(tmp_path: Path) -> None:
 
 def test_machine_without_gpu_or_power_reports_none(tmp_path: Path) -> None:
     (tmp_path / "proc").mkdir()
-    (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\ncpu MHz\t\t: 2000.000\nprocessor\t: 1\ncpu MHz\t\t: 3000.0\n")
+    (tmp_path / "proc/cpuinfo").write_text(
+        "processor\t: 0\ncpu MHz\t\t: 2000.000\nprocessor\t: 1\ncpu MHz\t\t: 3000.0\n")
     sampler = TelemetrySampler(sysfs_root=str(tmp_path), clock=FakeClock())
     sampler.sample()
     s = sampler.summary(tokens=10)

@@ -29,7 +29,8 @@ def _node_lines(node: DevfreqNode, settings: DaemonSettings, root: str) -> tuple
     except ValueError as exc:
         lines.append(f"  floor: impossible: {exc}")
         ok = False
-    lines.append("  min_freq writable by this user: " + ("yes" if node.min_writable() else "no (the daemon runs as root)"))
+    writable = "yes" if node.min_writable() else "no (the daemon runs as root)"
+    lines.append(f"  min_freq writable by this user: {writable}")
     return lines, ok
 
 

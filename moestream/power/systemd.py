@@ -55,7 +55,7 @@ def install(settings: DaemonSettings, root: str = "/", python: str = sys.executa
 
 def uninstall(root: str = "/") -> list[str]:
     """Remove the unit and the defaults file under `root`; return what was done."""
-    done = [f"first: systemctl disable --now {UNIT_NAME} (if it is running)"]
+    done: list[str] = []
     for path in (sys_path(root, f"{UNIT_DIR}/{UNIT_NAME}"), sys_path(root, DEFAULTS_FILE)):
         try:
             path.unlink()
@@ -64,4 +64,5 @@ def uninstall(root: str = "/") -> list[str]:
             done.append(f"not present: {path}")
         except PermissionError:
             raise GpuFloorError(f"cannot remove {path}; run the uninstall as root (sudo).") from None
+    done.append(f"next: systemctl daemon-reload (stop a running service first: systemctl disable --now {UNIT_NAME})")
     return done
