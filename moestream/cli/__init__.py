@@ -15,6 +15,9 @@ VERBS: dict[str, str] = {
     "synth": "moestream.cli.synth",
     "info": "moestream.cli.info",
     "demo": "moestream.cli.demo",
+    "simulate": "moestream.cli.simulate",
+    "predict-eval": "moestream.cli.predict_eval",
+    "trace-convert": "moestream.cli.trace_convert",
     "gpu-floor": "moestream.cli.gpu_floor",
 }
 

@@ -1,0 +1,92 @@
+"""`moestream simulate TRACE... --budgets 0.5GiB,1GiB`: replay a router trace through the cache policies."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moestream.errors import MoestreamError
+from moestream.units import parse_size
+
+DEFAULT_BUDGETS = "0.5GiB,1GiB,2GiB,4GiB"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the `simulate` verb."""
+    from moestream.trace.simulator import POLICIES
+
+    p = subparsers.add_parser(
+        "simulate", help="replay a router trace through the cache policies at several budgets",
+        description="Replay a router trace (moestream Parquet/JSONL, speculative-moe JSONL, or vLLM-MoE-Logger "
+                    "JSONL files; several of the latter are merged as layers of one model) through the "
+                    "engine's eviction policies and report MiB read per token and hit rate.")
+    p.add_argument("trace", nargs="+", help="trace file(s); the format is detected from the content")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated cache budgets (default {DEFAULT_BUDGETS})")
+    p.add_argument("--policy", nargs="+", metavar="NAME", help=f"policies to run (default all of {', '.join(POLICIES)}; "
+                   "lru-prefetch only when the trace has predictions)")
+    p.add_argument("--unit-bytes", help="bytes of one expert (gate+up+down), for traces that lack it; overrides the header")
+    p.add_argument("--prefetch-top", type=int, help="predicted experts per token that lru-prefetch reads (default top_k)")
+    p.add_argument("--plot", metavar="PNG", help="write MiB/token against budget to this PNG")
+    p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of a table")
+    p.set_defaults(func=run)
+
+
+def parse_budgets(text: str) -> list[int]:
+    """"0.5GiB,1GiB" -> bytes, sorted; a user error names the bad entry."""
+    budgets = []
+    for item in (x for x in text.split(",") if x.strip()):
+        try:
+            budgets.append(parse_size(item.strip()))
+        except ValueError as exc:
+            raise MoestreamError(f"bad budget {item.strip()!r} in --budgets: {exc}") from None
+    if not budgets:
+        raise MoestreamError("--budgets names no budget")
+    return sorted(set(budgets))
+
+
+def choose_policies(names: list[str] | None, has_predictions: bool) -> tuple[list[str], list[str]]:
+    """Canonical policy names (aliases resolved) and notes about what was left out."""
+    from moestream.trace.simulator import ALIASES, POLICIES
+
+    if not names:
+        chosen = [p for p in POLICIES if p != "lru-prefetch" or has_predictions]
+        notes = [] if has_predictions else ["lru-prefetch skipped: the trace has no stale-gate predictions"]
+        return chosen, notes
+    chosen = []
+    for name in names:
+        canon = ALIASES.get(name.lower(), name.lower())
+        if canon not in POLICIES:
+            raise MoestreamError(f"unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+        if canon not in chosen:
+            chosen.append(canon)
+    return chosen, []
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, replay, print (table or JSON), optionally plot."""
+    from moestream.trace.reader import load_traces
+    from moestream.trace.report import simulate_table
+    from moestream.trace.simulator import simulate
+
+    budgets = parse_budgets(args.budgets)
+    try:
+        unit = parse_size(args.unit_bytes) if args.unit_bytes else None
+    except ValueError as exc:
+        raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+    trace = load_traces(args.trace)
+    policies, notes = choose_policies(args.policy, trace.has_predictions)
+    trace.notes.extend(notes)
+    records, replay, sizes = simulate(trace, policies, budgets, unit, args.prefetch_top)
+    if args.json:
+        for note in [*trace.all_notes, *sizes.notes]:
+            print(f"note: {note}", file=sys.stderr)
+        print(json.dumps(records, indent=1))
+    else:
+        print(simulate_table(records, trace, replay, sizes, budgets, policies))
+    if args.plot:
+        from moestream.trace.plot import plot_curves
+
+        title = f"{trace.header.source or trace.header.model_id}; expert {sizes.unit[replay.layers[0]]} B"
+        plot_curves(records, args.plot, title, trace.header.synthetic)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,51 @@
+"""`moestream trace-convert IN... OUT`: any supported trace (or several vLLM-logger files) to Parquet or JSONL."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register the `trace-convert` verb."""
+    p = subparsers.add_parser(
+        "trace-convert", help="convert a trace to moestream Parquet (.parquet) or JSONL (.jsonl)",
+        description="Read any supported trace (format detected from the content; a killed writer's .partial "
+                    "stream too) and write it as moestream Parquet or JSONL, chosen by OUT's extension.")
+    p.add_argument("inputs", nargs="+", metavar="IN", help="trace file(s)")
+    p.add_argument("out", metavar="OUT", help="output file: .parquet or .jsonl")
+    p.add_argument("--unit-bytes", help="record this expert size (bytes, e.g. 17301504) in the header")
+    p.add_argument("--dtype", help="record this expert dtype (e.g. bf16) in the header")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read, optionally fill in sizes, write."""
+    import pyarrow.parquet as pq
+
+    from moestream.trace.jsonl import write_jsonl
+    from moestream.trace.reader import load_traces
+    from moestream.units import parse_size
+
+    out = Path(args.out)
+    if out.suffix not in (".parquet", ".jsonl"):
+        raise MoestreamError(f"output {out} must end in .parquet or .jsonl")
+    trace = load_traces(args.inputs)
+    if args.unit_bytes:
+        try:
+            trace.header.expert_bytes = [parse_size(args.unit_bytes)] * trace.header.n_layers
+        except ValueError as exc:
+            raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+    if args.dtype:
+        trace.header.dtype = args.dtype
+    trace.header.notes = trace.all_notes  # keep the reader's notes (a recovered stream, say) with the rows
+    if out.suffix == ".jsonl":
+        write_jsonl(trace, out)
+    else:
+        tmp = out.with_name(out.name + ".tmp")
+        pq.write_table(trace.to_table(), tmp, compression="zstd")
+        tmp.replace(out)
+    print(f"wrote {len(trace)} rows to {out}", file=sys.stderr)
+    return 0

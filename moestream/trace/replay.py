@@ -1,0 +1,118 @@
+"""A trace in execution order, as the expert cache sees it: one list of keys per layer forward.
+
+Order: forwards sorted by (step, layer); inside one forward, rows keep their recorded order (token
+order), and the keys are `[(layer, e) for e in execution_order(rows)]`, the distinct experts in first
+appearance order, exactly what the engine hands `ResidentSet.access_group`. So a prefill forward
+touches each distinct expert of its layer once, and decode goes token by token, layer by layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moestream.cache.policy import execution_order
+from moestream.trace.errors import TraceError
+from moestream.trace.table import Trace
+
+Key = tuple[int, int]
+
+
+@dataclass
+class Replay:
+    """Per-forward lists (index i = the i-th forward in execution order).
+
+    Attributes:
+        keys: distinct (layer, expert) keys of each forward, in execution order.
+        layer: the forward's layer.
+        cell: 2 * half + phase, where half 1 is the second half (static pinning's evaluation set) and
+            phase 1 is decode; the simulator's counters are indexed by it.
+        predicted: for forwards followed by the same step's next layer, the keys of that next layer that
+            the stale-gate prediction names (top-n per token, union in order); None otherwise.
+        tokens: [4] tokens per cell (distinct (request, token) pairs), the denominators of MiB/token.
+        split: how the trace was cut in halves, for the report.
+        layers: layers present in the trace.
+    """
+
+    keys: list[list[Key]]
+    layer: list[int]
+    cell: list[int]
+    predicted: list[list[Key] | None] | None
+    tokens: list[int]
+    split: str
+    layers: list[int]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
+    """Row -> 0 (first half) or 1 (second half): by request when there are several with known order,
+    else by forward step. Returns (half per row, a description)."""
+    n_req = len(trace.request_names)
+    if n_req >= 2 and trace.header.token_order_known:
+        first_row = np.full(n_req, len(trace), dtype=np.int64)
+        np.minimum.at(first_row, trace.request, np.arange(len(trace)))
+        rank = np.empty(n_req, dtype=np.int64)
+        rank[np.argsort(first_row, kind="stable")] = np.arange(n_req)
+        cut = n_req // 2
+        return (rank[trace.request] >= cut).astype(np.int8), f"requests 1-{cut} / {cut + 1}-{n_req} (of {n_req})"
+    steps = np.unique(trace.step)
+    cut = steps[len(steps) // 2]
+    return (trace.step >= cut).astype(np.int8), f"forward steps before / from step {cut} (of {len(steps)})"
+
+
+def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
+    """Group a trace's rows into layer forwards in execution order (see the module docstring).
+
+    Args:
+        prefetch_top: how many predicted experts per token to prefetch; None skips predictions.
+    """
+    n = len(trace)
+    if n == 0:
+        raise TraceError("the trace holds no rows")
+    n_exp = trace.header.n_experts
+    if int(trace.experts.max()) >= n_exp or int(trace.experts.min()) < 0:
+        raise TraceError(f"a row routes to expert {int(trace.experts.max())}, outside the header's {n_exp} experts")
+    half, split = split_halves(trace)
+    order = np.lexsort((np.arange(n), trace.layer, trace.step))
+    step_s, layer_s = trace.step[order], trace.layer[order]
+    change = np.flatnonzero((np.diff(step_s) != 0) | (np.diff(layer_s) != 0)) + 1
+    starts = np.concatenate([[0], change]).tolist()
+    ends = np.concatenate([change, [n]]).tolist()
+    layers = layer_s[starts].tolist()
+    layer_keys = {lay: [(lay, e) for e in range(n_exp)] for lay in set(layers) | {x + 1 for x in layers}}
+    rows = trace.experts[order].tolist()
+    keys = []
+    for a, b, lay in zip(starts, ends, layers):
+        table = layer_keys[lay]
+        distinct = dict.fromkeys(rows[a]) if b - a == 1 else execution_order(rows[a:b])
+        keys.append([table[e] for e in distinct])
+    cell = (2 * half[order][starts] + trace.phase[order][starts]).tolist()
+    predicted = None
+    if prefetch_top and trace.pred_experts is not None:
+        predicted = _predictions(trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers,
+                                 layer_keys, n_exp)
+    return Replay(keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)))
+
+
+def _predictions(pred: np.ndarray, starts: list[int], ends: list[int], step_s: np.ndarray, layers: list[int],
+                 layer_keys: dict[int, list[Key]], n_exp: int) -> list[list[Key] | None]:
+    """Keys of layer+1 named by each forward's predictions, where the next forward is that layer."""
+    rows = np.where(pred < n_exp, pred, -1).tolist()
+    out: list[list[Key] | None] = []
+    for i, (a, b, lay) in enumerate(zip(starts, ends, layers)):
+        nxt = i + 1
+        if nxt == len(starts) or layers[nxt] != lay + 1 or step_s[starts[nxt]] != step_s[a]:
+            out.append(None)
+            continue
+        table = layer_keys[lay + 1]
+        out.append([table[e] for e in execution_order(rows[a:b]) if e >= 0])
+    return out
+
+
+def _token_counts(trace: Trace, half: np.ndarray) -> list[int]:
+    """Distinct (request, token) pairs per cell (2 * half + phase)."""
+    pair = trace.request.astype(np.int64) * (int(trace.token.max()) + 1) + trace.token
+    cell = 2 * half.astype(np.int64) + trace.phase
+    return [int(np.unique(pair[cell == c]).size) for c in range(4)]
