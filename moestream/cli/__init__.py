@@ -35,13 +35,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings a user should see, as one line each, without source locations."""
+    print(f"moestream: warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.formatwarning = lambda message, category, *rest, **kw: f"moestream: warning: {message}\n"
     args = build_parser(argv).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = _show_warning
+            return int(args.func(args) or 0)
     except MoestreamError as exc:
         print(f"moestream: error: {exc}", file=sys.stderr)
         return 2

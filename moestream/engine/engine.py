@@ -82,6 +82,8 @@ class Engine:
                                      num_experts(self.config))
         self.reader = Reader(options.io_mode, options.io_threads)
         try:
+            for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
+                self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
             self.cache = ExpertCache(self.emap, options.cache, self.reader, top_k=self.top_k,
                                      piece_bytes=options.piece, lock_memory=options.lock_memory)
         except BaseException:
@@ -111,7 +113,7 @@ class Engine:
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         o, c = self.options, self.cache
-        io = o.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
+        io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
         return (
             f"moestream: {self.config.model_type} on {o.device} | io {io}, {o.io_threads} io threads, "
             f"{o.piece // 1024} KiB pieces | cache {format_size(o.cache)} = {c.capacity} slots of "
