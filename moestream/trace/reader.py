@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from moestream.trace.errors import TraceError
 from moestream.trace.importers import import_speculative_moe, import_vllm_logger
 from moestream.trace.jsonl import parse_line, read_jsonl
-from moestream.trace.schema import FORMAT_NAME, header_from_schema
+from moestream.trace.schema import FORMAT_NAME, TraceHeader, header_from_schema
 from moestream.trace.table import Trace
 from moestream.trace.writer import partial_path
 
@@ -122,7 +122,7 @@ def _read_parquet(path: Path) -> Trace:
     header = header_from_schema(table.schema)
     if header is None:
         raise TraceError(f"{path} is a Parquet file without a moestream trace header")
-    return Trace.from_table(table, header)
+    return _from_table(path, table, header, [])
 
 
 def _read_stream(path: Path) -> Trace:
@@ -150,7 +150,7 @@ def _read_stream(path: Path) -> Trace:
             handle.seek(max(0, size - len(_STREAM_END)))
             finished = handle.read() == _STREAM_END
     rows = sum(b.num_rows for b in batches)
-    if not batches:
+    if not rows:  # the writer's opening batch is empty: it only carries the schema
         raise TraceError(f"{path} holds no complete batch of rows (the writer stopped before its first flush"
                          + (f"; cut at byte {size})" if torn else ")"))
     notes = []
@@ -160,5 +160,11 @@ def _read_stream(path: Path) -> Trace:
     elif not finished:
         notes.append(f"{path.name} is the stream of a writer that did not close (killed?); read the {rows} "
                      f"rows of its {len(batches)} flushed batches, rows appended after the last flush are lost")
-    table = pa.Table.from_batches(batches, schema=reader.schema)
-    return Trace.from_table(table, header, notes)
+    return _from_table(path, pa.Table.from_batches(batches, schema=reader.schema), header, notes)
+
+
+def _from_table(path: Path, table: pa.Table, header: TraceHeader, notes: list[str]) -> Trace:
+    try:
+        return Trace.from_table(table, header, notes)
+    except (KeyError, ValueError) as exc:  # a missing column, a ragged experts column, a bad phase
+        raise TraceError(f"{path} does not hold valid trace rows: {exc}") from None

@@ -63,7 +63,10 @@ class TraceWriter:
         self._step_key: tuple[Any, ...] | None = None
         self._file = open(self.partial, "wb")  # noqa: SIM115 - lives until close()
         self._stream = pa.ipc.new_stream(self._file, self._schema)
-        self._file.flush()  # the schema alone: a reader can tell "no rows yet" from "not a trace"
+        # pyarrow writes the schema lazily; an empty batch forces it out now, so a writer killed before
+        # its first flush leaves a file that says "a trace with no rows yet" rather than an empty file
+        self._stream.write_batch(pa.RecordBatch.from_pylist([], schema=self._schema))
+        self._file.flush()
         self._closed = False
 
     def __enter__(self) -> TraceWriter:
