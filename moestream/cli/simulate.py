@@ -78,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
     trace.notes.extend(notes)
     records, replay, sizes = simulate(trace, policies, budgets, unit, args.prefetch_top)
     if args.json:
-        for note in [*trace.all_notes, *sizes.notes]:
+        from moestream.trace.report import SYNTHETIC_NOTE
+
+        synthetic = [SYNTHETIC_NOTE] if trace.header.synthetic else []
+        for note in [*synthetic, *trace.all_notes, *sizes.notes]:
             print(f"note: {note}", file=sys.stderr)
         print(json.dumps(records, indent=1))
     else:

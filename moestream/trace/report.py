@@ -52,7 +52,8 @@ def simulate_table(records: list[dict[str, Any]], trace: Trace, replay: Replay, 
         if "lru-prefetch" in policies and ("lru-prefetch", budgets[0], phase, "all") in index:
             lines += ["", f"{phase}, lru-prefetch: MiB/token read = waited for + prefetched; prefetches used",
                       *_prefetch_grid(index, budgets, phase)]
-    lines += ["", "opt is Belady's bound (it knows the future); no real cache can beat it."]
+    lines += ["", "opt is Belady's bound on the misses of the whole trace (it knows the future); within one "
+              "phase or half another policy can come out below it."]
     return "\n".join(lines)
 
 
