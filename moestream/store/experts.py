@@ -57,6 +57,16 @@ class ExpertMap:
         return sum(self.unit_bytes(*key) for key in self.units)
 
 
+def moe_layers(tensors: dict[str, TensorRef]) -> list[int]:
+    """Layers that hold routed-expert tensors (MTP and vision towers excluded)."""
+    layers = set()
+    for name in tensors:
+        match = _PER_EXPERT.match(name) or _FUSED.match(name)
+        if match and not match["prefix"].startswith(_IGNORED_PREFIXES):
+            layers.add(int(match["layer"]))
+    return sorted(layers)
+
+
 def build_expert_map(tensors: dict[str, TensorRef], family: str, layers: list[int], num_experts: int) -> ExpertMap:
     """Locate every (layer, expert, kind) of the given MoE layers among the checkpoint's tensors.
 

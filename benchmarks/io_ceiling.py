@@ -1,0 +1,105 @@
+"""Raw O_DIRECT read bandwidth of the disk holding a checkpoint: the ceiling for miss-bound decode.
+
+Reads randomly chosen routed experts of the checkpoint (whole experts, as the cache does) in pieces of
+the same size with the same number of threads, through plain `os.preadv` on O_DIRECT descriptors.
+No cache, no compute: what the disk gives to this access pattern.
+
+    python benchmarks/io_ceiling.py CHECKPOINT [--piece 128KiB] [--threads 4] [--seconds 10] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import queue
+import random
+import threading
+import time
+
+from moestream.model.arch import arch_for, num_experts
+from moestream.model.loader import load_config
+from moestream.store.checkpoint import open_checkpoint, resolve_path
+from moestream.store.experts import build_expert_map
+from moestream.units import parse_size
+
+
+def expert_ranges(path: str) -> list[tuple[str, int, int]]:
+    """(file, aligned offset, aligned length) of every part of every routed expert."""
+    ckpt_path = resolve_path(path)
+    config = load_config(ckpt_path)
+    layers = sorted({int(k.split("layers.")[1].split(".")[0]) for k in open_checkpoint(ckpt_path).tensors
+                     if ".experts." in k and "layers." in k})
+    emap = build_expert_map(open_checkpoint(ckpt_path).tensors, arch_for(config).family, layers, num_experts(config))
+    ranges = []
+    for parts in emap.units.values():
+        for refs in parts.values():
+            for ref in refs:
+                start = ref.offset - ref.offset % 4096
+                ranges.append((ref.file, start, -(-(ref.end - start) // 4096) * 4096))
+    return ranges
+
+
+def measure(ranges, piece: int, threads: int, seconds: float, seed: int = 0) -> dict:
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in {r[0] for r in ranges}}
+    sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
+    work: queue.Queue = queue.Queue(maxsize=threads * 64)
+    done = threading.Event()
+    totals = [0] * threads
+
+    def reader(i: int) -> None:
+        buf = mmap.mmap(-1, piece)
+        view = memoryview(buf)
+        while True:
+            item = work.get()
+            if item is None:
+                return
+            fd, offset, length = item
+            totals[i] += os.preadv(fd, [view[:length]], offset)
+
+    def feeder() -> None:
+        rng = random.Random(seed)
+        while not done.is_set():
+            file, start, length = rng.choice(ranges)
+            length = min(length, sizes[file] - start) // 4096 * 4096
+            for off in range(0, length, piece):
+                work.put((fds[file], start + off, min(piece, length - off)))
+        for _ in range(threads):
+            work.put(None)
+
+    workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    start = time.perf_counter()
+    feed = threading.Thread(target=feeder)
+    feed.start()
+    time.sleep(seconds)
+    done.set()
+    feed.join()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - start
+    for fd in fds.values():
+        os.close(fd)
+    total = sum(totals)
+    return {"bytes": total, "seconds": elapsed, "gib_s": total / elapsed / (1 << 30), "piece": piece, "threads": threads}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--piece", default="128KiB")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = measure(expert_ranges(args.checkpoint), parse_size(args.piece), args.threads, args.seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"O_DIRECT ceiling: {result['gib_s']:.3f} GiB/s ({result['bytes'] / 2**30:.2f} GiB in "
+              f"{result['seconds']:.1f} s, {args.piece} pieces, {args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()
