@@ -147,13 +147,19 @@ class ClockFloor:
                     return
             if not self._owned():
                 return
+            # record before writing: a crash between the two must still leave a trace to undo
+            self._save_state(hz)
             self._expected = self.node.write_min_hz(hz)
+            if self._expected != hz:  # the kernel clamped it; recovery compares with what it reads
+                self._save_state(self._expected)
         except OSError as exc:
             self.disabled = True
-            log.error("cannot write %s/min_freq (%s); gpu floor disabled", self.node.path, exc)
+            log.error("gpu floor disabled: %s", exc)
             return
         self.raised = hz == self.plan.target_hz
         self.was_active = self.was_active or self.raised
         log.info("floor %d MHz %s", mhz(hz), reason)
+
+    def _save_state(self, written_hz: int) -> None:
         if self.state is not None:
-            self.state.save(FloorState(str(self.node.path), self.original_hz, self._expected, self.state.pid))
+            self.state.save(FloorState(str(self.node.path), self.original_hz, written_hz, self.state.pid))
