@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from moestream.cli._power_args import add_gpu_floor_argument
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
@@ -17,8 +19,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="compute dtype (default: the checkpoint's)")
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
+    add_gpu_floor_argument(group)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(cache=args.cache, device=args.device, io_mode=args.io_mode, io_threads=args.io_threads,
-                piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock)
+                piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
+                gpu_floor=args.gpu_floor)

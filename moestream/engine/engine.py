@@ -94,6 +94,17 @@ class Engine:
             module.bind(layer, self.runtime)
         self.tokenizer = _load_tokenizer(path)
         self._step = ForwardStep(self.model)
+        self.floor = self._make_floor()
+
+    def _make_floor(self) -> Any:
+        from moestream.power.floor import make_engine_floor
+
+        try:
+            return make_engine_floor(self.options.gpu_floor, sysfs_root=self.options.sysfs_root,
+                                     experts_off_gpu=self.options.device == "cpu")
+        except BaseException:
+            self.reader.close()
+            raise
 
     def _make_runtime(self) -> ExpertRuntime:
         cfg = text_config(self.config)
@@ -119,7 +130,8 @@ class Engine:
             f"{o.piece // 1024} KiB pieces | cache {format_size(o.cache)} = {c.capacity} slots of "
             f"{format_size(c.slot_bytes)} ({'locked' if c.locked else 'unlocked'}) of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
-            f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')}"
+            f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
+            f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
         )
 
     def counters(self) -> Counters:
@@ -166,6 +178,15 @@ class Engine:
         yield from self._run(ids, params, cancelled or (lambda: False))
 
     def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Generation]:
+        if self.floor is not None:
+            self.floor.begin()
+        try:
+            yield from self._tokens(ids, params, cancelled)
+        finally:
+            if self.floor is not None:
+                self.floor.end()
+
+    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         tokens: list[int] = []
@@ -190,10 +211,13 @@ class Engine:
                 break
             yield gen
         gen.done = True
+        gen.stats.gpu_floor = "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
         yield gen
 
     def close(self) -> None:
-        """Stop the I/O threads and close the checkpoint files."""
+        """Stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
+        if self.floor is not None:
+            self.floor.close()
         self.reader.close()
 
     def __enter__(self) -> "Engine":

@@ -22,6 +22,8 @@ class EngineOptions:
     threads: int | None = None
     dtype: str = "auto"
     lock_memory: bool = True
+    gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
+    sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
         self.cache = parse_size(self.cache)

@@ -42,6 +42,7 @@ class GenerationStats:
 
     prefill: PhaseStats
     decode: PhaseStats
+    gpu_floor: str = "off"  # "off" (no floor applies), "active" (raised during the run) or "inactive"
 
     @property
     def bytes_read(self) -> int:
@@ -73,6 +74,7 @@ class GenerationStats:
             "misses": self.misses,
             "hit_rate": self.hit_rate,
             "read_wait_ms": self.read_wait_ms,
+            "gpu_floor": self.gpu_floor,
             "mib_per_token": self.decode.bytes_read / MiB / max(1, self.decode.tokens),
             "prefill": asdict(self.prefill),
             "decode": asdict(self.decode),
@@ -87,5 +89,6 @@ class GenerationStats:
             f"read {self.bytes_read / MiB:.1f} MiB "
             f"({self.decode.bytes_read / MiB / decode_tokens:.1f} MiB/token decoding) | "
             f"hit rate {100 * self.hit_rate:.1f}% | "
-            f"read wait {1000 * self.decode.read_wait_s / decode_tokens:.1f} ms/token"
+            f"read wait {1000 * self.decode.read_wait_s / decode_tokens:.1f} ms/token | "
+            f"gpu floor {self.gpu_floor}"
         )
