@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from moestream.errors import MoestreamError
-from moestream.units import parse_size
+from moestream.units import format_size, parse_size
 
 DEFAULT_BUDGETS = "0.5GiB,1GiB,2GiB,4GiB"
 
@@ -89,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from moestream.trace.plot import plot_curves
 
-        title = f"{trace.header.source or trace.header.model_id}; expert {sizes.unit[replay.layers[0]]} B"
+        name = Path(args.trace[0]).name + (f" (+{len(args.trace) - 1} more)" if len(args.trace) > 1 else "")
+        title = (f"{name}; {trace.header.model_id}; expert {format_size(sizes.unit[replay.layers[0]])}, "
+                 f"slot {format_size(sizes.slot_bytes)}")
         plot_curves(records, args.plot, title, trace.header.synthetic)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
