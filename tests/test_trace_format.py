@@ -1,6 +1,7 @@
 """Trace header, writer -> Parquet -> reader round trip, JSONL export/import, format detection and errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def test_writer_round_trip_through_parquet(tmp_path: Path) -> None:
     write_small(path, flush_rows=3)
     assert detect_format(path) == PARQUET and not (tmp_path / "t.parquet.partial").exists()
     t = read_trace(path)
-    assert t.header == header()
+    assert t.header == dataclasses.replace(header(), source="t.parquet")  # the file name is the default source
     assert len(t) == 10 and t.request_names == ["r0"]
     assert t.phase.tolist() == [0] * 6 + [1] * 4
     assert t.token.tolist() == [0, 1, 2, 0, 1, 2, 3, 3, 4, 4]
@@ -133,4 +134,24 @@ def test_ragged_expert_rows_are_rejected(tmp_path: Path) -> None:
                                  "experts": list(range(n)), "weights": [0.5] * n}))
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(TraceError, match="top_k"):
+        read_trace(path)
+
+
+def test_ids_outside_the_header_and_empty_traces_are_refused(tmp_path: Path) -> None:
+    from moestream.trace.simulator import simulate
+
+    with TraceWriter(tmp_path / "empty.parquet", header()):
+        pass
+    with pytest.raises(TraceError, match="empty.parquet holds no rows"):
+        simulate(read_trace(tmp_path / "empty.parquet"), ["lru"], [10_000])
+    with TraceWriter(tmp_path / "t.parquet", header()) as w:
+        w.append("r", 0, "decode", 5, [1, 2], [0.5, 0.5])  # layer 5 of a 2-layer model
+    with pytest.raises(TraceError, match="layer id 5"):
+        simulate(read_trace(tmp_path / "t.parquet"), ["lru"], [10_000])
+
+
+def test_malformed_foreign_rows_are_a_trace_error(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"layer": 0, "token_pos": 0, "experts": [1, 2]}) + "\n")  # no gating_probs
+    with pytest.raises(TraceError, match="speculative-moe"):
         read_trace(path)

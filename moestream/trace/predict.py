@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from moestream.trace.replay import check_ids
 from moestream.trace.schema import PHASES
 from moestream.trace.table import Trace
 
@@ -46,6 +47,7 @@ def overlap(guess: np.ndarray, actual: np.ndarray, chunk: int = 65536) -> int:
 
 def evaluate(trace: Trace) -> list[dict[str, Any]]:
     """Recall records: {metric, phase, k, guess_size, recall, matched, rows, upper_bound}."""
+    check_ids(trace)
     k = trace.header.top_k
     key, n_lay = _row_keys(trace)
     out: list[dict[str, Any]] = []

@@ -83,11 +83,14 @@ def load_traces(paths: Sequence[str | os.PathLike[str]]) -> Trace:
     paths = [Path(p) for p in paths]
     if len(paths) == 1 and detect_format_or_missing(paths[0]) not in (MIXTRAL, VLLM):
         return read_trace(paths[0])
+    if len(paths) == 1 and detect_format(paths[0]) == MIXTRAL:
+        try:
+            return import_speculative_moe(paths[0], _records(paths[0]))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise TraceError(f"{paths[0]} does not look like a speculative-moe routing file ({exc!r})") from None
     logs = []
     for path in paths:
         fmt = detect_format_or_missing(path)
-        if fmt == MIXTRAL and len(paths) == 1:
-            return import_speculative_moe(path, _records(path))
         if fmt != VLLM:
             raise TraceError(f"{path} is a {fmt} file; only vLLM-MoE-Logger files (one layer each) can be merged")
         records = _records(path)

@@ -68,12 +68,8 @@ def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
     Args:
         prefetch_top: how many predicted experts per token to prefetch; None skips predictions.
     """
-    n = len(trace)
-    if n == 0:
-        raise TraceError("the trace holds no rows")
-    n_exp = trace.header.n_experts
-    if int(trace.experts.max()) >= n_exp or int(trace.experts.min()) < 0:
-        raise TraceError(f"a row routes to expert {int(trace.experts.max())}, outside the header's {n_exp} experts")
+    check_ids(trace)
+    n, n_exp = len(trace), trace.header.n_experts
     half, split = split_halves(trace)
     order = np.lexsort((np.arange(n), trace.layer, trace.step))
     step_s, layer_s = trace.step[order], trace.layer[order]
@@ -94,6 +90,18 @@ def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
         predicted = _predictions(trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers,
                                  layer_keys, n_exp)
     return Replay(keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)))
+
+
+def check_ids(trace: Trace) -> None:
+    """Refuse an empty trace, and layer or expert ids outside what the header declares."""
+    name = trace.header.source or trace.header.model_id
+    if len(trace) == 0:
+        raise TraceError(f"the trace {name} holds no rows")
+    h = trace.header
+    for what, ids, bound in (("expert", trace.experts, h.n_experts), ("layer", trace.layer, h.n_layers)):
+        if int(ids.min()) < 0 or int(ids.max()) >= bound:
+            raise TraceError(f"the trace {name} has {what} id {int(ids.max())} or {int(ids.min())}, outside "
+                             f"the header's {bound} {what}s")
 
 
 def _predictions(pred: np.ndarray, starts: list[int], ends: list[int], step_s: np.ndarray, layers: list[int],

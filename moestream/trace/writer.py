@@ -11,6 +11,7 @@ half-written Parquet file.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,11 +54,12 @@ class TraceWriter:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.path = Path(path)
         self.partial = partial_path(self.path)
-        self.header = header
+        # a copy, so the caller's header is not changed; the file name is the default source
+        self.header = dataclasses.replace(header, source=header.source or self.path.name)
         self.flush_rows = flush_rows
         self.fsync = fsync
         self.rows_written = 0
-        self._schema = arrow_schema(header)
+        self._schema = arrow_schema(self.header)
         self._buffer: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         self._step = -1
         self._step_key: tuple[Any, ...] | None = None
