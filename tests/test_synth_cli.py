@@ -25,6 +25,13 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     assert (out / "model.safetensors.index.json").exists()
 
 
+def test_vocab_size_option(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    assert main(["synth", str(tmp_path / "v"), *TINY, "--vocab-size", "4096"]) == 0
+    assert AutoConfig.from_pretrained(tmp_path / "v").vocab_size == 4096
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--arch", "llama", "--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64",
       "--moe-intermediate", "32"], "unknown architecture 'llama'"),
@@ -36,6 +43,7 @@ def test_cli_writes_and_reports(tmp_path, capsys):
     ([*TINY[:2], "--layers", "two", *TINY[4:]], "--layers must be an integer"),
     ([*TINY[:2], "--layers", "0", *TINY[4:]], "--layers must be a positive integer"),
     ([*TINY, "--dtype", "int8"], "unknown dtype 'int8'"),
+    ([*TINY, "--vocab-size", "100"], "vocab size 100 is smaller than the"),
     ([*TINY, "--mxfp4"], "--mxfp4 is the gpt_oss expert format"),
     (["--preset", "gpt-oss-20b", "--hidden", "2000", "--mxfp4"], "multiples of 32"),
     (["--preset", "gpt-oss-20b", "--arch", "mixtral"], "is a gpt_oss model, not mixtral"),

@@ -6,9 +6,12 @@ family. Only the routed experts must match the spec exactly: they are what moest
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from moestream.synth.shapes import SynthSpec, with_attention_shape
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # shared experts per MoE layer for the DeepSeek/GLM families (DeepSeek-V2: 2, V3 and GLM-4.5: 1)
 _N_SHARED = {"deepseek_v2": 2, "deepseek_v3": 1, "glm4_moe": 1}
@@ -16,7 +19,7 @@ _N_SHARED = {"deepseek_v2": 2, "deepseek_v3": 1, "glm4_moe": 1}
 _VLM_ARCHITECTURE = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
-def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int):  # -> PreTrainedConfig
+def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int) -> "PretrainedConfig":
     """The transformers config object for `spec` (dtype set), ready for `save_pretrained`."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -56,7 +59,7 @@ def mxfp4_quantization_config() -> dict[str, Any]:
     return Mxfp4Config(modules_to_not_convert=keep).to_dict()
 
 
-def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec):
+def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec) -> "PretrainedConfig":
     """Qwen3.5-MoE ships a composite (vision + text) config; its text model loads as a CausalLM."""
     text = transformers.Qwen3_5MoeTextConfig(**text_kwargs)
     cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), dtype=spec.torch_dtype_name)
@@ -142,7 +145,3 @@ _ARCH_KWARGS: dict[str, Callable[[SynthSpec], dict[str, Any]]] = {
     "qwen3_next": _qwen3_linear, "qwen3_5_moe": _qwen3_linear, "gpt_oss": _gpt_oss,
 }
 
-
-def text_config(cfg: Any) -> Any:
-    """The config of the language model itself (the text part of a composite config)."""
-    return getattr(cfg, "text_config", None) or cfg

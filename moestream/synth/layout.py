@@ -135,11 +135,14 @@ def _gpt_oss_experts(p: str, layer: int, E: int, H: int, I: int, dtype: str, mxf
                 TensorSpec(p + "down_proj", (E, I, H), dtype, "down", True, layer=layer),
                 down_bias]
     # blocks [E, rows, in/32, 16]: 32 FP4 values in 16 bytes; scales [E, rows, in/32]: E8M0 exponents
-    return [TensorSpec(p + "gate_up_proj_blocks", (E, 2 * I, H // 32, 16), "U8", "matrix", True, layer=layer, mxfp4="blocks"),
-            TensorSpec(p + "gate_up_proj_scales", (E, 2 * I, H // 32), "U8", "matrix", True, layer=layer, mxfp4="scales"),
+    def packed(name: str, shape: tuple[int, ...], role: str, part: str) -> TensorSpec:
+        return TensorSpec(p + name, shape, "U8", role, True, layer=layer, mxfp4=part)
+
+    return [packed("gate_up_proj_blocks", (E, 2 * I, H // 32, 16), "matrix", "blocks"),
+            packed("gate_up_proj_scales", (E, 2 * I, H // 32), "matrix", "scales"),
             gate_up_bias,
-            TensorSpec(p + "down_proj_blocks", (E, H, I // 32, 16), "U8", "down", True, layer=layer, mxfp4="blocks"),
-            TensorSpec(p + "down_proj_scales", (E, H, I // 32), "U8", "down", True, layer=layer, mxfp4="scales"),
+            packed("down_proj_blocks", (E, H, I // 32, 16), "down", "blocks"),
+            packed("down_proj_scales", (E, H, I // 32), "down", "scales"),
             down_bias]
 
 

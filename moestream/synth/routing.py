@@ -13,7 +13,7 @@ hooks, so the measure works on the stock model and on one whose experts modules 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ def routing_stats(model: Any, tokenizer: Any, text: str = SAMPLE_TEXT, *, top_k:
     picks: dict[int, torch.Tensor] = {}
     widths: set[int] = set()
 
-    def capture(layer: int):
+    def capture(layer: int) -> Callable[[Any, Any, Any], None]:
         def hook(_module: Any, _args: Any, output: Any) -> None:
             idx, logits = _indices(output, k)
             picks[layer] = idx.detach().reshape(-1, idx.shape[-1]).cpu()

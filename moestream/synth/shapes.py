@@ -91,9 +91,11 @@ PRESETS: dict[str, Preset] = {
         extra={"max_position_embeddings": 131072, "sliding_window": 128},
         about="gpt-oss-20b: 24 layers x 32 experts, top-4, 64 heads / 8 kv heads of 64",
     ),
-    # about 1 GiB of bf16 routed experts (8 x 64 x 3 x 1024 x 320 x 2 B = 960 MiB): `moestream demo`
+    # about 1 GiB of bf16 routed experts (5 x 64 x 3 x 1024 x 512 x 2 B = 960 MiB, 192 MiB a layer, so
+    # --layers 11 gives 2 GiB); one token's working set, 5 layers x top-8 x 3 MiB = 120 MiB, fits the
+    # 128 MiB cache of `moestream demo`
     "demo": Preset(
-        "qwen3_moe", layers=8, experts=64, top_k=8, hidden=1024, moe_intermediate=320,
+        "qwen3_moe", layers=5, experts=64, top_k=8, hidden=1024, moe_intermediate=512,
         heads=16, kv_heads=4, head_dim=64,
         extra={"max_position_embeddings": 4096, "norm_topk_prob": True},
         about="small Qwen3-MoE with 960 MiB of bf16 experts, for `moestream demo`",

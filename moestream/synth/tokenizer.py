@@ -6,8 +6,12 @@ covered. Training is deterministic: the same corpus and vocabulary size give the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moestream.synth.corpus import corpus_lines
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -24,7 +28,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB):  # -> transformers.PreTrainedTokenizerFast
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB) -> "PreTrainedTokenizerFast":
     """Train the byte-level BPE on the embedded corpus and wrap it as a transformers fast tokenizer.
 
     The result has at most `vocab_size` tokens (fewer if the corpus runs out of pairs to merge),
