@@ -160,3 +160,16 @@ def test_meta_model_is_free():
     experts = [s for s in specs if s.routed]
     assert len(experts) == 48 * 128 * 3
     assert sum(s.nbytes for s in experts) == 48 * 128 * 3 * 2048 * 768 * 2  # 54 GiB, never allocated
+
+
+def test_gpt_oss_mxfp4_loads_in_stock_transformers(tmp_path):
+    """transformers' MXFP4 quantizer needs accelerate; on CPU it dequantizes the blocks to bf16."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    out = synthesize(tmp_path / "mx", arch="gpt_oss", layers=2, experts=8, top_k=2, hidden=64,
+                     moe_intermediate=64, mxfp4=True)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 128)
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
