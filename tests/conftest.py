@@ -6,6 +6,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models gain nothing from several OpenMP threads, and on a loaded 2-core machine an OpenMP barrier
+# waiting for a descheduled thread turns milliseconds into seconds. Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -34,20 +34,21 @@ def references(tiny_dir):
     return get
 
 
-def _budgets(path) -> list[int]:
-    probe = moestream.load(str(path), cache="64MiB", io_mode="pagecache", io_threads=1, lock_memory=False)
-    minimum, _ = budget_requirements(probe.emap, probe.top_k)
-    everything = probe.cache.slot_bytes * len(probe.emap.units)
-    probe.close()
+def _budgets(engine) -> list[int]:
+    minimum, _ = budget_requirements(engine.emap, engine.top_k)
+    everything = engine.cache.slot_bytes * len(engine.emap.units)
     return [minimum, (minimum + everything) // 2, everything]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_streamed_equals_stock(arch, references):
+    """One load per architecture; `restream` gives each combination a fresh reader, cache and runtime."""
     path, ref_tokens, full_ids, ref_logits = references(arch)
-    for budget in _budgets(path):
-        for io_mode, io_threads in (("direct", 1), ("pagecache", 4), ("mmap", 1), ("direct", 4), ("mmap", 4), ("pagecache", 1)):
-            with moestream.load(str(path), cache=budget, io_mode=io_mode, io_threads=io_threads) as engine:
+    with moestream.load(str(path), cache="64MiB") as engine:
+        for budget in _budgets(engine):
+            for io_mode, io_threads in (("direct", 1), ("pagecache", 4), ("mmap", 1), ("direct", 4), ("mmap", 4), ("pagecache", 1)):
+                engine.restream(cache=budget, io_mode=io_mode, io_threads=io_threads)
+                assert engine.cache.stats.misses == 0
                 gen = engine.generate(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
                 assert gen.tokens == ref_tokens, (arch, budget, io_mode, io_threads)
                 with torch.inference_mode():

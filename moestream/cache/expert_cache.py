@@ -99,6 +99,7 @@ class ExpertCache:
         self.stats = CacheStats()
         self._job_seq = itertools.count()
         self._states: dict[Key, SlotState] = {}
+        self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         self._check_budget(budget_bytes, top_k)
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
@@ -178,7 +179,9 @@ class ExpertCache:
         if evicted is not None:
             del self._states[evicted]
             self.stats.evictions += 1
-        plan = plan_parts(self.emap.kinds, self.emap.units[key])
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
         state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1, listeners=[job])
         self._states[key] = state
         pieces = []

@@ -80,6 +80,14 @@ class Engine:
         self.top_k = top_k(self.config)
         self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
                                      num_experts(self.config))
+        self._stream_experts(modules)
+        self.tokenizer = _load_tokenizer(path)
+        self._step = ForwardStep(self.model)
+        self.floor = self._make_floor()
+
+    def _stream_experts(self, modules: list[tuple[int, Any]]) -> None:
+        """Open the shards, carve the cache, bind every StreamingExperts module to a fresh runtime."""
+        options = self.options
         self.reader = Reader(options.io_mode, options.io_threads)
         try:
             for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
@@ -92,9 +100,20 @@ class Engine:
         self.runtime = self._make_runtime()
         for layer, module in modules:
             module.bind(layer, self.runtime)
-        self.tokenizer = _load_tokenizer(path)
-        self._step = ForwardStep(self.model)
-        self.floor = self._make_floor()
+
+    def restream(self, **changes: Any) -> None:
+        """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece` or
+        `lock_memory`, keeping the loaded model: side-by-side comparisons without reloading."""
+        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory"}
+        if unknown:
+            raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
+        try:
+            options = EngineOptions(**{**vars(self.options), **changes})
+        except ValueError as exc:
+            raise MoestreamError(str(exc)) from None
+        self.reader.close()
+        self.options = options
+        self._stream_experts(streaming_modules(self.model))
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
