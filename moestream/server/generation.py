@@ -1,0 +1,155 @@
+"""One generation request end to end: validate, tokenize, queue, then stream SSE or answer once."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from moestream.engine.engine import Generation
+from moestream.engine.sampling import SamplingParams
+from moestream.server.errors import APIError, from_validation
+from moestream.server.protocol import ChatRequest, CompletionRequest
+from moestream.server.responses import SSE_DONE, Shape, sse
+from moestream.server.textstream import DeltaTracker
+from moestream.server.worker import Busy, Done, Failed, Job, Token
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+@dataclass
+class Pending:
+    """A queued job and what answering it needs."""
+
+    job: Job
+    shape: Shape
+    stops: list[str]
+    endpoint: str
+    started: float
+
+
+async def submit(state: Any, body: dict[str, Any], chat: bool, started: float) -> tuple[Pending, bool]:
+    """Validate `body`, build the prompt and queue it; returns the pending job and whether to stream.
+
+    Raises:
+        APIError: a 4xx for anything wrong with the request, 503 when the queue is full.
+    """
+    try:
+        req = (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    if req.model is not None and req.model not in state.model_names:
+        raise APIError(404, f"the model {req.model[:200]!r} is not served here; this server serves "
+                            f"{state.model_id!r}", param="model", code="model_not_found")
+    refusal = req.refusal()
+    if refusal is not None:
+        raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
+    if chat:
+        ids = await state.prompts.chat(req.template_messages())
+        max_tokens = state.prompts.budget(len(ids), req.limit(), None, param="messages")
+    else:
+        ids = await state.prompts.completion(req.prompt)
+        max_tokens = state.prompts.budget(len(ids), req.limit(), COMPLETION_DEFAULT_MAX_TOKENS)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+    except ValueError as exc:  # SamplingParams has the last word on values
+        raise APIError(400, str(exc), code="invalid_value") from None
+    shape = Shape(state.model_id, chat)
+    job = Job(ids, params, shape.id, asyncio.get_running_loop())
+    try:
+        state.worker.submit(job)
+    except Busy as exc:
+        raise APIError(503, f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
+                            f"retry after {exc.retry_after} s", code="server_busy",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    endpoint = "chat" if chat else "completions"
+    return Pending(job, shape, params.stop, endpoint, started), req.stream
+
+
+def stream(state: Any, pending: Pending) -> StreamingResponse:
+    """The SSE response: text deltas, then a last chunk with usage, timings and moe, then [DONE]."""
+    return StreamingResponse(_sse(state, pending), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def answer(state: Any, pending: Pending, request: Request) -> JSONResponse:
+    """Wait for the whole generation (stopping it if the client disconnects) and answer once."""
+    watcher = asyncio.create_task(_watch_disconnect(request, pending.job))
+    try:
+        gen = await _final(state, pending)
+    finally:
+        watcher.cancel()
+        pending.job.cancel()  # no-op when finished
+    _record(state, pending, gen, 200)
+    return JSONResponse(pending.shape.whole(gen))
+
+
+async def _final(state: Any, pending: Pending) -> Generation:
+    first = True
+    while True:
+        event = await pending.job.events.get()
+        if isinstance(event, Failed):
+            raise _failure(event)
+        if first:
+            state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
+            first = False
+        if isinstance(event, Done):
+            return event.gen
+
+
+async def _sse(state: Any, pending: Pending) -> AsyncIterator[str]:
+    """The event stream; leaving it early (client gone, starlette cancels us) cancels the job."""
+    tracker, shape, first = DeltaTracker(pending.stops), pending.shape, True
+    try:
+        opening = shape.opening()
+        if opening:
+            yield opening
+        while True:
+            event = await pending.job.events.get()
+            if isinstance(event, Failed):
+                yield sse(_failure(event).body())
+                yield SSE_DONE
+                state.metrics.requests.labels(pending.endpoint, "500").inc()
+                return
+            if first:
+                state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
+                first = False
+            if isinstance(event, Token):
+                text = tracker.delta(event.text)
+                if text:
+                    yield shape.delta(text)
+            elif isinstance(event, Done):
+                yield shape.last(tracker.final(event.gen.text), event.gen)
+                yield SSE_DONE
+                _record(state, pending, event.gen, 200)
+                return
+    finally:
+        pending.job.cancel()
+
+
+def _failure(event: Failed) -> APIError:
+    return APIError(500, f"generation failed: {event.error}", code="generation_failed")
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    # the body has been read, so the next ASGI message can only be the client going away
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _record(state: Any, pending: Pending, gen: Generation, status: int) -> None:
+    m = state.metrics
+    m.requests.labels(pending.endpoint, str(status)).inc()
+    m.finished.labels(gen.finish_reason).inc()
+    m.prompt_tokens.inc(gen.prompt_tokens)
+    m.generated_tokens.inc(len(gen.tokens))
+    m.latency.labels(pending.endpoint).observe(time.perf_counter() - pending.started)

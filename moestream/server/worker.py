@@ -1,0 +1,147 @@
+"""The one thread that owns the model, fed by a bounded FIFO queue of jobs.
+
+Requests never touch the engine directly: the event loop validates and tokenizes, then submits a Job;
+the worker runs jobs one at a time and hands each token back to the event loop thread-safely. A job
+whose client has gone is skipped if still queued and stopped within one token if running (the engine
+polls `cancelled()` once per token).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moestream.engine.engine import Engine, Generation
+from moestream.engine.sampling import SamplingParams
+
+log = logging.getLogger("moestream.server")
+
+
+@dataclass
+class Token:
+    """The engine produced a token; `text` is the whole text so far."""
+
+    text: str
+    n_tokens: int
+
+
+@dataclass
+class Done:
+    """The request finished; `gen` is final (done=True)."""
+
+    gen: Generation
+
+
+@dataclass
+class Failed:
+    """The engine raised; `error` is what it raised."""
+
+    error: BaseException
+
+
+Event = Token | Done | Failed
+
+
+class Busy(Exception):
+    """The queue is full; `retry_after` is a guess, in whole seconds, of when there will be room."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is busy; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Job:
+    """One request for the worker: token ids in, events out through an asyncio queue."""
+
+    ids: list[int]
+    params: SamplingParams
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the worker to drop or stop this job (safe from any thread)."""
+        self.stop.set()
+
+    def emit(self, event: Event) -> None:
+        """Called on the worker thread: hand one event to the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down and nobody listens
+            self.stop.set()
+
+
+class Worker:
+    """Runs jobs one at a time on a dedicated thread; at most `queue_size` jobs wait."""
+
+    def __init__(self, engine: Engine, queue_size: int = 16) -> None:
+        if queue_size < 1:
+            raise ValueError(f"queue size must be at least 1, got {queue_size}")
+        self.engine = engine
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.running: Job | None = None
+        self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
+        # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded with
+        self._threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, name="moestream-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self.jobs.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise Busy when the queue is full (the caller answers 503)."""
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise Busy(self.retry_after()) from None
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely drained by one job: at least 1."""
+        return max(1, math.ceil(self.mean_seconds))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel the running and queued jobs and end the thread."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        if self.running is not None:
+            self.running.cancel()
+        self.jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while (job := self.jobs.get()) is not None:
+            if job.stop.is_set():
+                continue  # its client left while it was queued
+            self.running, start = job, time.perf_counter()
+            try:
+                self._generate(job)
+            except Exception as exc:  # the worker must outlive any one request
+                log.exception("request %s failed", job.request_id)
+                job.emit(Failed(exc))
+            finally:
+                self.running = None
+                self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - start)
+
+    def _generate(self, job: Job) -> None:
+        for gen in self.engine.stream(job.ids, job.params, cancelled=job.stop.is_set, request_id=job.request_id):
+            # the same Generation object grows: read what we need now, before the next token changes it
+            job.emit(Done(gen) if gen.done else Token(gen.text, len(gen.tokens)))
