@@ -35,10 +35,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def listen(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a taken port fails in a second, not after a long load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio only sets TCP_NODELAY on such sockets, and without it Nagle's algorithm
+    # holds each response's second write (body after headers, one SSE chunk after another) for ~40 ms
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server((host, port), family=family, reuse_port=False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
     except OSError as exc:
+        sock.close()
         raise MoestreamError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def _is_loopback(host: str) -> bool:

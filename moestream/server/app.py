@@ -57,9 +57,9 @@ class ServerState:
         self.model_id = options.model_id
         self.model_names = {options.model_id, *options.aliases}
         self.created = int(time.time())
-        self.worker = Worker(engine, options.queue_size)
-        self.prompts = Prompts(engine)
         self.metrics = Metrics(engine.counters, lambda: self.worker.waiting)
+        self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
+        self.prompts = Prompts(engine)
 
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from moestream.engine.engine import Generation
@@ -78,15 +78,21 @@ def stream(state: Any, pending: Pending) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def answer(state: Any, pending: Pending, request: Request) -> JSONResponse:
-    """Wait for the whole generation (stopping it if the client disconnects) and answer once."""
-    watcher = asyncio.create_task(_watch_disconnect(request, pending.job))
+async def answer(state: Any, pending: Pending, request: Request) -> Response:
+    """Wait for the whole generation and answer once; a client that leaves first cancels the job."""
+    final = asyncio.ensure_future(_final(state, pending))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        gen = await _final(state, pending)
+        await asyncio.wait({final, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
         pending.job.cancel()  # no-op when finished
-    _record(state, pending, gen, 200)
+        gone.cancel()
+    if not final.done():  # the client left: nobody reads an answer, and a queued job never runs
+        final.cancel()
+        state.metrics.requests.labels(pending.endpoint, "499").inc()
+        return Response(status_code=499)
+    gen = final.result()  # raises the APIError of a failed generation
+    _record(state, pending, 200)
     return JSONResponse(pending.shape.whole(gen))
 
 
@@ -105,7 +111,7 @@ async def _final(state: Any, pending: Pending) -> Generation:
 
 async def _sse(state: Any, pending: Pending) -> AsyncIterator[str]:
     """The event stream; leaving it early (client gone, starlette cancels us) cancels the job."""
-    tracker, shape, first = DeltaTracker(pending.stops), pending.shape, True
+    tracker, shape, first, finished = DeltaTracker(pending.stops), pending.shape, True, False
     try:
         opening = shape.opening()
         if opening:
@@ -113,9 +119,10 @@ async def _sse(state: Any, pending: Pending) -> AsyncIterator[str]:
         while True:
             event = await pending.job.events.get()
             if isinstance(event, Failed):
+                finished = True
+                state.metrics.requests.labels(pending.endpoint, "500").inc()
                 yield sse(_failure(event).body())
                 yield SSE_DONE
-                state.metrics.requests.labels(pending.endpoint, "500").inc()
                 return
             if first:
                 state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
@@ -125,31 +132,28 @@ async def _sse(state: Any, pending: Pending) -> AsyncIterator[str]:
                 if text:
                     yield shape.delta(text)
             elif isinstance(event, Done):
+                finished = True
+                _record(state, pending, 200)
                 yield shape.last(tracker.final(event.gen.text), event.gen)
                 yield SSE_DONE
-                _record(state, pending, event.gen, 200)
                 return
     finally:
         pending.job.cancel()
+        if not finished:
+            state.metrics.requests.labels(pending.endpoint, "499").inc()
 
 
 def _failure(event: Failed) -> APIError:
     return APIError(500, f"generation failed: {event.error}", code="generation_failed")
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
+async def _disconnected(request: Request) -> None:
     # the body has been read, so the next ASGI message can only be the client going away
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.cancel()
-            return
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def _record(state: Any, pending: Pending, gen: Generation, status: int) -> None:
-    m = state.metrics
-    m.requests.labels(pending.endpoint, str(status)).inc()
-    m.finished.labels(gen.finish_reason).inc()
-    m.prompt_tokens.inc(gen.prompt_tokens)
-    m.generated_tokens.inc(len(gen.tokens))
-    m.latency.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
+def _record(state: Any, pending: Pending, status: int) -> None:
+    # tokens and finish reasons are counted by the worker (Metrics.generation), for cancelled jobs too
+    state.metrics.requests.labels(pending.endpoint, str(status)).inc()
+    state.metrics.latency.labels(pending.endpoint).observe(time.perf_counter() - pending.started)

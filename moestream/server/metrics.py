@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from moestream.engine.engine import Generation
 from moestream.engine.stats import Counters
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600)
@@ -42,7 +43,7 @@ class Metrics:
     def __init__(self, counters: Callable[[], Counters], waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("moestream_requests", "Requests answered, by endpoint and HTTP status.",
+        self.requests = Counter("moestream_requests", "Requests answered, by endpoint and HTTP status (499: the client left).",
                                 ["endpoint", "status"], registry=r)
         self.finished = Counter("moestream_generations", "Generations finished, by finish reason.",
                                 ["finish_reason"], registry=r)
@@ -55,6 +56,12 @@ class Metrics:
         queued = Gauge("moestream_queue_waiting", "Requests waiting for the model.", registry=r)
         queued.set_function(waiting)
         r.register(_EngineCollector(counters))
+
+    def generation(self, gen: Generation) -> None:
+        """Count a finished generation (called on the worker thread; prometheus_client is thread-safe)."""
+        self.finished.labels(gen.finish_reason).inc()
+        self.prompt_tokens.inc(gen.prompt_tokens)
+        self.generated_tokens.inc(len(gen.tokens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

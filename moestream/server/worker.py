@@ -13,8 +13,8 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -83,10 +83,12 @@ class Job:
 class Worker:
     """Runs jobs one at a time on a dedicated thread; at most `queue_size` jobs wait."""
 
-    def __init__(self, engine: Engine, queue_size: int = 16) -> None:
+    def __init__(self, engine: Engine, queue_size: int = 16,
+                 on_done: Callable[[Generation], None] | None = None) -> None:
         if queue_size < 1:
             raise ValueError(f"queue size must be at least 1, got {queue_size}")
         self.engine = engine
+        self.on_done = on_done  # sees every finished generation, cancelled ones too (metrics)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.running: Job | None = None
         self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
@@ -144,4 +146,9 @@ class Worker:
     def _generate(self, job: Job) -> None:
         for gen in self.engine.stream(job.ids, job.params, cancelled=job.stop.is_set, request_id=job.request_id):
             # the same Generation object grows: read what we need now, before the next token changes it
-            job.emit(Done(gen) if gen.done else Token(gen.text, len(gen.tokens)))
+            if not gen.done:
+                job.emit(Token(gen.text, len(gen.tokens)))
+                continue
+            if self.on_done is not None:
+                self.on_done(gen)
+            job.emit(Done(gen))
