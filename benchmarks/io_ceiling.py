@@ -12,7 +12,6 @@ import argparse
 import json
 import mmap
 import os
-import queue
 import random
 import threading
 import time
@@ -41,44 +40,28 @@ def expert_ranges(path: str) -> list[tuple[str, int, int]]:
 
 
 def measure(ranges, piece: int, threads: int, seconds: float, seed: int = 0) -> dict:
+    """Each thread reads whole random experts back to back, one `piece` per preadv (queue depth = threads)."""
     fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in {r[0] for r in ranges}}
     sizes = {f: os.fstat(fd).st_size for f, fd in fds.items()}
-    work: queue.Queue = queue.Queue(maxsize=threads * 64)
-    done = threading.Event()
     totals = [0] * threads
+    deadline = time.perf_counter() + seconds
 
     def reader(i: int) -> None:
-        buf = mmap.mmap(-1, piece)
-        view = memoryview(buf)
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            fd, offset, length = item
-            totals[i] += os.preadv(fd, [view[:length]], offset)
-
-    def feeder() -> None:
-        rng = random.Random(seed)
-        while not done.is_set():
+        rng = random.Random(seed * 1000 + i)
+        view = memoryview(mmap.mmap(-1, piece))
+        while time.perf_counter() < deadline:
             file, start, length = rng.choice(ranges)
-            length = min(length, sizes[file] - start) // 4096 * 4096
+            fd, length = fds[file], min(length, sizes[file] - start) // 4096 * 4096
             for off in range(0, length, piece):
-                work.put((fds[file], start + off, min(piece, length - off)))
-        for _ in range(threads):
-            work.put(None)
+                totals[i] += os.preadv(fd, [view[:min(piece, length - off)]], start + off)
 
+    began = time.perf_counter()
     workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
     for w in workers:
         w.start()
-    start = time.perf_counter()
-    feed = threading.Thread(target=feeder)
-    feed.start()
-    time.sleep(seconds)
-    done.set()
-    feed.join()
     for w in workers:
         w.join()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - began
     for fd in fds.values():
         os.close(fd)
     total = sum(totals)

@@ -33,9 +33,7 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     read_wait_s: float = 0.0
-
-    def copy(self) -> "CacheStats":
-        return CacheStats(self.hits, self.misses, self.evictions, self.read_wait_s)
+    miss_bytes: int = 0  # tensor bytes of the missed experts (the reader's count adds alignment)
 
 
 @dataclass
@@ -246,6 +244,7 @@ class LayerJob:
             self._active = len(self.hits)
             cache.stats.hits += len(self.hits)
             cache.stats.misses += len(self.misses)
+            cache.stats.miss_bytes += sum(cache.emap.unit_bytes(layer, e) for e in self.misses)
             self._pending = list(self.misses)
             pieces = self._admit_pending()
         cache.reader.submit(pieces)

@@ -20,6 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="record every layer's routing to FILE (Parquet; see `moestream simulate`)")
+    p.add_argument("--no-trace-predict", action="store_true",
+                   help="do not record the stale-gate prediction of the next layers' experts")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -28,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     import moestream
 
     with moestream.load(args.path, **engine_kwargs(args)) as engine:
+        if args.trace:
+            engine.start_trace(args.trace, predict=not args.no_trace_predict)
         if not args.json:
             print(engine.mode_line(), flush=True)
         gen = engine.generate(args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,

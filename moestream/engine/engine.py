@@ -84,6 +84,22 @@ class Engine:
         self.tokenizer = _load_tokenizer(path)
         self._step = ForwardStep(self.model)
         self.floor = self._make_floor()
+        self.recorder: Any = None
+        self._requests = 0
+
+    def start_trace(self, path: str | Path, predict: bool = True) -> None:
+        """Record every layer's routing (and the stale-gate prediction) of the following requests to `path`."""
+        from moestream.engine.tracing import TraceRecorder
+
+        if self.recorder is not None:
+            raise MoestreamError("a trace is already being recorded")
+        self.recorder = TraceRecorder(self, path, predict=predict)
+
+    def stop_trace(self) -> None:
+        if self.recorder is not None:
+            self.runtime.observers.remove(self.recorder.observe)
+            self.recorder.close()
+            self.recorder = None
 
     def _stream_experts(self, modules: list[tuple[int, Any]]) -> None:
         """Open the shards, carve the cache, bind every StreamingExperts module to a fresh runtime."""
@@ -185,7 +201,8 @@ class Engine:
         return result
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-               cancelled: Callable[[], bool] | None = None, **sampling: Any) -> Iterator[Generation]:
+               cancelled: Callable[[], bool] | None = None, request_id: str | None = None,
+               **sampling: Any) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token; the last one is final."""
         try:
             params = params or SamplingParams(**sampling)
@@ -194,24 +211,41 @@ class Engine:
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
-        yield from self._run(ids, params, cancelled or (lambda: False))
+        self._requests += 1
+        yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Generation]:
+    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
+             request_id: str) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
         try:
-            yield from self._tokens(ids, params, cancelled)
+            yield from self._tokens(ids, params, cancelled, self._stepper(request_id))
         finally:
             if self.floor is not None:
                 self.floor.end()
 
-    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool]) -> Iterator[Generation]:
+    def _stepper(self, request_id: str) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
+        """The forward step, telling the trace recorder (if any) what each forward covers."""
+        if self.recorder is None:
+            return self._step
+        position = 0
+
+        def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+            nonlocal position
+            self.recorder.forward(request_id, "prefill" if cache is None else "decode", position)
+            position += len(ids)
+            return self._step(ids, cache)
+
+        return step
+
+    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
+                step: Callable[[list[int], Any], tuple[torch.Tensor, Any]]) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         tokens: list[int] = []
         gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()))
         prefill_end, after_prefill = start, before
-        for token, _ in token_stream(self._step, ids, Sampler(params), params.max_tokens):
+        for token, _ in token_stream(step, ids, Sampler(params), params.max_tokens):
             now = time.perf_counter()
             if not tokens:
                 prefill_end, after_prefill = now, self.counters()
@@ -234,7 +268,8 @@ class Engine:
         yield gen
 
     def close(self) -> None:
-        """Stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
+        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
+        self.stop_trace()
         if self.floor is not None:
             self.floor.close()
         self.reader.close()

@@ -1,19 +1,20 @@
-"""One MoE layer's routed experts, computed on the CPU as their bytes land in the cache.
+"""One MoE layer's routed experts, computed as their bytes land in the cache.
 
 Shapes: T tokens, K experts per token, H hidden, I expert intermediate, t tokens routed to one expert.
 Schedule per layer forward:
   * every distinct expert is asked of the cache in execution order; cached ones are ready at once
     and so are computed first;
   * each readiness event (expert, kind) arrives exactly once; an expert advances through its stages
-    (swiglu: gate -> up -> down; gpt-oss: gate_up -> down) as soon as the kind each stage needs is in,
-    so a late expert waits only for its own bytes, never for the rest of the layer;
+    (CPU swiglu: gate -> up -> down; gpt-oss: gate_up -> down) as soon as the kinds a stage needs are
+    in, so a late expert waits only for its own bytes, never for the rest of the layer;
   * contributions are summed in ascending expert order at the end, so the result does not depend on
     the order reads complete in.
+Subclasses (the CUDA runtime) change where weights come from through `_prepare`, `_weight`, `_finish`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from moestream.runtime.weights import SlotTensors, dequantize_mxfp4
 
 
 @dataclass
-class _Route:
+class Route:
     tokens: torch.Tensor  # [t] token rows of this expert
     positions: torch.Tensor  # [t] its slot in each token's top-k
 
@@ -35,8 +36,20 @@ class GptOssParams:
     limit: float
 
 
+@dataclass
+class _Progress:
+    """Where one layer forward stands: per expert, its next stage, the kinds in, the running value."""
+
+    stage: dict[int, int]
+    ready: dict[int, set[str]]
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)
+    stalled: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    remaining: int = 0
+
+
 class ExpertRuntime:
-    """Computes routed experts for every streamed layer, fed by an `ExpertCache`."""
+    """Computes routed experts for every streamed layer, fed by an `ExpertCache` (CPU)."""
 
     def __init__(
         self,
@@ -48,19 +61,23 @@ class ExpertRuntime:
     ) -> None:
         self.cache, self.emap = cache, cache.emap
         self.act_fn, self.gpt_oss, self.biases = act_fn, gpt_oss, biases or {}
-        self.kinds = self.emap.kinds
+        self.stages = self._stage_kinds()
         self._views = SlotTensors()
-        self.observers: list[Callable[[int, list[list[int]], torch.Tensor], None]] = []
+        # called as observe(layer, hidden [T,H], rows (experts per token, router order), weights [T,K])
+        self.observers: list[Callable[[int, torch.Tensor, list[list[int]], torch.Tensor], None]] = []
+
+    def _stage_kinds(self) -> list[tuple[str, ...]]:
+        """The kinds each compute stage needs, in order."""
+        return [(kind,) for kind in self.emap.kinds]
 
     def forward(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
         rows = top_k_index.tolist()  # the one host readback of the routing
         for observe in self.observers:
-            observe(layer, rows, top_k_weights)
+            observe(layer, hidden, rows, top_k_weights)
         order = execution_order(rows)
-        routes = _routes(rows)
-        job = self.cache.open_layer(layer, order)
-        outputs = self._run(job, hidden, routes, len(order))
+        routes = self._routes(rows, hidden.device)
+        outputs = self._compute(layer, order, hidden, routes)
         out = torch.zeros_like(hidden)
         for expert in sorted(outputs):
             route = routes[expert]
@@ -68,40 +85,79 @@ class ExpertRuntime:
             out.index_add_(0, route.tokens, weighted.to(out.dtype))
         return out
 
-    def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, _Route], count: int) -> dict[int, torch.Tensor]:
-        stage = dict.fromkeys(routes, 0)
-        ready: dict[int, set[str]] = {e: set() for e in routes}
-        carry: dict[int, torch.Tensor] = {}
-        error: BaseException | None = None
-        remaining = count
-        while remaining:
-            expert, kind, failure = job.next_event()
-            if failure is not None and error is None:
-                error = failure
-                remaining -= len(job.drop_pending())  # never admitted: nothing in flight to wait for
-            ready[expert].add(kind)
-            while stage[expert] < len(self.kinds) and self.kinds[stage[expert]] in ready[expert]:
-                if error is None:
-                    carry[expert] = self._stage(job, expert, stage[expert], hidden, routes[expert], carry.get(expert))
-                stage[expert] += 1
-            if stage[expert] == len(self.kinds):
-                job.release(expert)
-                remaining -= 1
-        if error is not None:
-            raise error
-        return carry
+    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route]) -> dict[int, torch.Tensor]:
+        job = self.cache.open_layer(layer, order)
+        return self._run(job, hidden, routes, order)
 
-    def _stage(self, job: LayerJob, expert: int, index: int, hidden: torch.Tensor, route: _Route, carry: torch.Tensor | None) -> torch.Tensor:
-        weight = self._weight(job, expert, self.kinds[index], hidden.dtype)
+    def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]) -> dict[int, torch.Tensor]:
+        p = _Progress(stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts))
+        while p.remaining:
+            expert, kind, failure = job.next_event()
+            if failure is not None and p.error is None:
+                p.error = failure
+                p.remaining -= len(job.drop_pending())  # never admitted: nothing in flight to wait for
+            p.ready[expert].add(kind)
+            if self._advance(job, expert, hidden, routes, p):
+                for stalled in list(p.stalled):  # a finished expert may have freed what they wait for
+                    p.stalled.remove(stalled)
+                    self._advance(job, stalled, hidden, routes, p)
+        if p.error is not None:
+            raise p.error
+        return p.carry
+
+    def _advance(self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress) -> bool:
+        """Run every stage of `expert` whose kinds are in. Returns True when the expert finished."""
+        while p.stage[expert] < len(self.stages) and p.ready[expert].issuperset(self.stages[p.stage[expert]]):
+            if p.error is None:
+                if not self._prepare(job, expert, p.stage[expert]):
+                    p.stalled.append(expert)
+                    return False
+                p.carry[expert] = self._stage(job, expert, p.stage[expert], hidden, routes[expert], p.carry.get(expert))
+            p.stage[expert] += 1
+        if p.stage[expert] < len(self.stages):
+            return False
+        self._finish(job, expert, failed=p.error is not None)
+        job.release(expert)
+        p.remaining -= 1
+        return True
+
+    # --- hooks for other devices ---------------------------------------------------------------
+
+    def _prepare(self, job: LayerJob, expert: int, stage: int) -> bool:
+        """Make a stage's weights usable; False when it must wait for another expert to finish."""
+        return True
+
+    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
+        """The expert's last stage has been issued."""
+
+    def _routes(self, rows: list[list[int]], device: torch.device) -> dict[int, Route]:
+        tokens: dict[int, list[int]] = {}
+        positions: dict[int, list[int]] = {}
+        for t, row in enumerate(rows):
+            for p, expert in enumerate(row):
+                tokens.setdefault(expert, []).append(t)
+                positions.setdefault(expert, []).append(p)
+        return {e: Route(torch.tensor(tokens[e]), torch.tensor(positions[e])) for e in tokens}
+
+    # --- the math ------------------------------------------------------------------------------
+
+    def _stage(self, job: LayerJob, expert: int, index: int, hidden: torch.Tensor, route: Route,
+               carry: torch.Tensor | None) -> torch.Tensor:
+        kinds = self.stages[index]
         if self.gpt_oss is not None:
-            return self._gpt_oss_stage(job.layer, expert, index, hidden, route, carry, weight)
-        if index == 0:  # gate [I,H]: [t,H] -> [t,I]
+            return self._gpt_oss_stage(job.layer, expert, index, hidden, route, carry,
+                                       self._weight(job, expert, kinds[0], hidden.dtype))
+        if kinds == ("gate", "up"):  # fused [2I,H], gate rows first: one matmul, like transformers
+            gate, up = F.linear(hidden[route.tokens], self._weight(job, expert, "gate_up", hidden.dtype)).chunk(2, dim=-1)
+            return self.act_fn(gate) * up
+        weight = self._weight(job, expert, kinds[0], hidden.dtype)
+        if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
             return F.linear(hidden[route.tokens], weight)
-        if index == 1:  # up [I,H]: act(gate) * up
+        if kinds == ("up",):  # up [I,H]: act(gate) * up
             return self.act_fn(carry) * F.linear(hidden[route.tokens], weight)
         return F.linear(carry, weight)  # down [H,I]: [t,I] -> [t,H]
 
-    def _gpt_oss_stage(self, layer: int, expert: int, index: int, hidden: torch.Tensor, route: _Route,
+    def _gpt_oss_stage(self, layer: int, expert: int, index: int, hidden: torch.Tensor, route: Route,
                        carry: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         if index == 0:  # gate_up [H,2I], columns interleaved gate/up
             gate_up = hidden[route.tokens] @ weight + self.biases[(layer, "gate_up_proj_bias")][expert]
@@ -112,17 +168,10 @@ class ExpertRuntime:
 
     def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         parts = [self._views.view(buf, off, part) for buf, off, part in job.tensor_parts(expert, kind)]
+        return self._assemble(parts, dtype)
+
+    def _assemble(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         if self.emap.quant == "mxfp4":
             return dequantize_mxfp4(parts[0], parts[1], dtype).T  # [R,K] -> [K,R] like transformers
         weight = parts[0]
         return weight if weight.dtype == dtype else weight.to(dtype)
-
-
-def _routes(rows: list[list[int]]) -> dict[int, _Route]:
-    tokens: dict[int, list[int]] = {}
-    positions: dict[int, list[int]] = {}
-    for t, row in enumerate(rows):
-        for p, expert in enumerate(row):
-            tokens.setdefault(expert, []).append(t)
-            positions.setdefault(expert, []).append(p)
-    return {e: _Route(torch.tensor(tokens[e]), torch.tensor(positions[e])) for e in tokens}

@@ -38,7 +38,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
     Returns [R, K] in `dtype`.
     """
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     rows, groups, _ = blocks.shape
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups, 32)
     values = lut[codes.long()]  # [R, G, 32]
