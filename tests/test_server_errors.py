@@ -15,6 +15,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 # (path, body: raw bytes or a JSON value, expected status, expected param or None)
 RAW_BAD_JSON = [b"", b"{", b"[1", b"nope", b"{'prompt': 'x'}", b"\xff\xfe\x00", b'{"prompt": NaN}',
+                b'{"prompt": "\\ud800"}', b'{"model": "\\udc00", "messages": []}',
                 b'{"prompt": "x", "max_tokens": Infinity}', b"[" * 20000 + b"]" * 20000, b'{"prompt": "x",}']
 NOT_OBJECTS = [[], 1, None, "prompt", [{"prompt": "x"}]]
 COMPLETION_CASES = [

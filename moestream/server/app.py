@@ -156,6 +156,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:  # "\ud800" is valid JSON but no text: tokenizers and our own UTF-8 responses would fail on it
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body contains an unpaired surrogate escape, which is not text",
+                       code="invalid_json") from None
     return body
 
 

@@ -5,11 +5,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from moestream.engine.engine import Generation
 from moestream.engine.sampling import SamplingParams
@@ -18,6 +19,9 @@ from moestream.server.protocol import ChatRequest, CompletionRequest
 from moestream.server.responses import SSE_DONE, Shape, sse
 from moestream.server.textstream import DeltaTracker
 from moestream.server.worker import Busy, Done, Failed, Job, Token
+
+if TYPE_CHECKING:
+    from moestream.server.app import ServerState
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
@@ -33,7 +37,7 @@ class Pending:
     started: float
 
 
-async def submit(state: Any, body: dict[str, Any], chat: bool, started: float) -> tuple[Pending, bool]:
+async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: float) -> tuple[Pending, bool]:
     """Validate `body`, build the prompt and queue it; returns the pending job and whether to stream.
 
     Raises:
@@ -72,13 +76,15 @@ async def submit(state: Any, body: dict[str, Any], chat: bool, started: float) -
     return Pending(job, shape, params.stop, endpoint, started), req.stream
 
 
-def stream(state: Any, pending: Pending) -> StreamingResponse:
+def stream(state: ServerState, pending: Pending) -> StreamingResponse:
     """The SSE response: text deltas, then a last chunk with usage, timings and moe, then [DONE]."""
+    # the background task also cancels a job whose client left before the first chunk was even asked for
     return StreamingResponse(_sse(state, pending), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(pending.job.cancel))
 
 
-async def answer(state: Any, pending: Pending, request: Request) -> Response:
+async def answer(state: ServerState, pending: Pending, request: Request) -> Response:
     """Wait for the whole generation and answer once; a client that leaves first cancels the job."""
     final = asyncio.ensure_future(_final(state, pending))
     gone = asyncio.ensure_future(_disconnected(request))
@@ -96,7 +102,7 @@ async def answer(state: Any, pending: Pending, request: Request) -> Response:
     return JSONResponse(pending.shape.whole(gen))
 
 
-async def _final(state: Any, pending: Pending) -> Generation:
+async def _final(state: ServerState, pending: Pending) -> Generation:
     first = True
     while True:
         event = await pending.job.events.get()
@@ -109,7 +115,7 @@ async def _final(state: Any, pending: Pending) -> Generation:
             return event.gen
 
 
-async def _sse(state: Any, pending: Pending) -> AsyncIterator[str]:
+async def _sse(state: ServerState, pending: Pending) -> AsyncIterator[str]:
     """The event stream; leaving it early (client gone, starlette cancels us) cancels the job."""
     tracker, shape, first, finished = DeltaTracker(pending.stops), pending.shape, True, False
     try:
@@ -153,7 +159,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _record(state: Any, pending: Pending, status: int) -> None:
+def _record(state: ServerState, pending: Pending, status: int) -> None:
     # tokens and finish reasons are counted by the worker (Metrics.generation), for cancelled jobs too
     state.metrics.requests.labels(pending.endpoint, str(status)).inc()
     state.metrics.latency.labels(pending.endpoint).observe(time.perf_counter() - pending.started)

@@ -50,7 +50,11 @@ class Prompts:
     def _encode(self, text: str) -> list[int]:
         # as Engine.encode: no special tokens added; an empty prompt becomes BOS (or EOS)
         tok = self.tokenizer
-        ids = list(tok.encode(text, add_special_tokens=False))
+        try:
+            ids = list(tok.encode(text, add_special_tokens=False))
+        except Exception as exc:  # the request's text, not the server, is at fault
+            raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt",
+                           code="invalid_value") from None
         return ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
