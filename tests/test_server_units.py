@@ -132,3 +132,22 @@ def test_serve_arguments(tiny_dir, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert main(["serve", str(tiny_dir("qwen3_moe")), "--max-body", "lots"]) == 2
     assert "--max-body: not a byte size" in capsys.readouterr().err
+
+
+def test_serve_records_a_trace_and_closes_it_on_sigterm(tiny_dir, tmp_path):
+    from test_server_harness import LiveServer
+
+    from moestream.trace import read_trace
+
+    path = tmp_path / "serve.parquet"
+    server = LiveServer(tiny_dir("qwen3_moe"), ["--cache", "1MiB", "--trace", str(path), "--no-trace-predict"])
+    try:
+        first = server.http.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True})
+        second = server.http.post("/v1/completions", json={"prompt": [9], "max_tokens": 2, "ignore_eos": True})
+    finally:
+        server.stop()  # SIGTERM: the engine must still close the trace
+    assert server.proc.returncode == 0
+    trace = read_trace(path)
+    assert trace.request_names == [first.json()["id"], second.json()["id"]]
+    assert len(trace) == ((4 + 2) + (1 + 1)) * 2  # (prompt + fed-back tokens) x 2 MoE layers
+    assert not trace.has_predictions

@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
 from moestream.errors import MoestreamError
@@ -84,8 +86,27 @@ def run(args: argparse.Namespace) -> int:
         host, port = sock.getsockname()[:2]
         print(f"moestream: serving {model_id!r} on http://{_url_host(host)}:{port}/v1"
               f"{' (API key required)' if args.api_key else ''}", flush=True)
-        uvicorn.Server(config).run(sockets=[sock])
+        _run_until_stopped(uvicorn.Server(config), sock)
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived; raised out of uvicorn so that the engine is closed on the way out."""
+
+
+def _run_until_stopped(server: Any, sock: socket.socket) -> None:
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the previous handler; the
+    # default one would kill the process before the trace is finished and the GPU clock floor restored
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        server.run(sockets=[sock])
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _url_host(host: str) -> str:
