@@ -20,6 +20,7 @@ import torch
 
 from moestream.engine.engine import Engine, Generation
 from moestream.engine.sampling import SamplingParams
+from moestream.errors import MoestreamError
 
 log = logging.getLogger("moestream.server")
 
@@ -115,7 +116,7 @@ class Worker:
         return max(1, math.ceil(self.mean_seconds))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running and queued jobs and end the thread."""
+        """Cancel the running job, fail the queued ones (their clients get an answer) and end the thread."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -123,10 +124,12 @@ class Worker:
                 break
             if job is not None:
                 job.cancel()
+                job.emit(Failed(MoestreamError("the server is shutting down")))
         if self.running is not None:
             self.running.cancel()
-        self.jobs.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.jobs.put(None)
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
