@@ -89,6 +89,7 @@ class ExpertCache:
         piece_bytes: int = 128 * 1024,
         lock_memory: bool = True,
         policy_factory: Callable[[], EvictionPolicy] = LRUPolicy,
+        warn_working_set: bool = True,
     ) -> None:
         if piece_bytes < 4096 or piece_bytes % 4096:
             raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {piece_bytes}")
@@ -98,12 +99,14 @@ class ExpertCache:
         self._job_seq = itertools.count()
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
-        self._check_budget(budget_bytes, top_k)
+        # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
+        self.on_evict: Callable[[SlotState], None] | None = None
+        self._check_budget(budget_bytes, top_k, warn_working_set)
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
 
-    def _check_budget(self, budget: int, top_k: int) -> None:
+    def _check_budget(self, budget: int, top_k: int, warn_working_set: bool) -> None:
         minimum, working_set = budget_requirements(self.emap, top_k)
         if budget < minimum:
             raise CacheBudgetError(
@@ -111,7 +114,7 @@ class ExpertCache:
                 f"(top_k {top_k} x largest expert slot = {format_size(minimum)}, {minimum} bytes); "
                 f"use a cache of at least {format_size(minimum)}"
             )
-        if budget < working_set:
+        if warn_working_set and budget < working_set:
             warnings.warn(
                 f"cache budget {format_size(budget)} is smaller than one token's working set over all layers "
                 f"({format_size(working_set)}): expect most experts to be read again for every token",
@@ -151,6 +154,15 @@ class ExpertCache:
         """Start one layer forward over `experts` (distinct, in execution order)."""
         return LayerJob(self, layer, experts, next(self._job_seq))
 
+    def touch_if_resident(self, key: Key) -> None:
+        """Count a use of `key` in the eviction order without reading or pinning it (a faster tier hit)."""
+        with self.lock:
+            if key in self._states:
+                self._states[key].cls.residents.touch(key)
+
+    def state_of(self, key: Key) -> SlotState:
+        return self._states[key]
+
     def resident_keys(self) -> set[Key]:
         with self.lock:
             return {key for c in self.classes for key in c.residents._slot_of}
@@ -175,7 +187,9 @@ class ExpertCache:
         cls = self._class_of[key]
         slot, evicted = cls.residents.admit(key)
         if evicted is not None:
-            del self._states[evicted]
+            victim = self._states.pop(evicted)
+            if self.on_evict is not None:
+                self.on_evict(victim)
             self.stats.evictions += 1
         plan = self._plans.get(key)
         if plan is None:

@@ -10,7 +10,10 @@ from moestream.cli._power_args import add_gpu_floor_argument
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--cache", default="512MiB", help="expert cache budget, e.g. 512MiB, 2GiB (default 512MiB)")
-    group.add_argument("--device", default="cpu", help="compute device (default cpu)")
+    group.add_argument("--device", default="cpu", help="compute device: cpu, cuda or cuda:N (default cpu)")
+    group.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert cache (default: --cache)")
+    group.add_argument("--host-cache", default="0",
+                       help="CUDA: pinned host cache between disk and GPU (default 0: staging only)")
     group.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"],
                        help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map")
     group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
@@ -23,6 +26,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(cache=args.cache, device=args.device, io_mode=args.io_mode, io_threads=args.io_threads,
+    return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache, io_mode=args.io_mode, io_threads=args.io_threads,
                 piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
                 gpu_floor=args.gpu_floor)

@@ -8,19 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers.activations import ACT2FN
 
-from moestream.cache.expert_cache import ExpertCache
+from moestream.engine.device import build_runtime
 from moestream.engine.loop import ForwardStep, token_stream
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler, SamplingParams
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
-from moestream.model.arch import arch_for, num_experts, text_config, top_k
+from moestream.model.arch import arch_for, num_experts, top_k
 from moestream.model.loader import build_model, load_config, streaming_modules
-from moestream.runtime.experts import ExpertRuntime, GptOssParams
-from moestream.runtime.weights import TORCH_DTYPES
 from moestream.store.checkpoint import open_checkpoint, resolve_path
 from moestream.store.experts import ExpertMap, build_expert_map
 from moestream.units import format_size
@@ -76,6 +73,9 @@ class Engine:
         checkpoint = open_checkpoint(path)
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(path, self.config, self.arch, dtype)
+        self.device = torch.device(options.device)
+        if self.device.type == "cuda":
+            self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
         modules = streaming_modules(self.model)
         self.top_k = top_k(self.config)
         self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
@@ -108,19 +108,18 @@ class Engine:
         try:
             for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
-            self.cache = ExpertCache(self.emap, options.cache, self.reader, top_k=self.top_k,
-                                     piece_bytes=options.piece, lock_memory=options.lock_memory)
+            self.cache, self.runtime = build_runtime(self.emap, self.reader, options, self.config, self.top_k,
+                                                     self.device, self.dtype)
         except BaseException:
             self.reader.close()
             raise
-        self.runtime = self._make_runtime()
         for layer, module in modules:
             module.bind(layer, self.runtime)
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece` or
         `lock_memory`, keeping the loaded model: side-by-side comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory"}
+        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache"}
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -141,15 +140,6 @@ class Engine:
             self.reader.close()
             raise
 
-    def _make_runtime(self) -> ExpertRuntime:
-        cfg = text_config(self.config)
-        dtype = next(self.model.parameters()).dtype
-        if self.arch.family == "gpt_oss":
-            biases = {key: _read_tensor(ref, dtype) for key, ref in self.emap.resident.items()}
-            params = GptOssParams(alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(cfg.swiglu_limit))
-            return ExpertRuntime(self.cache, None, gpt_oss=params, biases=biases)
-        return ExpertRuntime(self.cache, ACT2FN[cfg.hidden_act])
-
     # --- description -------------------------------------------------------------------------
 
     @property
@@ -159,19 +149,27 @@ class Engine:
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         o, c = self.options, self.cache
+        if self.device.type == "cuda":
+            gpu = self.runtime.gpu
+            memory = (f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
+                      f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots")
+        else:
+            memory = (f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
+                      f"({'locked' if c.locked else 'unlocked'})")
         io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
         return (
-            f"moestream: {self.config.model_type} on {o.device} | io {io}, {o.io_threads} io threads, "
-            f"{o.piece // 1024} KiB pieces | cache {format_size(o.cache)} = {c.capacity} slots of "
-            f"{format_size(c.slot_bytes)} ({'locked' if c.locked else 'unlocked'}) of "
+            f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
+            f"{o.piece // 1024} KiB pieces | {memory} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
         )
 
     def counters(self) -> Counters:
+        """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         s = self.cache.stats
-        return Counters(self.reader.bytes_read, s.hits, s.misses, s.read_wait_s)
+        gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
+        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -303,10 +301,3 @@ def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def _read_tensor(ref: Any, dtype: torch.dtype) -> torch.Tensor:
-    with open(ref.file, "rb") as f:
-        f.seek(ref.offset)
-        raw = bytearray(f.read(ref.nbytes))
-    return torch.frombuffer(raw, dtype=TORCH_DTYPES[ref.dtype]).reshape(ref.shape).to(dtype)

@@ -17,11 +17,12 @@ class ForwardStep:
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.trim_logits = "logits_to_keep" in params
+        self.device = next(model.parameters()).device
 
     @torch.inference_mode()
     def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
         """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32, cache)."""
-        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids]), "use_cache": True}
+        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids], device=self.device), "use_cache": True}
         if self.trim_logits:
             kwargs["logits_to_keep"] = 1
         if cache is not None:
@@ -30,7 +31,7 @@ class ForwardStep:
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[0, -1].float(), new_cache
+        return out.logits[0, -1].float().cpu(), new_cache  # sampling runs on the host
 
 
 def token_stream(step: ForwardStep, prompt: list[int], sample, max_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:

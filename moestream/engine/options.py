@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from moestream.io.reader import IO_MODES
 from moestream.units import parse_size
 
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -22,14 +22,23 @@ class EngineOptions:
     threads: int | None = None
     dtype: str = "auto"
     lock_memory: bool = True
+    gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
+    host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
         self.cache = parse_size(self.cache)
         self.piece = parse_size(self.piece)
-        if self.device not in DEVICES:
-            raise ValueError(f"device {self.device!r} is not supported by this build (supported: {', '.join(DEVICES)})")
+        self.gpu_cache = self.cache if self.gpu_cache is None else parse_size(self.gpu_cache)
+        self.host_cache = parse_size(self.host_cache)
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not supported (supported: cpu, cuda, cuda:N)")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} was asked for, but this torch build sees no CUDA device")
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
         if self.io_threads < 1:

@@ -20,13 +20,17 @@ class SlotTensors:
     def __init__(self) -> None:
         self._bytes: dict[int, torch.Tensor] = {}
 
-    def view(self, buffer: AlignedBuffer, offset: int, part: PartRead) -> torch.Tensor:
-        """A tensor of the part's dtype and shape over its bytes in the slot (no copy when aligned)."""
+    def bytes_of(self, buffer: AlignedBuffer) -> torch.Tensor:
+        """The whole buffer as a uint8 tensor (no copy)."""
         whole = self._bytes.get(id(buffer))
         if whole is None:
             whole = torch.frombuffer(buffer.view, dtype=torch.uint8)
             self._bytes[id(buffer)] = whole
-        raw = whole[offset:offset + part.ref.nbytes]
+        return whole
+
+    def view(self, buffer: AlignedBuffer, offset: int, part: PartRead) -> torch.Tensor:
+        """A tensor of the part's dtype and shape over its bytes in the slot (no copy when aligned)."""
+        raw = self.bytes_of(buffer)[offset:offset + part.ref.nbytes]
         dtype = TORCH_DTYPES[part.ref.dtype]
         if offset % dtype.itemsize:
             raw = raw.clone()  # misaligned for the element type (odd header padding): copy once

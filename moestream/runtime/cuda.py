@@ -1,0 +1,232 @@
+"""Experts computed on an NVIDIA GPU: a GPU slot tier fed from pinned host slots by a copy stream.
+
+Tiers, from fast to slow: GPU slots (`GpuTier`, LRU) <- pinned host slots (the `ExpertCache`, LRU,
+O_DIRECT reads land there) <- the checkpoint on disk. A layer forward:
+  * GPU-resident experts are computed at once (no host work but enqueueing kernels);
+  * the others go through the host cache as on the CPU; when a kind's bytes are in pinned memory, the
+    compute thread enqueues its copy on the copy stream and records an event, and the compute stream
+    waits for that event on the GPU, so the copy of one expert overlaps the compute of another and the
+    host never waits for the GPU;
+  * in a GPU slot, gate and up are adjacent ([2I,H], gate rows first), so gate+up is one matmul, the
+    same operation transformers' eager experts run.
+The one host synchronisation per layer is the readback of the routing (`top_k_index.tolist()`).
+Reusing a pinned host slot whose copy to the GPU might still be running waits for that copy's event;
+those waits are counted in `CudaStats.host_syncs` (a slot is reused long after its copy, so they are
+normally zero).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moestream.cache.expert_cache import ExpertCache, LayerJob
+from moestream.cache.policy import LRUPolicy, ResidentSet
+from moestream.errors import CacheBudgetError
+from moestream.io.memory import AlignedBuffer
+from moestream.runtime.experts import ExpertRuntime, Route
+from moestream.runtime.weights import TORCH_DTYPES
+from moestream.store.experts import ExpertMap
+from moestream.units import format_size, round_up
+
+_ALIGN = 256  # start of every kind in a GPU slot (the gate->up boundary excepted)
+
+
+@dataclass
+class CudaStats:
+    gpu_hits: int = 0
+    gpu_misses: int = 0  # experts copied host -> GPU
+    copy_bytes: int = 0
+    host_syncs: int = 0  # waits on a copy event before reusing a pinned host slot
+
+
+@dataclass
+class GpuSlot:
+    slot: int
+    pins: int = 0
+    copied: dict[str, torch.cuda.Event] = field(default_factory=dict)  # kind -> copy done
+    last_use: torch.cuda.Event | None = None  # compute done reading this slot
+
+
+def gpu_layout(emap: ExpertMap, key: tuple[int, int]) -> tuple[dict[str, list[tuple[int, Any]]], int]:
+    """Offsets of every part of one expert in a GPU slot: kind -> [(offset, ref)], and the slot size."""
+    cursor, layout = 0, {}
+    for kind in emap.kinds:
+        if kind != "up":  # up must directly follow gate so that [gate; up] is one [2I,H] matrix
+            cursor = round_up(cursor, _ALIGN)
+        layout[kind] = []
+        for ref in emap.units[key][kind]:
+            layout[kind].append((cursor, ref))
+            cursor += ref.nbytes
+    return layout, round_up(cursor, _ALIGN)
+
+
+class GpuTier:
+    """GPU slots in one allocation, LRU, with per-slot copy and last-use events."""
+
+    def __init__(self, emap: ExpertMap, budget_bytes: int, device: torch.device, top_k: int) -> None:
+        self.layouts = {k: gpu_layout(emap, k)[0] for k in emap.units}
+        self.slot_bytes = max(gpu_layout(emap, k)[1] for k in emap.units)
+        capacity = min(len(emap.units), budget_bytes // self.slot_bytes)
+        if capacity < top_k:
+            raise CacheBudgetError(
+                f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
+                f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}")
+        self.capacity, self.device = capacity, device
+        self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.residents = ResidentSet(capacity, LRUPolicy())
+        self.slots: dict[tuple[int, int], GpuSlot] = {}
+
+    def victim_free(self) -> bool:
+        """Whether admitting one more expert would not evict a slot in use by the current layer."""
+        victim = self.residents.next_victim()
+        return victim is None or self.slots[victim].pins == 0
+
+    def admit(self, key: tuple[int, int]) -> GpuSlot:
+        slot, evicted = self.residents.admit(key)
+        previous = self.slots.pop(evicted, None) if evicted is not None else None
+        state = GpuSlot(slot, pins=1)
+        if previous is not None:
+            state.last_use = previous.last_use  # a copy into this slot must wait for its old readers
+        self.slots[key] = state
+        return state
+
+
+class CudaExpertRuntime(ExpertRuntime):
+    """Routed experts on a CUDA device, fed by `GpuTier` <- pinned `ExpertCache` <- disk."""
+
+    def __init__(self, cache: ExpertCache, gpu: GpuTier, act_fn: Any, **kwargs: Any) -> None:
+        super().__init__(cache, act_fn, **kwargs)
+        self.gpu, self.device = gpu, gpu.device
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+        self.cuda_stats = CudaStats()
+        self._pending_copies: dict[int, list[torch.cuda.Event]] = {}  # id(host slot state) -> copy events
+        for c in cache.classes:
+            register_pinned(c.buffer)
+        cache.on_evict = self._before_host_reuse
+
+    def _stage_kinds(self) -> list[tuple[str, ...]]:
+        if self.emap.family == "swiglu":
+            return [("gate", "up"), ("down",)]
+        return [(kind,) for kind in self.emap.kinds]
+
+    def _routes(self, rows: list[list[int]], device: torch.device) -> dict[int, Route]:
+        """Token and position indices of every expert, sent to the GPU in one asynchronous copy."""
+        order, flat_t, flat_p = [], [], []
+        for t, row in enumerate(rows):
+            for p, expert in enumerate(row):
+                order.append(expert)
+                flat_t.append(t)
+                flat_p.append(p)
+        host = torch.tensor([flat_t, flat_p], dtype=torch.int64).pin_memory()
+        both = host.to(device, non_blocking=True)
+        groups: dict[int, list[int]] = {}
+        for i, expert in enumerate(order):
+            groups.setdefault(expert, []).append(i)
+        routes = {}
+        for expert, idx in groups.items():
+            sel = torch.tensor(idx).pin_memory().to(device, non_blocking=True)
+            routes[expert] = Route(both[0].index_select(0, sel), both[1].index_select(0, sel))
+        return routes
+
+    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route]) -> dict[int, torch.Tensor]:
+        resident = [e for e in order if (layer, e) in self.gpu.residents]
+        rest = [e for e in order if (layer, e) not in self.gpu.residents]
+        self.cuda_stats.gpu_hits += len(resident)
+        outputs = {}
+        for expert in resident:  # GPU hits: computed at once
+            key = (layer, expert)
+            self.gpu.residents.touch(key)
+            self.cache.touch_if_resident(key)  # keep the host copy warm, so a GPU eviction can fall back to it
+            carry = None
+            for index in range(len(self.stages)):
+                carry = self._stage(_GpuOnly(layer), expert, index, hidden, routes[expert], carry)
+            outputs[expert] = carry
+            self._mark_used(key)
+        if rest:
+            outputs.update(self._run(self.cache.open_layer(layer, rest), hidden, routes, rest))
+        return outputs
+
+    def _prepare(self, job: LayerJob, expert: int, stage: int) -> bool:
+        key = (job.layer, expert)
+        state = self.gpu.slots.get(key)
+        if state is None:
+            if not self.gpu.victim_free():
+                return False  # every GPU slot is held by this layer's unfinished experts
+            state = self.gpu.admit(key)
+            self.cuda_stats.gpu_misses += 1
+        for kind in self.stages[stage]:
+            if kind not in state.copied:
+                self._copy(job, key, kind, state)
+        compute = torch.cuda.current_stream(self.device)
+        for kind in self.stages[stage]:
+            compute.wait_event(state.copied[kind])
+        return True
+
+    def _copy(self, job: LayerJob, key: tuple[int, int], kind: str, state: GpuSlot) -> None:
+        """Enqueue host slot -> GPU slot for one kind on the copy stream; record its event."""
+        with torch.cuda.stream(self.copy_stream):
+            if state.last_use is not None:
+                self.copy_stream.wait_event(state.last_use)
+            host_state = self.cache.state_of(key)
+            for (buffer, offset, part), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]):
+                src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
+                dst_start = state.slot * self.gpu.slot_bytes + gpu_offset
+                self.gpu.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
+                self.cuda_stats.copy_bytes += ref.nbytes
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        state.copied[kind] = event
+        self._pending_copies.setdefault(id(host_state), []).append(event)
+
+    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
+        key = (job.layer, expert)
+        state = self.gpu.slots.get(key)
+        if state is None:
+            return
+        state.pins -= 1
+        if failed:
+            self.gpu.residents.remove(key)
+            del self.gpu.slots[key]
+        else:
+            self._mark_used(key)
+
+    def _mark_used(self, key: tuple[int, int]) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.gpu.slots[key].last_use = event
+
+    def _before_host_reuse(self, host_state: Any) -> None:
+        for event in self._pending_copies.pop(id(host_state), []):
+            if not event.query():
+                self.cuda_stats.host_syncs += 1
+                event.synchronize()
+
+    def _weight(self, job: Any, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        key = (job.layer, expert)
+        if kind == "gate_up" and self.emap.family == "swiglu":
+            (gate_off, gate), (_, up) = self.gpu.layouts[key]["gate"][0], self.gpu.layouts[key]["up"][0]
+            start = self.gpu.slots[key].slot * self.gpu.slot_bytes + gate_off
+            raw = self.gpu.buffer[start:start + gate.nbytes + up.nbytes]
+            weight = raw.view(TORCH_DTYPES[gate.dtype]).view(gate.shape[0] + up.shape[0], gate.shape[1])
+            return weight if weight.dtype == dtype else weight.to(dtype)
+        parts = []
+        for offset, ref in self.gpu.layouts[key][kind]:
+            start = self.gpu.slots[key].slot * self.gpu.slot_bytes + offset
+            parts.append(self.gpu.buffer[start:start + ref.nbytes].view(TORCH_DTYPES[ref.dtype]).view(ref.shape))
+        return self._assemble(parts, dtype)
+
+
+@dataclass
+class _GpuOnly:
+    """Stands in for a LayerJob when an expert is computed straight from the GPU tier."""
+
+    layer: int
+
+
+def register_pinned(buffer: AlignedBuffer) -> None:
+    """Page-lock an existing host allocation for asynchronous copies (cudaHostRegister)."""
+    err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
