@@ -44,7 +44,8 @@ def _math_kwargs(emap: ExpertMap, config: Any, device: torch.device, dtype: torc
     if emap.family != "gpt_oss":
         return {"act_fn": ACT2FN[cfg.hidden_act]}
     biases = {key: _read_tensor(ref, dtype).to(device) for key, ref in emap.resident.items()}
-    params = GptOssParams(alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(cfg.swiglu_limit))
+    # transformers < 5.2x hard-codes these two constants of gpt-oss's clamped SwiGLU
+    params = GptOssParams(alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(getattr(cfg, "swiglu_limit", 7.0)))
     return {"act_fn": None, "gpt_oss": params, "biases": biases}
 
 

@@ -126,7 +126,7 @@ class Engine:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
-        self.reader.close()
+        self._close_streaming()
         self.options = options
         self._stream_experts(streaming_modules(self.model))
 
@@ -270,6 +270,12 @@ class Engine:
         self.stop_trace()
         if self.floor is not None:
             self.floor.close()
+        self._close_streaming()
+
+    def _close_streaming(self) -> None:
+        close = getattr(self.runtime, "close", None)
+        if close is not None:
+            close()
         self.reader.close()
 
     def __enter__(self) -> "Engine":

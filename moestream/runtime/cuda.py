@@ -102,9 +102,17 @@ class CudaExpertRuntime(ExpertRuntime):
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self.cuda_stats = CudaStats()
         self._pending_copies: dict[int, list[torch.cuda.Event]] = {}  # id(host slot state) -> copy events
-        for c in cache.classes:
-            register_pinned(c.buffer)
+        self._registered = [c.buffer for c in cache.classes]
+        for buffer in self._registered:
+            register_pinned(buffer)
         cache.on_evict = self._before_host_reuse
+
+    def close(self) -> None:
+        """Wait for the GPU, then unpin the host slots (before their memory can be unmapped)."""
+        torch.cuda.synchronize(self.device)
+        for buffer in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(buffer.address)
+        self._registered = []
 
     def _stage_kinds(self) -> list[tuple[str, ...]]:
         if self.emap.family == "swiglu":

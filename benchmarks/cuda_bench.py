@@ -1,0 +1,110 @@
+"""CUDA benchmark, side by side in one run (for the GPU machine; needs root to drop the page cache).
+
+  1. the raw O_DIRECT ceiling of the disk holding the checkpoint (benchmarks/io_ceiling.py);
+  2. moestream --device cuda at each GPU budget (host cache 0: pinned staging only);
+  3. all experts resident in pinned host memory (host cache = all experts, second pass: the upper bound);
+  4. transformers + accelerate with disk offload (device_map + offload_folder), what a Python user
+     would pick today.
+Each run starts from a dropped page cache. Output: one JSON line per run, then a Markdown table.
+
+    python benchmarks/cuda_bench.py CHECKPOINT --gpu-budgets 2GiB,8GiB,24GiB --tokens 16 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from io_ceiling import expert_ranges, measure  # noqa: E402
+
+PROMPT = "The history of the printing press shows how a new machine can change the way people"
+
+MOESTREAM = """
+import json, sys, moestream
+path, gpu, host, tokens, passes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=host) as e:
+    mode = e.mode_line()
+    for _ in range(passes):
+        out = e.generate(sys.argv[6], max_tokens=tokens, ignore_eos=True)
+    s = out.stats.to_dict()
+    s["host_syncs"] = e.runtime.cuda_stats.host_syncs
+    print(json.dumps({"mode": mode, "stats": s, "tokens": out.tokens}))
+"""
+
+ACCELERATE = """
+import json, sys, time, torch, transformers as T
+path, tokens, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+tok = T.AutoTokenizer.from_pretrained(path)
+t0 = time.perf_counter()
+model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
+    max_memory={0: "4GiB", "cpu": "4GiB"}, offload_folder=offload)
+load_s = time.perf_counter() - t0
+ids = torch.tensor([tok.encode(sys.argv[4], add_special_tokens=False)], device="cuda:0")
+t0 = time.perf_counter()
+out = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+prefill_s = time.perf_counter() - t0
+t0 = time.perf_counter()
+out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+total_s = time.perf_counter() - t0
+decode_tok_s = (tokens - 1) / max(1e-9, total_s - prefill_s)
+print(json.dumps({"load_s": load_s, "prefill_tok_s": ids.shape[1] / prefill_s, "decode_tok_s": decode_tok_s,
+                  "tokens": out[0, ids.shape[1]:].tolist()}))
+"""
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def child(code: str, *args: str, timeout: float) -> dict:
+    drop_caches()
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:], "wall_s": time.perf_counter() - start}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--gpu-budgets", default="2GiB,8GiB,24GiB")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--accelerate-tokens", type=int, default=3)
+    p.add_argument("--skip", default="", help="comma list of: ceiling,moestream,resident,accelerate")
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    out = Path(args.out)
+    skip = set(args.skip.split(","))
+    results: dict = {"checkpoint": args.checkpoint, "runs": {}}
+
+    def record(name: str, value: dict) -> None:
+        results["runs"][name] = value
+        print(json.dumps({name: {k: v for k, v in value.items() if k != "tokens"}}), flush=True)
+        (out / "cuda_bench.json").write_text(json.dumps(results, indent=1))
+
+    if "ceiling" not in skip:
+        drop_caches()
+        record("ceiling", measure(expert_ranges(args.checkpoint), 128 * 1024, 4, 10.0))
+    if "moestream" not in skip:
+        for budget in args.gpu_budgets.split(","):
+            record(f"moestream gpu {budget}", child(MOESTREAM, args.checkpoint, budget, "0", str(args.tokens), "1",
+                                                   PROMPT, timeout=300))
+    if "resident" not in skip:
+        record("all experts in pinned host memory", child(MOESTREAM, args.checkpoint, "2GiB", "64GiB",
+                                                          str(args.tokens), "2", PROMPT, timeout=400))
+    if "accelerate" not in skip:
+        record("transformers+accelerate disk offload", child(ACCELERATE, args.checkpoint, str(args.accelerate_tokens),
+                                                              str(out / "offload"), PROMPT, timeout=400))
+
+
+if __name__ == "__main__":
+    main()
