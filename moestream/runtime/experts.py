@@ -44,6 +44,7 @@ class _Progress:
     ready: dict[int, set[str]]
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
     stalled: list[int] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
     error: BaseException | None = None
     remaining: int = 0
 
@@ -97,16 +98,20 @@ class ExpertRuntime:
                 p.error = failure
                 p.remaining -= len(job.drop_pending())  # never admitted: nothing in flight to wait for
             p.ready[expert].add(kind)
-            if self._advance(job, expert, hidden, routes, p):
-                for stalled in list(p.stalled):  # a finished expert may have freed what they wait for
+            progressed = self._advance(job, expert, hidden, routes, p)
+            while progressed and p.stalled:  # a finished expert may have freed what stalled ones wait for
+                progressed = False
+                for stalled in list(p.stalled):
                     p.stalled.remove(stalled)
-                    self._advance(job, stalled, hidden, routes, p)
+                    progressed |= self._advance(job, stalled, hidden, routes, p)
         if p.error is not None:
             raise p.error
         return p.carry
 
     def _advance(self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress) -> bool:
         """Run every stage of `expert` whose kinds are in. Returns True when the expert finished."""
+        if expert in p.finished or expert in p.stalled:
+            return False  # already done, or queued for a retry when a slot frees
         while p.stage[expert] < len(self.stages) and p.ready[expert].issuperset(self.stages[p.stage[expert]]):
             if p.error is None:
                 if not self._prepare(job, expert, p.stage[expert]):
@@ -116,6 +121,7 @@ class ExpertRuntime:
             p.stage[expert] += 1
         if p.stage[expert] < len(self.stages):
             return False
+        p.finished.add(expert)
         self._finish(job, expert, failed=p.error is not None)
         job.release(expert)
         p.remaining -= 1
