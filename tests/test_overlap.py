@@ -56,3 +56,40 @@ def test_thousand_forwards_identical_under_random_completion(tiny_dir, monkeypat
     finally:
         engine.close()
     assert engine.cache.stats.misses - misses_before > 1000  # the cache really was streaming
+
+
+def test_stalled_experts_retry_until_done(tiny_dir, monkeypatch):
+    """A runtime whose device holds at most 2 experts at a time (like a tiny GPU tier) must stall and retry
+    experts without skipping or repeating any: same output as the resident computation."""
+    from moestream.runtime.experts import ExpertRuntime
+
+    class TwoSlots(ExpertRuntime):
+        held: set = set()
+
+        def _prepare(self, job, expert, stage):
+            if stage == 0 and (job.layer, expert) not in self.held:
+                if len(self.held) >= 2:
+                    return False
+                self.held.add((job.layer, expert))
+            return True
+
+        def _finish(self, job, expert, failed):
+            self.held.discard((job.layer, expert))
+
+    path = tiny_dir("qwen3_moe", experts=16, top_k=4)
+    monkeypatch.setattr("moestream.engine.engine.Reader", lambda mode, threads: JitteryReader(mode, 8, seed=5))
+    engine = moestream.load(str(path), cache=8 * 36 * 1024, io_mode="direct")
+    runtime = TwoSlots(engine.cache, torch.nn.functional.silu)
+    sd = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for i in range(200):
+            tokens = 1 + (i % 5)
+            hidden = torch.randn(tokens, 64, generator=gen)
+            index = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(tokens)])
+            weights = torch.rand(tokens, 4, generator=gen)
+            got = runtime.forward(i % 2, hidden, index, weights)
+            assert torch.equal(got, _resident_experts(sd, i % 2, hidden, index, weights)), i
+            assert not runtime.held
+    finally:
+        engine.close()
