@@ -22,6 +22,7 @@ def references(tiny_dir):
             path = tiny_dir(arch)
             extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if arch.endswith("mxfp4") else {}
             model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+            model.float()  # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
             model.eval()
             out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                  do_sample=False)
