@@ -12,6 +12,7 @@ import heapq
 import itertools
 import mmap
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -24,6 +25,10 @@ from moestream.io.memory import memmove
 
 IO_MODES = ("direct", "pagecache", "mmap")
 ALIGN = 4096
+# An I/O thread whose read returned needs the GIL to queue its next read; with CPython's default 5 ms
+# switch interval it can wait that long behind a compute thread running Python (the CUDA path, which
+# mostly enqueues kernels), leaving the disk idle. 200 us keeps a read in flight per thread.
+SWITCH_INTERVAL_S = float(os.environ.get("MOESTREAM_SWITCH_INTERVAL", "0.0002"))
 
 
 @dataclass
@@ -71,6 +76,8 @@ class Reader:
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
+        if SWITCH_INTERVAL_S > 0:
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.bytes_read = 0  # bytes asked of the file system (aligned lengths)
         self._threads = [
             threading.Thread(target=self._run, name=f"moestream-io-{i}", daemon=True) for i in range(threads)
