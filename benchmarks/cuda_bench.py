@@ -47,7 +47,7 @@ load_s = time.perf_counter() - t0
 # the offload folder was just written, so it sits in the page cache: drop it, or "disk" offload reads RAM
 import os
 os.sync()
-open("/proc/sys/vm/drop_caches", "w").write("3\n")
+open("/proc/sys/vm/drop_caches", "w").write("3")
 ids = torch.tensor([tok.encode(sys.argv[4], add_special_tokens=False)], device="cuda:0")
 t0 = time.perf_counter()
 out = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
