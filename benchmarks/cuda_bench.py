@@ -37,26 +37,39 @@ with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=ho
 """
 
 ACCELERATE = """
-import json, sys, time, torch, transformers as T
+import json, os, sys, time, torch, transformers as T
+
+def drop():
+    os.sync()
+    open("/proc/sys/vm/drop_caches", "w").write("3")
+
+class Clock(T.LogitsProcessor):
+    # called once per generated token: note the time, then drop the page cache (not timed) so every
+    # token reads its offloaded experts from disk, as on a machine whose RAM cannot hold the model
+    def __init__(self):
+        self.marks, self.dropped = [], 0.0
+    def __call__(self, input_ids, scores):
+        self.marks.append(time.perf_counter() - self.dropped)
+        t = time.perf_counter()
+        drop()
+        self.dropped += time.perf_counter() - t
+        return scores
+
 path, tokens, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 tok = T.AutoTokenizer.from_pretrained(path)
 t0 = time.perf_counter()
 model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="auto",
     max_memory={0: "4GiB", "cpu": "4GiB"}, offload_folder=offload)
 load_s = time.perf_counter() - t0
-# the offload folder was just written, so it sits in the page cache: drop it, or "disk" offload reads RAM
-import os
-os.sync()
-open("/proc/sys/vm/drop_caches", "w").write("3")
+drop()  # the offload folder was just written and sits in the page cache
 ids = torch.tensor([tok.encode(sys.argv[4], add_special_tokens=False)], device="cuda:0")
-t0 = time.perf_counter()
-out = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-prefill_s = time.perf_counter() - t0
-t0 = time.perf_counter()
-out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-total_s = time.perf_counter() - t0
-decode_tok_s = (tokens - 1) / max(1e-9, total_s - prefill_s)
-print(json.dumps({"load_s": load_s, "prefill_tok_s": ids.shape[1] / prefill_s, "decode_tok_s": decode_tok_s,
+clock = Clock()
+start = time.perf_counter()
+out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                     logits_processor=T.LogitsProcessorList([clock]))
+m = clock.marks
+print(json.dumps({"load_s": load_s, "prefill_tok_s": ids.shape[1] / (m[0] - start),
+                  "decode_tok_s": (len(m) - 1) / (m[-1] - m[0]), "step_s": [b - a for a, b in zip(m, m[1:])],
                   "tokens": out[0, ids.shape[1]:].tolist()}))
 """
 
