@@ -74,3 +74,17 @@ def test_gpu_eviction_falls_back_to_the_host_tier(tiny_dir):
         assert second.tokens == first.tokens
         assert engine.reader.bytes_read == read  # every expert came from pinned host memory
         assert engine.runtime.cuda_stats.gpu_misses > 0  # while the small GPU tier kept evicting
+
+
+def test_unified_memory_tier_matches_stock(tiny_dir):
+    """--unified (automatic on Jetson): kernels read the pinned, device-mapped slots in place."""
+    path = tiny_dir("qwen3_moe")
+    ids, ref_logits = _bf16_reference(path, "qwen3_moe")
+    with moestream.load(str(path), device="cuda", cache="100KiB", unified=True, dtype="bfloat16") as engine:
+        assert "unified memory" in engine.mode_line()
+        gen = engine.generate(PROMPT, max_tokens=32, ignore_eos=True)
+        assert gen.tokens == ids[0, len(PROMPT):].tolist()
+        with torch.inference_mode():
+            logits = engine.model(ids).logits[0].float()
+        assert (logits - ref_logits).abs().max().item() <= 2e-2
+        assert engine.cache.stats.misses > len(engine.emap.units)  # 100 KiB: experts are re-read all the time

@@ -14,6 +14,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert cache (default: --cache)")
     group.add_argument("--host-cache", default="0",
                        help="CUDA: pinned host cache between disk and GPU (default 0: staging only)")
+    group.add_argument("--unified", action="store_const", const=True, default=None,
+                       help="CUDA: one pinned, device-mapped tier read in place by the GPU, no staging copy "
+                            "(default on integrated GPUs such as Jetson); --cache sets its size")
     group.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"],
                        help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map")
     group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
@@ -26,6 +29,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache, io_mode=args.io_mode, io_threads=args.io_threads,
+    return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache,
+                unified=args.unified, io_mode=args.io_mode, io_threads=args.io_threads,
                 piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
                 gpu_floor=args.gpu_floor)

@@ -25,8 +25,12 @@ def build_runtime(emap: ExpertMap, reader: Reader, options: EngineOptions, confi
         cache = ExpertCache(emap, options.cache, reader, top_k=top_k, piece_bytes=options.piece,
                             lock_memory=options.lock_memory)
         return cache, ExpertRuntime(cache, kwargs.pop("act_fn"), **kwargs)
-    from moestream.runtime.cuda import CudaExpertRuntime, GpuTier
+    from moestream.runtime.cuda import CudaExpertRuntime, GpuTier, UnifiedExpertRuntime
 
+    if uses_unified_memory(options, device):
+        cache = ExpertCache(emap, options.cache, reader, top_k=top_k, piece_bytes=options.piece,
+                            lock_memory=options.lock_memory)
+        return cache, UnifiedExpertRuntime(cache, kwargs.pop("act_fn"), device, **kwargs)
     minimum, working_set = budget_requirements(emap, top_k)
     # pinned host tier between disk and GPU; 0 means staging only (one layer's worst case)
     host = max(options.host_cache, minimum)
@@ -37,6 +41,13 @@ def build_runtime(emap: ExpertMap, reader: Reader, options: EngineOptions, confi
         warnings.warn(f"GPU + host cache ({format_size(gpu.capacity * gpu.slot_bytes + cache.allocated_bytes)}) is "
                       f"smaller than one token's working set ({format_size(working_set)})", RuntimeWarning, stacklevel=3)
     return cache, CudaExpertRuntime(cache, gpu, kwargs.pop("act_fn"), **kwargs)
+
+
+def uses_unified_memory(options: EngineOptions, device: torch.device) -> bool:
+    """--unified, or by default on integrated GPUs (Jetson), whose memory is the host's."""
+    if options.unified is not None:
+        return options.unified
+    return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
 
 
 def _math_kwargs(emap: ExpertMap, config: Any, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

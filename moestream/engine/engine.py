@@ -149,7 +149,10 @@ class Engine:
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         o, c = self.options, self.cache
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not hasattr(self.runtime, "gpu"):
+            memory = (f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
+                      f"(pinned, device-mapped, no staging copy)")
+        elif self.device.type == "cuda":
             gpu = self.runtime.gpu
             memory = (f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
                       f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots")

@@ -24,6 +24,7 @@ class EngineOptions:
     lock_memory: bool = True
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
+    unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 

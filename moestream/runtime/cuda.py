@@ -233,8 +233,71 @@ class _GpuOnly:
     layer: int
 
 
-def register_pinned(buffer: AlignedBuffer) -> None:
-    """Page-lock an existing host allocation for asynchronous copies (cudaHostRegister)."""
-    err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 0)
+def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
+    """Page-lock an existing host allocation (cudaHostRegister) for asynchronous copies, or, `mapped`,
+    for kernels to read it in place (cudaHostRegisterMapped)."""
+    err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 2 if mapped else 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
+
+
+class UnifiedExpertRuntime(ExpertRuntime):
+    """One tier for integrated GPUs (Jetson): pinned, device-mapped host slots that kernels read in place.
+
+    O_DIRECT reads land in the slots; the GPU computes straight from them (no staging copy). A slot is
+    refilled only after the kernels that read its previous expert are done (their event is waited for;
+    the waits are counted in `host_syncs`).
+    """
+
+    def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(cache, act_fn, **kwargs)
+        self.device = device
+        self.cuda_stats = CudaStats()
+        self._registered = [c.buffer for c in cache.classes]
+        self._aliases: dict[int, torch.Tensor] = {}
+        for buffer in self._registered:
+            register_pinned(buffer, mapped=True)
+            self._aliases[id(buffer)] = device_alias(buffer, device)
+        self._last_use: dict[int, torch.cuda.Event] = {}  # id(host slot state) -> kernels done
+        cache.on_evict = self._before_host_reuse
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for buffer in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(buffer.address)
+        self._registered = []
+
+    _routes = CudaExpertRuntime._routes
+
+    def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        parts = []
+        for buffer, offset, part in job.tensor_parts(expert, kind):
+            raw = self._aliases[id(buffer)][offset:offset + part.ref.nbytes]
+            parts.append(raw.view(TORCH_DTYPES[part.ref.dtype]).view(part.ref.shape))
+        return self._assemble(parts, dtype)
+
+    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._last_use[id(self.cache.state_of((job.layer, expert)))] = event
+
+    def _before_host_reuse(self, host_state: Any) -> None:
+        event = self._last_use.pop(id(host_state), None)
+        if event is not None and not event.query():
+            self.cuda_stats.host_syncs += 1
+            event.synchronize()
+
+
+class _CudaArray:
+    """`__cuda_array_interface__` for a device-visible byte range, so torch can alias it."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 3, "strides": None}
+
+
+def device_alias(buffer: AlignedBuffer, device: torch.device) -> torch.Tensor:
+    """A uint8 CUDA tensor over mapped pinned host memory (with unified addressing the device pointer
+    is the host pointer), for GPUs that read host memory in place."""
+    with torch.cuda.device(device):
+        return torch.as_tensor(_CudaArray(buffer.address, buffer.nbytes), device=device)
