@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from io_ceiling import expert_ranges, measure  # noqa: E402
 
+from moestream.bench.system import MemoryCgroup, device_for_path, drop_caches, make_memory_cgroup  # noqa: E402
 from moestream.units import GiB, MiB, parse_size  # noqa: E402
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
@@ -33,42 +33,9 @@ print(json.dumps({"stats": out.stats.to_dict(), "tokens": out.tokens}))
 """
 
 
-def block_device(path: str) -> str:
-    dev = os.stat(path).st_dev
-    name = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve().name
-    parent = Path(f"/sys/class/block/{name}/..").resolve()
-    return parent.name if (parent / "queue").exists() else name
-
-
-def set_readahead(device: str, kb: int) -> None:
-    Path(f"/sys/block/{device}/queue/read_ahead_kb").write_text(f"{kb}\n")
-
-
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def make_cgroup(limit: int) -> Path:
-    v1 = Path("/sys/fs/cgroup/memory")
-    if v1.is_dir():
-        group = v1 / "moestream-bench"
-        group.mkdir(exist_ok=True)
-        (group / "memory.limit_in_bytes").write_text(f"{limit}\n")
-        return group
-    group = Path("/sys/fs/cgroup/moestream-bench")
-    group.mkdir(exist_ok=True)
-    (group / "memory.max").write_text(f"{limit}\n")
-    return group
-
-
-def run_child(argv: list[str], cgroup: Path | None) -> dict:
-    def enter() -> None:
-        if cgroup is not None:
-            (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
-
+def run_child(argv: list[str], cgroup: MemoryCgroup | None) -> dict:
     start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=enter)
+    proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=cgroup.enter if cgroup else None)
     if proc.returncode != 0:
         raise SystemExit(f"child failed ({proc.returncode}): {' '.join(argv)}\n{proc.stderr[-2000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -76,12 +43,7 @@ def run_child(argv: list[str], cgroup: Path | None) -> dict:
     return result
 
 
-def device_read_bytes(device: str) -> int:
-    """Bytes the block device has read since boot (/sys/block/<dev>/stat, field 3 = sectors of 512 B)."""
-    return int(Path(f"/sys/block/{device}/stat").read_text().split()[2]) * 512
-
-
-def generate(ckpt: str, mode: str, args: argparse.Namespace, cgroup: Path | None) -> dict:
+def generate(ckpt: str, mode: str, args: argparse.Namespace, cgroup: MemoryCgroup | None) -> dict:
     drop_caches()
     argv = [sys.executable, "-m", "moestream", "generate", ckpt, "--prompt", PROMPT, "--max-tokens",
             str(args.tokens), "--ignore-eos", "--cache", args.cache, "--io-mode", mode, "--io-threads",
@@ -122,11 +84,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="repeat every run this often, interleaved; report medians")
     p.add_argument("--json", default=None, help="write all results here")
     args = p.parse_args()
-    device = block_device(args.checkpoint)
-    original_ra = int(Path(f"/sys/block/{device}/queue/read_ahead_kb").read_text())
-    cgroup = make_cgroup(parse_size(args.memory_limit)) if args.memory_limit else None
+    device = device_for_path(args.checkpoint)
+    if device is None:
+        raise SystemExit(f"{args.checkpoint} is not on a block device")
+    original_ra = device.readahead_kb()
+    cgroup = make_memory_cgroup(parse_size(args.memory_limit)) if args.memory_limit else None
     ranges = expert_ranges(args.checkpoint)
-    results = {"device": device, "readahead_default_kb": original_ra, "memory_limit": args.memory_limit,
+    results = {"device": device.describe(), "readahead_default_kb": original_ra, "memory_limit": args.memory_limit,
                "cache": args.cache, "tokens": args.tokens, "runs": []}
     drop_caches()
     results["ceiling_before"] = measure(ranges, 128 * 1024, args.io_threads, args.ceiling_seconds)
@@ -134,17 +98,17 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for ra in [int(x) for x in args.readahead_kb.split(",")]:
-                set_readahead(device, ra)
+                device.set_readahead_kb(ra)
                 for mode in args.modes.split(","):
                     if mode == "direct" and ra != int(args.readahead_kb.split(",")[0]):
                         continue  # O_DIRECT bypasses readahead: one run per round is enough
-                    before = device_read_bytes(device)
+                    before = device.bytes_read()
                     r = row(f"{mode} (readahead {ra} KiB)", generate(args.checkpoint, mode, args, cgroup))
-                    r["device_bytes_read"] = device_read_bytes(device) - before
+                    r["device_bytes_read"] = device.bytes_read() - before
                     runs.setdefault(r["run"], []).append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
     finally:
-        set_readahead(device, original_ra)
+        device.set_readahead_kb(original_ra)
     results["all_runs"] = runs
     results["runs"] = [median_row(rs) for rs in runs.values()]
     drop_caches()
