@@ -16,7 +16,7 @@ from moestream.engine.sampling import Sampler, SamplingParams
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
-from moestream.model.arch import arch_for, num_experts, top_k
+from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, load_config, streaming_modules
 from moestream.store.checkpoint import open_checkpoint, resolve_path
 from moestream.store.experts import ExpertMap, build_expert_map
@@ -70,6 +70,9 @@ class Engine:
             torch.set_num_threads(options.threads)
         self.config = load_config(path)
         self.arch = arch_for(self.config)
+        self.model_top_k = top_k(self.config)
+        if options.experts_per_token is not None:
+            _override_top_k(self.config, options.experts_per_token)
         checkpoint = open_checkpoint(path)
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(path, self.config, self.arch, dtype)
@@ -166,6 +169,8 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
+            + (f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
+               if self.top_k != self.model_top_k else "")
         )
 
     def counters(self) -> Counters:
@@ -286,6 +291,14 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _override_top_k(config: Any, k: int) -> None:
+    """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
+    cfg = text_config(config)
+    if k > num_experts(config):
+        raise MoestreamError(f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts")
+    cfg.num_experts_per_tok = k
 
 
 def _apply_stop(gen: Generation, stops: list[str]) -> bool:

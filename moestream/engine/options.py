@@ -25,6 +25,7 @@ class EngineOptions:
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
+    experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
@@ -48,5 +49,7 @@ class EngineOptions:
             raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {self.piece} bytes")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"compute threads must be at least 1, got {self.threads}")
+        if self.experts_per_token is not None and self.experts_per_token < 1:
+            raise ValueError(f"experts per token must be at least 1, got {self.experts_per_token}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
