@@ -36,3 +36,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 unified=args.unified, experts_per_token=args.experts_per_token, io_mode=args.io_mode, io_threads=args.io_threads,
                 piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
                 gpu_floor=args.gpu_floor)
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """--trace FILE and --no-trace-predict (generate, serve, bench)."""
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="record every layer's routing of every request to FILE (Parquet; see `moestream simulate`)")
+    parser.add_argument("--no-trace-predict", action="store_true",
+                        help="do not record the stale-gate prediction of the next layers' experts")

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,10 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="record every layer's routing to FILE (Parquet; see `moestream simulate`)")
-    p.add_argument("--no-trace-predict", action="store_true",
-                   help="do not record the stale-gate prediction of the next layers' experts")
+    add_trace_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
 

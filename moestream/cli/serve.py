@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
 from moestream.errors import MoestreamError
 
 
@@ -26,10 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)")
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="record every layer's routing of every request to FILE (Parquet; see `moestream simulate`)")
-    p.add_argument("--no-trace-predict", action="store_true",
-                   help="do not record the stale-gate prediction of the next layers' experts")
+    add_trace_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
 

@@ -93,18 +93,19 @@ class GpuTier:
         return state
 
 
-class CudaExpertRuntime(ExpertRuntime):
-    """Routed experts on a CUDA device, fed by `GpuTier` <- pinned `ExpertCache` <- disk."""
+class _PinnedHostRuntime(ExpertRuntime):
+    """What both CUDA runtimes share: the host cache's slots page-locked (unpinned on close), routes sent
+    to the GPU asynchronously, and waits on GPU events before a host slot is refilled (counted)."""
 
-    def __init__(self, cache: ExpertCache, gpu: GpuTier, act_fn: Any, **kwargs: Any) -> None:
+    def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, mapped: bool, **kwargs: Any) -> None:
         super().__init__(cache, act_fn, **kwargs)
-        self.gpu, self.device = gpu, gpu.device
-        self.copy_stream = torch.cuda.Stream(device=self.device)
+        self.device = device
         self.cuda_stats = CudaStats()
-        self._pending_copies: dict[int, list[torch.cuda.Event]] = {}  # id(host slot state) -> copy events
         self._registered = [c.buffer for c in cache.classes]
         for buffer in self._registered:
-            register_pinned(buffer)
+            register_pinned(buffer, mapped=mapped)
+        # id(host slot state) -> the last GPU work reading it; one stream per runtime orders the rest before it
+        self._host_events: dict[int, torch.cuda.Event] = {}
         cache.on_evict = self._before_host_reuse
 
     def close(self) -> None:
@@ -113,11 +114,6 @@ class CudaExpertRuntime(ExpertRuntime):
         for buffer in self._registered:
             torch.cuda.cudart().cudaHostUnregister(buffer.address)
         self._registered = []
-
-    def _stage_kinds(self) -> list[tuple[str, ...]]:
-        if self.emap.family == "swiglu":
-            return [("gate", "up"), ("down",)]
-        return [(kind,) for kind in self.emap.kinds]
 
     def _routes(self, rows: list[list[int]], device: torch.device) -> dict[int, Route]:
         """Token and position indices of every expert, sent to the GPU in one asynchronous copy."""
@@ -137,6 +133,29 @@ class CudaExpertRuntime(ExpertRuntime):
             sel = torch.tensor(idx).pin_memory().to(device, non_blocking=True)
             routes[expert] = Route(both[0].index_select(0, sel), both[1].index_select(0, sel))
         return routes
+
+    def _note_host_use(self, host_state: Any, event: torch.cuda.Event) -> None:
+        self._host_events[id(host_state)] = event
+
+    def _before_host_reuse(self, host_state: Any) -> None:
+        event = self._host_events.pop(id(host_state), None)
+        if event is not None and not event.query():
+            self.cuda_stats.host_syncs += 1
+            event.synchronize()
+
+
+class CudaExpertRuntime(_PinnedHostRuntime):
+    """Routed experts on a CUDA device, fed by `GpuTier` <- pinned `ExpertCache` <- disk."""
+
+    def __init__(self, cache: ExpertCache, gpu: GpuTier, act_fn: Any, **kwargs: Any) -> None:
+        super().__init__(cache, act_fn, gpu.device, mapped=False, **kwargs)
+        self.gpu = gpu
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+
+    def _stage_kinds(self) -> list[tuple[str, ...]]:
+        if self.emap.family == "swiglu":
+            return [("gate", "up"), ("down",)]
+        return [(kind,) for kind in self.emap.kinds]
 
     def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route]) -> dict[int, torch.Tensor]:
         resident = [e for e in order if (layer, e) in self.gpu.residents]
@@ -186,7 +205,7 @@ class CudaExpertRuntime(ExpertRuntime):
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         state.copied[kind] = event
-        self._pending_copies.setdefault(id(host_state), []).append(event)
+        self._note_host_use(host_state, event)
 
     def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
         key = (job.layer, expert)
@@ -204,12 +223,6 @@ class CudaExpertRuntime(ExpertRuntime):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self.gpu.slots[key].last_use = event
-
-    def _before_host_reuse(self, host_state: Any) -> None:
-        for event in self._pending_copies.pop(id(host_state), []):
-            if not event.query():
-                self.cuda_stats.host_syncs += 1
-                event.synchronize()
 
     def _weight(self, job: Any, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         key = (job.layer, expert)
@@ -241,7 +254,7 @@ def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
         raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
 
 
-class UnifiedExpertRuntime(ExpertRuntime):
+class UnifiedExpertRuntime(_PinnedHostRuntime):
     """One tier for integrated GPUs (Jetson): pinned, device-mapped host slots that kernels read in place.
 
     O_DIRECT reads land in the slots; the GPU computes straight from them (no staging copy). A slot is
@@ -250,24 +263,8 @@ class UnifiedExpertRuntime(ExpertRuntime):
     """
 
     def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, **kwargs: Any) -> None:
-        super().__init__(cache, act_fn, **kwargs)
-        self.device = device
-        self.cuda_stats = CudaStats()
-        self._registered = [c.buffer for c in cache.classes]
-        self._aliases: dict[int, torch.Tensor] = {}
-        for buffer in self._registered:
-            register_pinned(buffer, mapped=True)
-            self._aliases[id(buffer)] = device_alias(buffer, device)
-        self._last_use: dict[int, torch.cuda.Event] = {}  # id(host slot state) -> kernels done
-        cache.on_evict = self._before_host_reuse
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)
-        for buffer in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(buffer.address)
-        self._registered = []
-
-    _routes = CudaExpertRuntime._routes
+        super().__init__(cache, act_fn, device, mapped=True, **kwargs)
+        self._aliases = {id(buffer): device_alias(buffer, device) for buffer in self._registered}
 
     def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         parts = []
@@ -279,13 +276,7 @@ class UnifiedExpertRuntime(ExpertRuntime):
     def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._last_use[id(self.cache.state_of((job.layer, expert)))] = event
-
-    def _before_host_reuse(self, host_state: Any) -> None:
-        event = self._last_use.pop(id(host_state), None)
-        if event is not None and not event.query():
-            self.cuda_stats.host_syncs += 1
-            event.synchronize()
+        self._note_host_use(self.cache.state_of((job.layer, expert)), event)
 
 
 class _CudaArray:
