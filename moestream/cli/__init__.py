@@ -24,7 +24,10 @@ VERBS: dict[str, str] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="moestream",
+        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk through a "
+                    "bounded expert cache. Every verb has --help.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     chosen = next((a for a in argv if not a.startswith("-")), None)
