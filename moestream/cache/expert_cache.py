@@ -34,6 +34,9 @@ class CacheStats:
     evictions: int = 0
     read_wait_s: float = 0.0
     miss_bytes: int = 0  # tensor bytes of the missed experts (the reader's count adds alignment)
+    prefetches: int = 0  # experts read ahead of their layer
+    prefetch_bytes: int = 0
+    prefetch_used: int = 0  # prefetched experts that their layer then asked for
 
 
 @dataclass
@@ -58,6 +61,8 @@ class SlotState:
     errors: dict[str, BaseException | None]
     pins: int = 0
     listeners: list["LayerJob"] = field(default_factory=list)
+    prefetching: bool = False  # holds a pin of its own until its reads are done
+    prefetched: bool = False  # read ahead and not asked for yet
 
     @property
     def base(self) -> int:
@@ -97,6 +102,7 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.stats = CacheStats()
         self._job_seq = itertools.count()
+        self.last_job_seq = -1
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
@@ -152,7 +158,31 @@ class ExpertCache:
 
     def open_layer(self, layer: int, experts: list[int]) -> "LayerJob":
         """Start one layer forward over `experts` (distinct, in execution order)."""
-        return LayerJob(self, layer, experts, next(self._job_seq))
+        self.last_job_seq = next(self._job_seq)
+        return LayerJob(self, layer, experts, self.last_job_seq)
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Read ahead experts predicted for `layer`, after every read of the last opened layer job and before
+        any of a later one. Only free or unpinned slots are used; stops at the first victim in use.
+        Returns the number of experts whose reads were queued."""
+        after_job = self.last_job_seq
+        pieces: list[Piece] = []
+        queued = 0
+        with self.lock:
+            for expert in experts:
+                key = (layer, expert)
+                if key in self._states:
+                    continue
+                if self._blocked(key):
+                    break
+                pieces.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds))))
+                queued += 1
+                state = self._states[key]
+                state.prefetching = state.prefetched = True
+                self.stats.prefetches += 1
+                self.stats.prefetch_bytes += self.emap.unit_bytes(layer, expert)
+        self.reader.submit(pieces)
+        return queued
 
     def touch_if_resident(self, key: Key) -> None:
         """Count a use of `key` in the eviction order without reading or pinning it (a faster tier hit)."""
@@ -172,6 +202,9 @@ class ExpertCache:
     def _pin_hit(self, key: Key, job: "LayerJob") -> None:
         state = self._states[key]
         state.cls.residents.touch(key)
+        if state.prefetched:
+            state.prefetched = False
+            self.stats.prefetch_used += 1
         state.pins += 1
         for kind in self.emap.kinds:
             if state.remaining[kind] == 0:
@@ -183,7 +216,7 @@ class ExpertCache:
         victim = self._class_of[key].residents.next_victim()
         return victim is not None and self._states[victim].pins > 0
 
-    def _admit_miss(self, key: Key, job: "LayerJob", rank: int) -> list[Piece]:
+    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None) -> list[Piece]:
         cls = self._class_of[key]
         slot, evicted = cls.residents.admit(key)
         if evicted is not None:
@@ -194,11 +227,13 @@ class ExpertCache:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
-        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1, listeners=[job])
+        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1,
+                          listeners=[job] if job is not None else [])
         self._states[key] = state
         pieces = []
         for kind_rank, kind in enumerate(self.emap.kinds):
-            kind_pieces = self._kind_pieces(state, kind, (job.seq, kind_rank, rank))
+            order = (job.seq, kind_rank) if priority is None else priority
+            kind_pieces = self._kind_pieces(state, kind, (*order, rank, kind_rank))
             state.remaining[kind] = len(kind_pieces)
             pieces.extend(kind_pieces)
         return pieces
@@ -227,15 +262,21 @@ class ExpertCache:
             if state.remaining[kind] == 0:
                 for job in state.listeners:
                     job.events.put((state.key[1], kind, state.errors[kind]))
+                if state.prefetching and all(n == 0 for n in state.remaining.values()):
+                    state.prefetching = False
+                    self._unpin(state)
 
     def _release(self, key: Key, job: "LayerJob") -> None:
         state = self._states[key]
-        state.pins -= 1
         if job in state.listeners:
             state.listeners.remove(job)
+        self._unpin(state)
+
+    def _unpin(self, state: SlotState) -> None:
+        state.pins -= 1
         if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
-            state.cls.residents.remove(key)  # bad bytes must not be served as a hit later
-            del self._states[key]
+            state.cls.residents.remove(state.key)  # bad bytes must not be served as a hit later
+            del self._states[state.key]
 
 
 class LayerJob:

@@ -25,6 +25,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="compute dtype (default: the checkpoint's)")
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
+    group.add_argument("--prefetch", action="store_true",
+                       help="while a layer computes, read the experts the next layer's router picks for its input")
     group.add_argument("--experts-per-token", type=int, default=None, metavar="N",
                        help="LOSSY: route every token to N experts instead of the model's top-k (for read-volume "
                             "experiments; printed in the mode line)")
@@ -33,7 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache,
-                unified=args.unified, experts_per_token=args.experts_per_token, io_mode=args.io_mode, io_threads=args.io_threads,
+                unified=args.unified, experts_per_token=args.experts_per_token,
+                prefetch=args.prefetch, io_mode=args.io_mode, io_threads=args.io_threads,
                 piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
                 gpu_floor=args.gpu_floor)
 

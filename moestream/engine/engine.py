@@ -17,7 +17,7 @@ from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, load_config, streaming_modules
+from moestream.model.loader import build_model, load_config, router_modules, streaming_modules
 from moestream.store.checkpoint import open_checkpoint, resolve_path
 from moestream.store.experts import ExpertMap, build_expert_map
 from moestream.units import format_size
@@ -116,13 +116,17 @@ class Engine:
         except BaseException:
             self.reader.close()
             raise
+        if options.prefetch:
+            self.runtime.enable_prefetch({layer: router for layer, router in router_modules(self.model).items()
+                                          if layer in set(self.emap.layers)})
         for layer, module in modules:
             module.bind(layer, self.runtime)
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece` or
         `lock_memory`, keeping the loaded model: side-by-side comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache"}
+        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
+                                  "prefetch"}
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -165,7 +169,7 @@ class Engine:
         io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
         return (
             f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
-            f"{o.piece // 1024} KiB pieces | {memory} of "
+            f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
@@ -177,7 +181,8 @@ class Engine:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         s = self.cache.stats
         gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
-        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s)
+        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches,
+                        s.prefetch_used)
 
     # --- generation --------------------------------------------------------------------------
 

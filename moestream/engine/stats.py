@@ -16,6 +16,8 @@ class PhaseStats:
     hits: int = 0
     misses: int = 0
     read_wait_s: float = 0.0
+    prefetches: int = 0  # experts read ahead of their layer
+    prefetch_used: int = 0  # of those, asked for by their layer
 
     @property
     def tok_s(self) -> float:
@@ -30,10 +32,13 @@ class Counters:
     hits: int
     misses: int
     read_wait_s: float
+    prefetches: int = 0
+    prefetch_used: int = 0
 
     def since(self, earlier: "Counters", tokens: int, seconds: float) -> PhaseStats:
         return PhaseStats(tokens, seconds, self.bytes_read - earlier.bytes_read, self.hits - earlier.hits,
-                          self.misses - earlier.misses, self.read_wait_s - earlier.read_wait_s)
+                          self.misses - earlier.misses, self.read_wait_s - earlier.read_wait_s,
+                          self.prefetches - earlier.prefetches, self.prefetch_used - earlier.prefetch_used)
 
 
 @dataclass
@@ -90,5 +95,6 @@ class GenerationStats:
             f"({self.decode.bytes_read / MiB / decode_tokens:.1f} MiB/token decoding) | "
             f"hit rate {100 * self.hit_rate:.1f}% | "
             f"read wait {1000 * self.decode.read_wait_s / decode_tokens:.1f} ms/token | "
-            f"gpu floor {self.gpu_floor}"
+            + (f"prefetched {self.decode.prefetches} ({self.decode.prefetch_used} used) | " if self.decode.prefetches else "")
+            + f"gpu floor {self.gpu_floor}"
         )

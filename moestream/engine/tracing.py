@@ -5,16 +5,15 @@ applied to layer L's router input, top-2k experts with their softmax scores.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moestream.cache.slots import slot_bytes as slot_size
+from moestream.model.loader import router_modules
 from moestream.trace import TraceHeader, TraceWriter
 
-_ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)$")
 
 
 class TraceRecorder:
@@ -23,7 +22,7 @@ class TraceRecorder:
     def __init__(self, engine: Any, path: str | Path, predict: bool = True, flush_rows: int = 4096) -> None:
         self.writer = TraceWriter(path, _header(engine), flush_rows=flush_rows)
         self.top_k = engine.top_k
-        self.routers = _routers(engine.model) if predict else {}
+        self.routers = router_modules(engine.model) if predict else {}
         self.request, self.phase, self.first_position, self.step = "", "prefill", 0, 0
         engine.runtime.observers.append(self.observe)
 
@@ -53,15 +52,6 @@ class TraceRecorder:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def _routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    found = {}
-    for name, module in model.named_modules():
-        match = _ROUTER.search(name)
-        if match:
-            found[int(match.group(1))] = module
-    return found
 
 
 def _header(engine: Any) -> TraceHeader:

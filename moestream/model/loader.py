@@ -24,6 +24,7 @@ from moestream.model.streaming import StreamingExperts
 
 _PATCH_LOCK = threading.Lock()  # the patch mapping is process-global
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)$")
 _EXPERT_KEY = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
 
 
@@ -89,3 +90,13 @@ def streaming_modules(model: torch.nn.Module) -> list[tuple[int, StreamingExpert
     if not found:
         raise UnsupportedModelError(f"{type(model).__name__} has no routed-experts module to stream")
     return sorted(found, key=lambda item: item[0])
+
+
+def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """layer index -> the router module of that MoE layer (`mlp.gate`, or `mlp.router` for gpt-oss)."""
+    found = {}
+    for name, module in model.named_modules():
+        match = _ROUTER.search(name)
+        if match:
+            found[int(match.group(1))] = module
+    return found

@@ -157,7 +157,8 @@ class CudaExpertRuntime(_PinnedHostRuntime):
             return [("gate", "up"), ("down",)]
         return [(kind,) for kind in self.emap.kinds]
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route]) -> dict[int, torch.Tensor]:
+    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
+                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
         resident = [e for e in order if (layer, e) in self.gpu.residents]
         rest = [e for e in order if (layer, e) not in self.gpu.residents]
         self.cuda_stats.gpu_hits += len(resident)
@@ -172,8 +173,17 @@ class CudaExpertRuntime(_PinnedHostRuntime):
             outputs[expert] = carry
             self._mark_used(key)
         if rest:
-            outputs.update(self._run(self.cache.open_layer(layer, rest), hidden, routes, rest))
+            job = self.cache.open_layer(layer, rest)
+            self._prefetch(predicted)
+            outputs.update(self._run(job, hidden, routes, rest))
+        else:
+            self._prefetch(predicted)
         return outputs
+
+    def _prefetch(self, predicted: tuple[int, list[int]] | None) -> None:
+        if predicted is not None:  # read ahead into the host tier only what the GPU tier lacks
+            layer, experts = predicted
+            self.cache.prefetch(layer, [e for e in experts if (layer, e) not in self.gpu.residents])
 
     def _prepare(self, job: LayerJob, expert: int, stage: int) -> bool:
         key = (job.layer, expert)

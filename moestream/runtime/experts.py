@@ -66,6 +66,13 @@ class ExpertRuntime:
         self._views = SlotTensors()
         # called as observe(layer, hidden [T,H], rows (experts per token, router order), weights [T,K])
         self.observers: list[Callable[[int, torch.Tensor, list[list[int]], torch.Tensor], None]] = []
+        self._prefetch_routers: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next layer, its router)
+
+    def enable_prefetch(self, routers: dict[int, torch.nn.Module]) -> None:
+        """Read ahead, while layer L computes, the experts that layer L+1's router picks for L's input
+        (the stale gate). `routers` maps every MoE layer to its router module."""
+        layers = sorted(routers)
+        self._prefetch_routers = {a: (b, routers[b]) for a, b in zip(layers, layers[1:])}
 
     def _stage_kinds(self) -> list[tuple[str, ...]]:
         """The kinds each compute stage needs, in order."""
@@ -73,12 +80,12 @@ class ExpertRuntime:
 
     def forward(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
-        rows = top_k_index.tolist()  # the one host readback of the routing
+        rows, predicted = self._readback(layer, hidden, top_k_index)
         for observe in self.observers:
             observe(layer, hidden, rows, top_k_weights)
         order = execution_order(rows)
         routes = self._routes(rows, hidden.device)
-        outputs = self._compute(layer, order, hidden, routes)
+        outputs = self._compute(layer, order, hidden, routes, predicted)
         out = torch.zeros_like(hidden)
         for expert in sorted(outputs):
             route = routes[expert]
@@ -86,9 +93,29 @@ class ExpertRuntime:
             out.index_add_(0, route.tokens, weighted.to(out.dtype))
         return out
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route]) -> dict[int, torch.Tensor]:
+    def _readback(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor
+                  ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
+        """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
+        ahead = self._prefetch_routers.get(layer)
+        if ahead is None:
+            return top_k_index.tolist(), None  # the one host readback of the routing
+        next_layer, router = ahead
+        with torch.no_grad():
+            out = router(hidden)
+        guess = out[-1] if isinstance(out, tuple) else torch.topk(out, top_k_index.shape[1], dim=-1).indices
+        k = top_k_index.shape[1]
+        both = torch.cat([top_k_index, guess.to(top_k_index.dtype)], dim=1).tolist()  # still one readback
+        return [row[:k] for row in both], (next_layer, execution_order(row[k:] for row in both))
+
+    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
+                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
         job = self.cache.open_layer(layer, order)
+        self._prefetch(predicted)
         return self._run(job, hidden, routes, order)
+
+    def _prefetch(self, predicted: tuple[int, list[int]] | None) -> None:
+        if predicted is not None:
+            self.cache.prefetch(*predicted)
 
     def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]) -> dict[int, torch.Tensor]:
         p = _Progress(stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts))
