@@ -20,6 +20,8 @@ VERBS: dict[str, str] = {
     "predict-eval": "moestream.cli.predict_eval",
     "trace-convert": "moestream.cli.trace_convert",
     "gpu-floor": "moestream.cli.gpu_floor",
+    "bench": "moestream.cli.bench",
+    "perplexity": "moestream.cli.perplexity",
 }
 
 
