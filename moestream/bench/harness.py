@@ -145,6 +145,7 @@ def _run_prompts(config: BenchConfig, url: str, prompts: list[Prompt], device: s
     with httpx.Client(base_url=url, timeout=config.request_timeout_s, headers=headers) as client, \
             Progress(*columns, console=Console(stderr=True), transient=False) as progress, \
             TelemetrySampler() as sampler:
+        config.server_name = _server_kind(client, config.server_name)
         task = progress.add_task(f"bench {config.label or config.server_name}", total=len(prompts), last="")
         for i, prompt in enumerate(prompts):
             try:
@@ -158,6 +159,16 @@ def _run_prompts(config: BenchConfig, url: str, prompts: list[Prompt], device: s
             progress.update(task, advance=1, last=f"decode {result.decode_tok_s:.2f} tok/s{mib}")
         tokens = sum(r.predicted_n for r in results)
     return results, sampler.summary(tokens)
+
+
+def _server_kind(client: httpx.Client, default: str) -> str:
+    """"moestream" or "llama-server" from GET /v1/models' owned_by (llama-server says "llamacpp")."""
+    try:
+        models = client.get("/v1/models", timeout=10).json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return default
+    owners = {m.get("owned_by") for m in models if isinstance(m, dict)}
+    return "moestream" if "moestream" in owners else "llama-server" if "llamacpp" in owners else default
 
 
 def _machine_info(machine: _Machine, peak: int | None) -> dict[str, Any]:

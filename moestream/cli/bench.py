@@ -78,7 +78,8 @@ def build_config(args: argparse.Namespace) -> "BenchConfig":
                        server_argv=argv, port=port, disk_of=args.disk_of or args.model, memory_limit=limit,
                        readahead_kb=args.readahead_kb, drop_caches=args.drop_caches,
                        ignore_eos=not args.stop_at_eos, baseline=args.baseline, fit_with=args.fit_with,
-                       label=args.label, plots=not args.no_plots, api_key=args.api_key)
+                       label=args.label, plots=not args.no_plots, api_key=args.api_key,
+                       server_name="moestream" if args.model else "server")
 
 
 def run(args: argparse.Namespace) -> int:
