@@ -1,0 +1,141 @@
+"""llama.cpp's llama-server and `moestream serve` side by side, through the same harness (`moestream bench`'s
+run_bench): same prompts, same greedy token count, same cgroup memory limit, the page cache dropped
+before every run, the disk's readahead set per run, bytes read from the disk counted per request.
+
+    # one run per SPEC: "llama:ra=8192,t=2" or "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
+    python benchmarks/llamacpp/side_by_side.py run SPEC... --llama-server BIN --gguf FILE --model DIR \
+        --memory-limit 2.6GiB --max-tokens 32 --out DIR [--baseline RUN_DIR]
+    # the table of every run under DIR, speed-ups against the best llama run
+    python benchmarks/llamacpp/side_by_side.py table --out DIR
+
+Needs root (cgroup, drop_caches, read_ahead_kb). Options not in a SPEC keep each server's defaults:
+llama-server uses mmap (its default path) with `-t` threads; moestream its own defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from moestream.bench.compare import compare_runs, load_baseline
+from moestream.bench.harness import BenchConfig, run_bench
+from moestream.bench.server import free_port, moestream_serve_argv
+from moestream.units import parse_size
+
+GiB = 1 << 30
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'llama:ra=8192,t=2' -> ('llama', {'ra': '8192', 't': '2'})."""
+    kind, _, rest = spec.partition(":")
+    if kind not in ("llama", "moestream"):
+        raise SystemExit(f"unknown server kind in {spec!r} (llama or moestream)")
+    opts = dict(item.split("=", 1) for item in rest.split(",") if item)
+    return kind, opts
+
+
+def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[str]:
+    """llama-server with its default mmap path, one slot, no prompt cache kept in RAM, CPU only."""
+    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", opts.get("t", "2"),
+            "-c", opts.get("ctx", "2048"), "-np", "1", "-ngl", "0", "--no-warmup"]
+    if opts.get("cache_ram", "0") != "none":
+        argv += ["--cache-ram", opts.get("cache_ram", "0")]
+    if opts.get("mmap", "on") == "off":
+        argv.append("--no-mmap")
+    return argv
+
+
+def moestream_args(opts: dict[str, str]) -> list[str]:
+    names = {"io": "--io-mode", "cache": "--cache", "threads": "--threads", "io_threads": "--io-threads",
+             "piece": "--piece", "k": "--experts-per-token"}
+    unknown = set(opts) - set(names) - {"ra"}
+    if unknown:
+        raise SystemExit(f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)} and ra")
+    return [x for key, flag in names.items() if key in opts for x in (flag, opts[key])]
+
+
+def label_dir(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec)
+
+
+def run_spec(spec: str, args: argparse.Namespace) -> dict:
+    kind, opts = parse_spec(spec)
+    port = free_port()
+    if kind == "llama":
+        argv, disk, name = llama_argv(args.llama_server, args.gguf, port, opts), args.gguf, "llama-server"
+    else:
+        argv, disk, name = moestream_serve_argv(args.model, port, moestream_args(opts)), args.model, "moestream"
+    config = BenchConfig(out=Path(args.out) / label_dir(spec), prompts=args.prompts, max_tokens=args.max_tokens,
+                         server_argv=argv, port=port, server_name=name, disk_of=disk,
+                         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+                         readahead_kb=int(opts["ra"]) if "ra" in opts else None, drop_caches=True,
+                         baseline=args.baseline if kind == "moestream" else None, label=spec)
+    results = run_bench(config)
+    s = results["summary"]
+    print(f"{spec}: decode {s['decode_tok_s_mean']:.3f} tok/s (CV {100 * (s['decode_tok_s_cv'] or 0):.1f}%), "
+          f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read {s['device_gib']:.1f} GiB, "
+          f"peak memory {_peak(results)}", flush=True)
+    return results
+
+
+def _peak(results: dict) -> str:
+    peak = results["machine"].get("cgroup", {}).get("peak_bytes")
+    return f"{peak / GiB:.2f} GiB" if peak else "-"
+
+
+def _same_text(run: dict, reference: dict | None) -> str:
+    """'k/n' prompts whose text equals the reference run's, with the first differing characters."""
+    if reference is None:
+        return "-"
+    diffs = compare_runs(run["requests"], reference)
+    firsts = sorted(d.first_diff for d in diffs if not d.identical)
+    return f"{sum(d.identical for d in diffs)}/{len(diffs)}" + (f" (first diff at chars {firsts})" if firsts else "")
+
+
+def table(out: Path, reference_dir: str | None = None) -> str:
+    """Markdown: one row per run (oldest first), decode speed-up against the fastest llama run, and
+    text equality against the reference run (e.g. moestream direct) when one is named."""
+    runs = sorted((json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*/results.json")),
+                  key=lambda r: r["machine"]["date"])
+    reference = load_baseline(reference_dir) if reference_dir else None
+    llama = [r["summary"]["decode_tok_s_mean"] for r in runs if r["server"] != "moestream"]
+    best = max(llama) if llama else None
+    lines = ["| run | decode tok/s (CV) | x best llama | prefill tok/s | prefill s (all) | GiB read | "
+             "MiB/token | peak memory | text = reference |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s = r["summary"]
+        x = f"{s['decode_tok_s_mean'] / best:.2f}" if best else "-"
+        same = _same_text(r, reference)
+        lines.append(f"| {r['label']} | {s['decode_tok_s_mean']:.3f} ({100 * (s['decode_tok_s_cv'] or 0):.1f}%) | {x} | "
+                     f"{s['prefill_tok_s_mean']:.2f} | {s['prompt_s_total']:.1f} | {s['device_gib']:.1f} | "
+                     f"{s['mib_per_token_mean']:.0f} | {_peak(r)} | {same} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("specs", nargs="+")
+    r.add_argument("--llama-server", default="/var/tmp/llamacpp/llama-server")
+    r.add_argument("--gguf", default="/var/tmp/llamacpp/q12x64-bf16.gguf")
+    r.add_argument("--model", default="/var/tmp/msb/q12x64")
+    r.add_argument("--prompts", default="builtin")
+    r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--memory-limit", default=None)
+    r.add_argument("--baseline", default=None, help="results dir the moestream runs' texts are compared with")
+    r.add_argument("--out", required=True)
+    t = sub.add_parser("table")
+    t.add_argument("--out", required=True)
+    t.add_argument("--reference", default=None, help="results dir whose texts every run is compared with")
+    args = p.parse_args()
+    if args.cmd == "table":
+        print(table(Path(args.out), args.reference))
+        return
+    for spec in args.specs:
+        run_spec(spec, args)
+
+
+if __name__ == "__main__":
+    main()
