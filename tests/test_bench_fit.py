@@ -82,3 +82,9 @@ def test_summary_totals_and_cv():
     assert s["generated_tokens"] == 195
     assert s["device_gib"] == pytest.approx(3 * 100 * 64 / 1024)
     assert math.isclose(s["mib_per_token_mean"], 100.0)
+
+
+def test_one_read_volume_gives_no_fit_but_keeps_the_points():
+    run = {"label": "k8", "requests": [_request(i, 750 + (i % 3), 600 + 10 * (i % 4)) for i in range(12)]}
+    fit, points = fit_runs([run])
+    assert fit is None and len(points) == 12

@@ -5,8 +5,10 @@ before every run, the disk's readahead set per run, bytes read from the disk cou
     # one run per SPEC: "llama:ra=8192,t=2" or "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
     python benchmarks/llamacpp/side_by_side.py run SPEC... --llama-server BIN --gguf FILE --model DIR \
         --memory-limit 2.6GiB --max-tokens 32 --out DIR [--baseline RUN_DIR]
-    # the table of every run under DIR, speed-ups against the best llama run
-    python benchmarks/llamacpp/side_by_side.py table --out DIR
+    # the table of every run under DIR, speed-ups against the best llama run, texts against a reference run
+    python benchmarks/llamacpp/side_by_side.py table --out DIR [--reference RUN_DIR]
+    # time/token against MiB/token over several runs (top-k 8 and a lossy top-k 4 span the line)
+    python benchmarks/llamacpp/side_by_side.py fit RUN_DIR RUN_DIR... [--png fit.png]
 
 Needs root (cgroup, drop_caches, read_ahead_kb). Options not in a SPEC keep each server's defaults:
 llama-server uses mmap (its default path) with `-t` threads; moestream its own defaults.
@@ -113,6 +115,18 @@ def table(out: Path, reference_dir: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def fit(run_dirs: list[str], png: str | None) -> str:
+    """The time/token vs MiB/token line over the requests of several runs (e.g. top-k 8 and a lossy 4)."""
+    from moestream.bench.plots import plot_fit
+    from moestream.bench.report import fit_runs
+
+    runs = [load_baseline(d) for d in run_dirs]
+    line, points = fit_runs(runs)
+    if png and points:
+        plot_fit(points, line, png, " + ".join(r["label"] for r in runs))
+    return line.line() if line else f"no fit: {len(points)} points without enough spread in MiB/token"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -129,7 +143,13 @@ def main() -> None:
     t = sub.add_parser("table")
     t.add_argument("--out", required=True)
     t.add_argument("--reference", default=None, help="results dir whose texts every run is compared with")
+    f = sub.add_parser("fit")
+    f.add_argument("runs", nargs="+", help="results dirs")
+    f.add_argument("--png", default=None)
     args = p.parse_args()
+    if args.cmd == "fit":
+        print(fit(args.runs, args.png))
+        return
     if args.cmd == "table":
         print(table(Path(args.out), args.reference))
         return

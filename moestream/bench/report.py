@@ -43,9 +43,17 @@ def fit_points(runs: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
             for i, run in enumerate(runs) for r in run["requests"] if r.get("mib_per_token") is not None]
 
 
+MIN_SPREAD = 0.1  # the read volumes must span at least 10% of the largest one for a meaningful slope
+
+
 def fit_runs(runs: list[dict[str, Any]]) -> tuple[LineFit | None, list[tuple[str, float, float]]]:
+    """The line through every counted request of `runs`; None when the MiB/token values barely differ
+    (one run at one top-k: the slope would be fitted to noise)."""
     points = fit_points(runs)
-    return fit_line([p[1] for p in points], [p[2] for p in points]), points
+    xs = [p[1] for p in points]
+    if not xs or max(xs) - min(xs) < MIN_SPREAD * max(xs):
+        return None, points
+    return fit_line(xs, [p[2] for p in points]), points
 
 
 def build_results(config: "BenchConfig", requests: "list[RequestResult]", telemetry: dict[str, Any],
