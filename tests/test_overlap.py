@@ -19,9 +19,9 @@ class JitteryReader(Reader):
         self._rng = random.Random(seed)
         super().__init__(*args, **kwargs)
 
-    def _read(self, piece):
+    def _read(self, request, start):
         time.sleep(self._rng.random() * 0.0005)
-        super()._read(piece)
+        return super()._read(request, start)
 
 
 def _resident_experts(sd, layer, hidden, index, weights):

@@ -124,10 +124,10 @@ def test_gate_is_read_before_up_before_down(tmp_path):
     gate = threading.Event()
 
     class Recording(Reader):
-        def _read(self, piece):
+        def _read(self, request, start):
             gate.wait()
-            order.append(piece.priority[1])  # kind rank
-            super()._read(piece)
+            order.append(request.priority[1])  # kind rank
+            return super()._read(request, start)
 
     ckpt = open_checkpoint(tmp_path)
     emap = build_expert_map(ckpt.tensors, "swiglu", [0], 2)
@@ -147,10 +147,10 @@ def test_failed_read_names_file_and_offset_and_engine_stays_usable(tiny_dir, mon
     real = Reader._read
     fail = {"on": True}
 
-    def flaky(self, piece):
+    def flaky(self, request, start):
         if fail["on"]:
             raise OSError(errno.EIO, "Input/output error")
-        return real(self, piece)
+        return real(self, request, start)
 
     monkeypatch.setattr(Reader, "_read", flaky)
     with pytest.raises(ExpertReadError, match=r"model\.safetensors at offset \d+ failed: Input/output error"):

@@ -18,7 +18,7 @@ from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet
 from moestream.cache.slots import PartRead, plan_parts, slot_bytes
 from moestream.errors import CacheBudgetError
 from moestream.io.memory import AlignedBuffer
-from moestream.io.reader import Piece, Reader
+from moestream.io.reader import Reader, Request
 from moestream.store.experts import ExpertMap
 from moestream.units import format_size
 
@@ -57,7 +57,7 @@ class SlotState:
     cls: SizeClass
     slot: int
     plan: dict[str, list[PartRead]]
-    remaining: dict[str, int]  # pieces still in flight, per kind
+    remaining: dict[str, int]  # reads (parts) still in flight, per kind
     errors: dict[str, BaseException | None]
     pins: int = 0
     listeners: list["LayerJob"] = field(default_factory=list)
@@ -166,7 +166,7 @@ class ExpertCache:
         any of a later one. Only free or unpinned slots are used; stops at the first victim in use.
         Returns the number of experts whose reads were queued."""
         after_job = self.last_job_seq
-        pieces: list[Piece] = []
+        reads: list[Request] = []
         queued = 0
         with self.lock:
             for expert in experts:
@@ -175,13 +175,13 @@ class ExpertCache:
                     continue
                 if self._blocked(key):
                     break
-                pieces.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds))))
+                reads.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds))))
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
                 self.stats.prefetches += 1
                 self.stats.prefetch_bytes += self.emap.unit_bytes(layer, expert)
-        self.reader.submit(pieces)
+        self.reader.submit(reads)
         return queued
 
     def touch_if_resident(self, key: Key) -> None:
@@ -216,7 +216,7 @@ class ExpertCache:
         victim = self._class_of[key].residents.next_victim()
         return victim is not None and self._states[victim].pins > 0
 
-    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None) -> list[Piece]:
+    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None) -> list[Request]:
         cls = self._class_of[key]
         slot, evicted = cls.residents.admit(key)
         if evicted is not None:
@@ -230,31 +230,28 @@ class ExpertCache:
         state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1,
                           listeners=[job] if job is not None else [])
         self._states[key] = state
-        pieces = []
+        reads = []
         for kind_rank, kind in enumerate(self.emap.kinds):
             order = (job.seq, kind_rank) if priority is None else priority
-            kind_pieces = self._kind_pieces(state, kind, (*order, rank, kind_rank))
-            state.remaining[kind] = len(kind_pieces)
-            pieces.extend(kind_pieces)
-        return pieces
+            kind_reads = self._kind_reads(state, kind, (*order, rank, kind_rank))
+            state.remaining[kind] = len(kind_reads)
+            reads.extend(kind_reads)
+        return reads
 
-    def _kind_pieces(self, state: SlotState, kind: str, priority: tuple) -> list[Piece]:
-        pieces = []
+    def _kind_reads(self, state: SlotState, kind: str, priority: tuple) -> list[Request]:
+        """One read request per part of `kind` (the reader splits each into pieces)."""
+        requests = []
         for part_rank, part in enumerate(state.plan[kind]):
-            handle = self.reader.open(part.ref.file)
-            region = state.base + part.region_offset
-            for start, length, needed in part.pieces(self.piece_bytes):
-                dest = region + start
-                pieces.append(Piece(
-                    priority=(*priority, part_rank, start), seq=self.reader.next_seq(), file=handle,
-                    offset=part.file_offset + start, length=length, needed=needed,
-                    dest=state.cls.buffer.view[dest:dest + length],
-                    dest_address=state.cls.buffer.address + dest,
-                    on_done=lambda err, s=state, k=kind: self._piece_done(s, k, err),
-                ))
-        return pieces
+            dest = state.base + part.region_offset
+            requests.append(Request(
+                priority=(*priority, part_rank), seq=self.reader.next_seq(), file=self.reader.open(part.ref.file),
+                offset=part.file_offset, length=part.length, needed=part.head + part.ref.nbytes,
+                dest=state.cls.buffer.view[dest:dest + part.length], dest_address=state.cls.buffer.address + dest,
+                piece=self.piece_bytes, on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
+            ))
+        return requests
 
-    def _piece_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
+    def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
         with self.lock:
             if error is not None and state.errors[kind] is None:
                 state.errors[kind] = error
@@ -301,18 +298,18 @@ class LayerJob:
             cache.stats.misses += len(self.misses)
             cache.stats.miss_bytes += sum(cache.emap.unit_bytes(layer, e) for e in self.misses)
             self._pending = list(self.misses)
-            pieces = self._admit_pending()
-        cache.reader.submit(pieces)
+            reads = self._admit_pending()
+        cache.reader.submit(reads)
 
-    def _admit_pending(self) -> list[Piece]:
+    def _admit_pending(self) -> list[Request]:
         """Give slots to waiting misses, in order, while the next victim is not in use."""
-        pieces: list[Piece] = []
+        reads: list[Request] = []
         while self._pending and not self.cache._blocked((self.layer, self._pending[0])):
             expert = self._pending.pop(0)
-            pieces.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted))
+            reads.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted))
             self._admitted += 1
             self._active += 1
-        return pieces
+        return reads
 
     def next_event(self) -> tuple[int, str, BaseException | None]:
         """The next (expert, kind, error-or-None) whose bytes are in place; blocks while reads run."""
@@ -346,5 +343,5 @@ class LayerJob:
         with self.cache.lock:
             self.cache._release((self.layer, expert), self)
             self._active -= 1
-            pieces = self._admit_pending()
-        self.cache.reader.submit(pieces)
+            reads = self._admit_pending()
+        self.cache.reader.submit(reads)

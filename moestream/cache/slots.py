@@ -30,15 +30,6 @@ class PartRead:
     length: int  # aligned length of the read
     head: int  # where the tensor's bytes start inside the region
 
-    def pieces(self, piece_bytes: int) -> list[tuple[int, int, int]]:
-        """(offset within region, length, bytes that must arrive) for each piece of the read."""
-        end = self.head + self.ref.nbytes
-        out = []
-        for start in range(0, self.length, piece_bytes):
-            length = min(piece_bytes, self.length - start)
-            out.append((start, length, min(length, end - start)))
-        return out
-
 
 def plan_parts(kinds: tuple[str, ...], parts_by_kind: dict[str, tuple[TensorRef, ...]]) -> dict[str, list[PartRead]]:
     """Lay out one expert's parts in a slot, in kind order. Returns kind -> part reads."""

@@ -1,9 +1,15 @@
-"""Dedicated I/O threads that read pieces of expert bytes into slot memory, most urgent first.
+"""Dedicated I/O threads that read expert bytes into slot memory in pieces, most urgent first.
 
-Pieces come from a priority queue (lower tuple = sooner). Each piece is one `preadv` into an aligned
-destination (io_mode "direct": O_DIRECT, "pagecache": buffered) or one copy out of a read-only memory
-map of the file ("mmap": page faults, like llama.cpp's default path). When a piece is done, its callback
-runs on the I/O thread with None or the error that failed it.
+A `Request` is one contiguous aligned read (one part of one expert). Requests wait in a priority queue
+(lower tuple = sooner); the threads take the most urgent request's next piece (128 KiB by default), so
+several threads read consecutive pieces of one request at once and a request is finished before a
+less urgent one starts. Each piece is one `preadv` into an aligned destination (io_mode "direct":
+O_DIRECT, "pagecache": buffered) or one copy out of a read-only memory map of the file ("mmap": page
+faults, like llama.cpp's default path). When the last piece of a request is done, its callback runs on
+the I/O thread with None or the first error that failed one of its pieces.
+
+Requests rather than pre-built pieces: building one Python object per 128 KiB piece cost the compute
+thread about 3 ms per layer of a Qwen3-30B-shaped model (72 pieces per expert) with the disk idle.
 """
 from __future__ import annotations
 
@@ -44,11 +50,10 @@ class OpenFile:
 
 
 @dataclass(order=True)
-class Piece:
-    """A read of `length` bytes at `offset` into `dest` (an aligned memoryview of that length).
-
-    Only the first `needed` bytes must arrive: an aligned read may run past the end of the file.
-    """
+class Request:
+    """A read of `length` bytes at `offset` into `dest` (an aligned memoryview of that length), done in
+    pieces of `piece` bytes. Only the first `needed` bytes must arrive: an aligned read may run past
+    the end of the file."""
 
     priority: tuple
     seq: int
@@ -58,7 +63,12 @@ class Piece:
     needed: int = field(compare=False)
     dest: memoryview = field(compare=False)
     dest_address: int = field(compare=False)
+    piece: int = field(compare=False)
     on_done: Callable[[BaseException | None], None] = field(compare=False)
+    # owned by the reader (under its lock)
+    cursor: int = field(default=0, compare=False)  # start of the next piece to hand out
+    in_flight: int = field(default=0, compare=False)
+    error: BaseException | None = field(default=None, compare=False)
 
 
 class Reader:
@@ -72,7 +82,7 @@ class Reader:
         self.io_mode = io_mode
         self.fallback_reason: str | None = None
         self._files: dict[str, OpenFile] = {}
-        self._heap: list[Piece] = []
+        self._heap: list[Request] = []
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
@@ -110,12 +120,16 @@ class Reader:
         self.io_mode = "pagecache"
         return os.open(path, os.O_RDONLY)
 
-    def submit(self, pieces: list[Piece]) -> None:
-        """Queue pieces; each one's callback fires exactly once."""
+    def submit(self, requests: list[Request]) -> None:
+        """Queue requests; each one's callback fires exactly once."""
+        if not requests:
+            return
         with self._cond:
-            for piece in pieces:
-                heapq.heappush(self._heap, piece)
-            self._cond.notify(len(pieces))
+            pieces = 0
+            for request in requests:
+                heapq.heappush(self._heap, request)
+                pieces += -(-request.length // request.piece)
+            self._cond.notify(min(pieces, len(self._threads)))
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -140,34 +154,53 @@ class Reader:
                     self._cond.wait()
                 if not self._heap:
                     return
-                piece = heapq.heappop(self._heap)
+                request = self._heap[0]
+                start = request.cursor
+                request.cursor += request.piece
+                if request.cursor >= request.length:
+                    heapq.heappop(self._heap)
+                request.in_flight += 1
             error: BaseException | None = None
+            got = 0
             try:
-                self._read(piece)
+                got = self._read(request, start)
             except ExpertReadError as exc:
                 error = exc
             except OSError as exc:
-                error = ExpertReadError(f"reading {piece.file.path} at offset {piece.offset} failed: {exc.strerror}")
-            piece.on_done(error)
+                error = ExpertReadError(
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc.strerror}")
+            except Exception as exc:  # never let a bug kill the thread: the layer would wait forever
+                error = ExpertReadError(
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}")
+            with self._cond:
+                self.bytes_read += got
+                request.in_flight -= 1
+                if error is not None and request.error is None:
+                    request.error = error
+                finished = request.in_flight == 0 and request.cursor >= request.length
+            if finished:
+                request.on_done(request.error)
 
-    def _read(self, piece: Piece) -> None:
-        handle = piece.file
+    def _read(self, request: Request, start: int) -> int:
+        """Read the piece of `request` that starts `start` bytes into it. Returns the bytes read."""
+        handle = request.file
+        length = min(request.piece, request.length - start)
+        offset = request.offset + start
         if handle.mapping is not None:
-            got = max(0, min(piece.length, handle.size - piece.offset))
-            memmove(piece.dest_address, handle.map_address + piece.offset, got)
+            got = max(0, min(length, handle.size - offset))
+            memmove(request.dest_address + start, handle.map_address + offset, got)
         else:
             got = 0
-            while got < piece.length:
-                want = piece.length - got
-                n = os.preadv(handle.fd, [piece.dest[got:]], piece.offset + got)
+            while got < length:
+                want = length - got
+                n = os.preadv(handle.fd, [request.dest[start + got:start + length]], offset + got)
                 got += n
                 # a short O_DIRECT read means end of file; retrying would use an unaligned offset
                 if n == 0 or (handle.direct and n < want):
                     break
-        with self._cond:
-            self.bytes_read += got
-        if got < piece.needed:
+        if got < min(length, request.needed - start):
             raise ExpertReadError(
-                f"short read from {handle.path} at offset {piece.offset}: got {got} of {piece.needed} bytes "
-                "(the file is truncated or changed since it was opened)"
+                f"short read from {handle.path} at offset {offset}: got {got} of {min(length, request.needed - start)} "
+                "bytes (the file is truncated or changed since it was opened)"
             )
+        return got

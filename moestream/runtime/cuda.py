@@ -7,6 +7,7 @@ O_DIRECT reads land there) <- the checkpoint on disk. A layer forward:
     compute thread enqueues its copy on the copy stream and records an event, and the compute stream
     waits for that event on the GPU, so the copy of one expert overlaps the compute of another and the
     host never waits for the GPU;
+  * the layer's routing goes to the GPU in one asynchronous copy (`ExpertRuntime._routes`);
   * in a GPU slot, gate and up are adjacent ([2I,H], gate rows first), so gate+up is one matmul, the
     same operation transformers' eager experts run.
 The one host synchronisation per layer is the readback of the routing (`top_k_index.tolist()`).
@@ -114,25 +115,6 @@ class _PinnedHostRuntime(ExpertRuntime):
         for buffer in self._registered:
             torch.cuda.cudart().cudaHostUnregister(buffer.address)
         self._registered = []
-
-    def _routes(self, rows: list[list[int]], device: torch.device) -> dict[int, Route]:
-        """Token and position indices of every expert, sent to the GPU in one asynchronous copy."""
-        order, flat_t, flat_p = [], [], []
-        for t, row in enumerate(rows):
-            for p, expert in enumerate(row):
-                order.append(expert)
-                flat_t.append(t)
-                flat_p.append(p)
-        host = torch.tensor([flat_t, flat_p], dtype=torch.int64).pin_memory()
-        both = host.to(device, non_blocking=True)
-        groups: dict[int, list[int]] = {}
-        for i, expert in enumerate(order):
-            groups.setdefault(expert, []).append(i)
-        routes = {}
-        for expert, idx in groups.items():
-            sel = torch.tensor(idx).pin_memory().to(device, non_blocking=True)
-            routes[expert] = Route(both[0].index_select(0, sel), both[1].index_select(0, sel))
-        return routes
 
     def _note_host_use(self, host_state: Any, event: torch.cuda.Event) -> None:
         self._host_events[id(host_state)] = event

@@ -28,6 +28,21 @@ from moestream.runtime.weights import SlotTensors, dequantize_mxfp4
 class Route:
     tokens: torch.Tensor  # [t] token rows of this expert
     positions: torch.Tensor  # [t] its slot in each token's top-k
+    span: slice  # its rows in the layer's flat routing (`Routing`)
+    whole: bool  # every token of the layer, in order (decode: always), so no gather is needed
+
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T,H] -> [t,H], the rows of the tokens routed here."""
+        return hidden if self.whole else hidden[self.tokens]
+
+
+@dataclass
+class Routing:
+    """One layer's routing grouped by expert, built from one host tensor (one copy to the device)."""
+
+    tokens: torch.Tensor  # [T*K] token of each (token, expert) pair, grouped by expert
+    positions: torch.Tensor  # [T*K]
+    by_expert: dict[int, Route]
 
 
 @dataclass(frozen=True)
@@ -84,12 +99,13 @@ class ExpertRuntime:
         for observe in self.observers:
             observe(layer, hidden, rows, top_k_weights)
         order = execution_order(rows)
-        routes = self._routes(rows, hidden.device)
-        outputs = self._compute(layer, order, hidden, routes, predicted)
+        routing = self._routes(rows, hidden.device)
+        outputs = self._compute(layer, order, hidden, routing.by_expert, predicted)
+        weights = top_k_weights[routing.tokens, routing.positions]  # [T*K], one gather for the layer
         out = torch.zeros_like(hidden)
         for expert in sorted(outputs):
-            route = routes[expert]
-            weighted = outputs[expert] * top_k_weights[route.tokens, route.positions, None]
+            route = routing.by_expert[expert]
+            weighted = outputs[expert] * weights[route.span, None]
             out.index_add_(0, route.tokens, weighted.to(out.dtype))
         return out
 
@@ -163,14 +179,27 @@ class ExpertRuntime:
     def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
         """The expert's last stage has been issued."""
 
-    def _routes(self, rows: list[list[int]], device: torch.device) -> dict[int, Route]:
-        tokens: dict[int, list[int]] = {}
-        positions: dict[int, list[int]] = {}
+    def _routes(self, rows: list[list[int]], device: torch.device) -> Routing:
+        """Token and top-k position of every (token, expert) pair, grouped by expert; views, no kernels."""
+        groups: dict[int, list[tuple[int, int]]] = {}
         for t, row in enumerate(rows):
             for p, expert in enumerate(row):
-                tokens.setdefault(expert, []).append(t)
-                positions.setdefault(expert, []).append(p)
-        return {e: Route(torch.tensor(tokens[e]), torch.tensor(positions[e])) for e in tokens}
+                groups.setdefault(expert, []).append((t, p))
+        flat_t: list[int] = []
+        flat_p: list[int] = []
+        spans = {}
+        for expert, pairs in groups.items():
+            spans[expert] = slice(len(flat_t), len(flat_t) + len(pairs))
+            flat_t.extend(t for t, _ in pairs)
+            flat_p.extend(p for _, p in pairs)
+        both = torch.tensor([flat_t, flat_p], dtype=torch.int64)
+        if device.type == "cuda":  # one asynchronous copy (the caching host allocator keeps it alive)
+            both = both.pin_memory().to(device, non_blocking=True)
+        tokens, positions = both[0], both[1]
+        whole = len(rows)
+        return Routing(tokens, positions, {
+            e: Route(tokens[span], positions[span], span, span.stop - span.start == whole) for e, span in spans.items()
+        })
 
     # --- the math ------------------------------------------------------------------------------
 
@@ -181,19 +210,19 @@ class ExpertRuntime:
             return self._gpt_oss_stage(job.layer, expert, index, hidden, route, carry,
                                        self._weight(job, expert, kinds[0], hidden.dtype))
         if kinds == ("gate", "up"):  # fused [2I,H], gate rows first: one matmul, like transformers
-            gate, up = F.linear(hidden[route.tokens], self._weight(job, expert, "gate_up", hidden.dtype)).chunk(2, dim=-1)
+            gate, up = F.linear(route.rows(hidden), self._weight(job, expert, "gate_up", hidden.dtype)).chunk(2, dim=-1)
             return self.act_fn(gate) * up
         weight = self._weight(job, expert, kinds[0], hidden.dtype)
         if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
-            return F.linear(hidden[route.tokens], weight)
+            return F.linear(route.rows(hidden), weight)
         if kinds == ("up",):  # up [I,H]: act(gate) * up
-            return self.act_fn(carry) * F.linear(hidden[route.tokens], weight)
+            return self.act_fn(carry) * F.linear(route.rows(hidden), weight)
         return F.linear(carry, weight)  # down [H,I]: [t,I] -> [t,H]
 
     def _gpt_oss_stage(self, layer: int, expert: int, index: int, hidden: torch.Tensor, route: Route,
                        carry: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         if index == 0:  # gate_up [H,2I], columns interleaved gate/up
-            gate_up = hidden[route.tokens] @ weight + self.biases[(layer, "gate_up_proj_bias")][expert]
+            gate_up = route.rows(hidden) @ weight + self.biases[(layer, "gate_up_proj_bias")][expert]
             gate = gate_up[..., ::2].clamp(max=self.gpt_oss.limit)
             up = gate_up[..., 1::2].clamp(min=-self.gpt_oss.limit, max=self.gpt_oss.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.gpt_oss.alpha))
