@@ -27,8 +27,9 @@ PROMPT = "The history of the printing press shows how a new machine can change t
 MOESTREAM = """
 import json, sys, moestream
 path, gpu, host, tokens, passes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-prefetch = len(sys.argv) > 7 and sys.argv[7] == "1"
-with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=host, prefetch=prefetch) as e:
+prefetch, io_threads = sys.argv[7] == "1", int(sys.argv[8])
+with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=host, prefetch=prefetch,
+                    io_threads=io_threads) as e:
     mode = e.mode_line()
     for _ in range(passes):
         out = e.generate(sys.argv[6], max_tokens=tokens, ignore_eos=True)
@@ -97,6 +98,7 @@ def main() -> None:
     p.add_argument("--gpu-budgets", default="2GiB,8GiB,24GiB")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--accelerate-tokens", type=int, default=3)
+    p.add_argument("--io-threads", type=int, default=4, help="moestream's I/O threads and the ceiling's")
     p.add_argument("--prefetch-budgets", default="", help="GPU budgets to run again with --prefetch")
     p.add_argument("--skip", default="", help="comma list of: ceiling,moestream,switch,resident,accelerate")
     p.add_argument("--out", default=".")
@@ -112,25 +114,25 @@ def main() -> None:
 
     if "ceiling" not in skip:
         drop_caches()
-        record("ceiling", measure(expert_ranges(args.checkpoint), 128 * 1024, 4, 10.0))
+        record("ceiling", measure(expert_ranges(args.checkpoint), 128 * 1024, args.io_threads, 10.0))
     if "moestream" not in skip:
         for budget in args.gpu_budgets.split(","):
             record(f"moestream gpu {budget}", child(MOESTREAM, args.checkpoint, budget, "0", str(args.tokens), "1",
-                                                   PROMPT, timeout=300))
+                                                   PROMPT, "0", str(args.io_threads), timeout=300))
     for budget in filter(None, args.prefetch_budgets.split(",")):
         record(f"moestream gpu {budget} --prefetch", child(MOESTREAM, args.checkpoint, budget, "0", str(args.tokens),
-                                                          "1", PROMPT, "1", timeout=300))
+                                                          "1", PROMPT, "1", str(args.io_threads), timeout=300))
     if "switch" not in skip:  # A/B: CPython's default 5 ms GIL switch interval
         os.environ["MOESTREAM_SWITCH_INTERVAL"] = "0"
         record("moestream gpu 2GiB, default GIL switch interval", child(
-            MOESTREAM, args.checkpoint, "2GiB", "0", str(args.tokens), "1", PROMPT, timeout=300))
+            MOESTREAM, args.checkpoint, "2GiB", "0", str(args.tokens), "1", PROMPT, "0", str(args.io_threads), timeout=300))
         del os.environ["MOESTREAM_SWITCH_INTERVAL"]
     if "resident" not in skip:
         record("all experts in pinned host memory", child(MOESTREAM, args.checkpoint, "2GiB", "64GiB",
-                                                          str(args.tokens), "2", PROMPT, timeout=400))
+                                                          str(args.tokens), "2", PROMPT, "0", str(args.io_threads), timeout=400))
     if "ceiling" not in skip:  # again at the end: the disk's drift over the run
         drop_caches()
-        record("ceiling (after)", measure(expert_ranges(args.checkpoint), 128 * 1024, 4, 10.0))
+        record("ceiling (after)", measure(expert_ranges(args.checkpoint), 128 * 1024, args.io_threads, 10.0))
     if "accelerate" not in skip:
         record("transformers+accelerate disk offload", child(ACCELERATE, args.checkpoint, str(args.accelerate_tokens),
                                                               str(out / "offload"), PROMPT, timeout=400))

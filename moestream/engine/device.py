@@ -32,8 +32,9 @@ def build_runtime(emap: ExpertMap, reader: Reader, options: EngineOptions, confi
                             lock_memory=options.lock_memory)
         return cache, UnifiedExpertRuntime(cache, kwargs.pop("act_fn"), device, **kwargs)
     minimum, working_set = budget_requirements(emap, top_k)
-    # pinned host tier between disk and GPU; 0 means staging only (one layer's worst case)
-    host = max(options.host_cache, minimum)
+    # pinned host tier between disk and GPU; 0 means staging only: one layer's worst case, or two with
+    # prefetch (the next layer's reads need slots while this layer's are still pinned)
+    host = max(options.host_cache, minimum * (2 if options.prefetch else 1))
     cache = ExpertCache(emap, host, reader, top_k=top_k, piece_bytes=options.piece,
                         lock_memory=options.lock_memory, warn_working_set=False)
     gpu = GpuTier(emap, options.gpu_cache, device, top_k)

@@ -133,6 +133,7 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         super().__init__(cache, act_fn, gpu.device, mapped=False, **kwargs)
         self.gpu = gpu
         self.copy_stream = torch.cuda.Stream(device=self.device)
+        self._compute_stream = torch.cuda.current_stream(self.device)
 
     def _stage_kinds(self) -> list[tuple[str, ...]]:
         if self.emap.family == "swiglu":
@@ -141,6 +142,7 @@ class CudaExpertRuntime(_PinnedHostRuntime):
 
     def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
                  predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+        self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)
         resident = [e for e in order if (layer, e) in self.gpu.residents]
         rest = [e for e in order if (layer, e) not in self.gpu.residents]
         self.cuda_stats.gpu_hits += len(resident)
@@ -175,27 +177,27 @@ class CudaExpertRuntime(_PinnedHostRuntime):
                 return False  # every GPU slot is held by this layer's unfinished experts
             state = self.gpu.admit(key)
             self.cuda_stats.gpu_misses += 1
+        missing = [kind for kind in self.stages[stage] if kind not in state.copied]
+        if missing:
+            with torch.cuda.stream(self.copy_stream):
+                for kind in missing:
+                    self._copy(job, key, kind, state)
         for kind in self.stages[stage]:
-            if kind not in state.copied:
-                self._copy(job, key, kind, state)
-        compute = torch.cuda.current_stream(self.device)
-        for kind in self.stages[stage]:
-            compute.wait_event(state.copied[kind])
+            self._compute_stream.wait_event(state.copied[kind])
         return True
 
     def _copy(self, job: LayerJob, key: tuple[int, int], kind: str, state: GpuSlot) -> None:
-        """Enqueue host slot -> GPU slot for one kind on the copy stream; record its event."""
-        with torch.cuda.stream(self.copy_stream):
-            if state.last_use is not None:
-                self.copy_stream.wait_event(state.last_use)
-            host_state = self.cache.state_of(key)
-            for (buffer, offset, part), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]):
-                src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
-                dst_start = state.slot * self.gpu.slot_bytes + gpu_offset
-                self.gpu.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
-                self.cuda_stats.copy_bytes += ref.nbytes
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
+        """Enqueue host slot -> GPU slot for one kind on the copy stream (current); record its event."""
+        if state.last_use is not None:
+            self.copy_stream.wait_event(state.last_use)
+        host_state = self.cache.state_of(key)
+        for (buffer, offset, part), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]):
+            src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
+            dst_start = state.slot * self.gpu.slot_bytes + gpu_offset
+            self.gpu.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
+            self.cuda_stats.copy_bytes += ref.nbytes
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
         state.copied[kind] = event
         self._note_host_use(host_state, event)
 
@@ -213,7 +215,7 @@ class CudaExpertRuntime(_PinnedHostRuntime):
 
     def _mark_used(self, key: tuple[int, int]) -> None:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._compute_stream)
         self.gpu.slots[key].last_use = event
 
     def _weight(self, job: Any, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
