@@ -92,9 +92,35 @@ def child(code: str, *args: str, timeout: float) -> dict:
     return result
 
 
+def table(runs: dict) -> str:
+    """Markdown table of a results file's runs; % of ceiling against the mean of the ceilings measured."""
+    ceilings = [v["gib_s"] for k, v in runs.items() if k.startswith("ceiling") and "gib_s" in v]
+    ceiling = sum(ceilings) / len(ceilings) if ceilings else None
+    accel = next((v for k, v in runs.items() if k.startswith("transformers") and "decode_tok_s" in v), None)
+    lines = [f"O_DIRECT ceiling (mean of {len(ceilings)}: {', '.join(f'{c:.3f}' for c in ceilings)}): "
+             f"{ceiling:.3f} GiB/s" if ceiling else "no ceiling measured", "",
+             "| run | decode tok/s | prefill tok/s | MiB read/token (decode) | read GiB/s while decoding | % of ceiling "
+             "| not read from disk | host syncs | decode vs accelerate |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in runs.items():
+        if "stats" not in v:
+            continue
+        st, dec = v["stats"], v["stats"]["decode"]
+        gib_s = dec["bytes_read"] / dec["seconds"] / 2**30
+        pct = f"{100 * gib_s / ceiling:.0f}%" if ceiling else ""
+        vs = f"{st['decode_tok_s'] / accel['decode_tok_s']:.1f}x" if accel else ""
+        lines.append(f"| {name} | {st['decode_tok_s']:.2f} | {st['prefill_tok_s']:.2f} | "
+                     f"{dec['bytes_read'] / dec['tokens'] / 2**20:.0f} | {gib_s:.3f} | {pct} | "
+                     f"{st['hit_rate']:.1%} | {st.get('host_syncs', '')} | {vs} |")
+    if accel:
+        lines.append(f"| transformers + accelerate, disk offload | {accel['decode_tok_s']:.3f} | "
+                     f"{accel['prefill_tok_s']:.2f} | all experts | | | | | 1.0x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="the checkpoint, or with --table, results files (cuda_bench.json) to merge")
+    p.add_argument("--table", action="store_true", help="print the Markdown table of results files and exit")
     p.add_argument("--gpu-budgets", default="2GiB,8GiB,24GiB")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--accelerate-tokens", type=int, default=3)
@@ -102,7 +128,15 @@ def main() -> None:
     p.add_argument("--prefetch-budgets", default="", help="GPU budgets to run again with --prefetch")
     p.add_argument("--skip", default="", help="comma list of: ceiling,moestream,switch,resident,accelerate")
     p.add_argument("--out", default=".")
-    args = p.parse_args()
+    args, extra = p.parse_known_args()
+    if args.table:
+        runs: dict = {}
+        for path in [args.checkpoint, *extra]:
+            runs.update(json.loads(Path(path).read_text())["runs"])
+        print(table(runs))
+        return
+    if extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     out = Path(args.out)
     skip = set(args.skip.split(","))
     results: dict = {"checkpoint": args.checkpoint, "runs": {}}
@@ -136,6 +170,7 @@ def main() -> None:
     if "accelerate" not in skip:
         record("transformers+accelerate disk offload", child(ACCELERATE, args.checkpoint, str(args.accelerate_tokens),
                                                               str(out / "offload"), PROMPT, timeout=400))
+    print(table(results["runs"]), flush=True)
 
 
 if __name__ == "__main__":
