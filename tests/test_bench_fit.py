@@ -88,3 +88,9 @@ def test_one_read_volume_gives_no_fit_but_keeps_the_points():
     run = {"label": "k8", "requests": [_request(i, 750 + (i % 3), 600 + 10 * (i % 4)) for i in range(12)]}
     fit, points = fit_runs([run])
     assert fit is None and len(points) == 12
+
+
+def test_no_reads_at_all_gives_no_fit():
+    run = {"label": "resident", "requests": [_request(i, 0.0, 140 + (i % 3)) for i in range(12)]}
+    fit, points = fit_runs([run])
+    assert fit is None and len(points) == 12

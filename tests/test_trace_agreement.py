@@ -1,24 +1,27 @@
-"""Recording traces from the engine, and the simulator's LRU reproducing the engine's misses exactly."""
+"""Recording traces from the engine, and the simulator's policies reproducing the engine's misses exactly."""
 from __future__ import annotations
 
 import pytest
 
 import moestream
+from moestream.errors import MoestreamError
 from moestream.trace import read_trace
 from moestream.trace.simulator import simulate
 
 PROMPTS = [[5, 17, 33, 2, 99], [41, 7, 250, 3, 3, 8, 12, 40, 100], [77]]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_simulated_lru_equals_engine(arch, tiny_dir, tmp_path):
+@pytest.mark.parametrize("arch,policy", [("qwen3_moe", "lru"), ("deepseek_v3", "lru"), ("gpt_oss", "lru"),
+                                         ("qwen3_moe", "lfu"), ("gpt_oss", "lfu")])
+def test_simulated_policy_equals_engine(arch, policy, tiny_dir, tmp_path):
     path = tiny_dir(arch, experts=16, top_k=4)
     trace_path = tmp_path / "run.parquet"
     with moestream.load(str(path), cache="64MiB") as probe:
         slot = probe.cache.slot_bytes
     budget = 6 * slot  # 6 slots for top-4 routing over 16 experts: constant eviction
-    with moestream.load(str(path), cache=budget) as engine:
+    with moestream.load(str(path), cache=budget, policy=policy) as engine:
         assert engine.cache.capacity == 6
+        assert (f"{policy.upper()} eviction" in engine.mode_line()) == (policy != "lru")
         engine.start_trace(trace_path)
         seen = []
         engine.runtime.observers.append(lambda layer, hidden, rows, weights: seen.append((layer, rows)))
@@ -27,7 +30,7 @@ def test_simulated_lru_equals_engine(arch, tiny_dir, tmp_path):
         stats, device_bytes = engine.cache.stats, engine.reader.bytes_read
         moe_layers = len(engine.emap.layers)
     trace = read_trace(trace_path)
-    records, _, _ = simulate(trace, ["lru"], [budget])
+    records, _, _ = simulate(trace, [policy], [budget])
     everything = [r for r in records if r["scope"] == "all"]
     assert sum(r["misses"] for r in everything) == stats.misses > 0
     assert sum(r["hits"] for r in everything) == stats.hits > 0
@@ -55,3 +58,19 @@ def test_trace_rows_match_what_the_model_routed(tiny_dir, tmp_path):
     assert trace.request_names == ["alpha"]
     assert trace.token.tolist() == [0, 1, 2, 3] * 2 + [4, 4, 5, 5]
     assert trace.phase.tolist() == [0] * 8 + [1] * 4
+
+
+def test_lfu_keeps_the_tokens_and_refuses_unknown_policies(tiny_dir):
+    path = str(tiny_dir("qwen3_moe", experts=16, top_k=4))
+    with moestream.load(path, cache="64MiB") as probe:
+        budget = 6 * probe.cache.slot_bytes
+    out = {}
+    for policy in ("lru", "lfu"):
+        with moestream.load(path, cache=budget, policy=policy) as engine:
+            out[policy] = [engine.generate(p, max_tokens=10, ignore_eos=True).tokens for p in PROMPTS]
+            misses = engine.cache.stats.misses
+        out[policy + " misses"] = misses
+    assert out["lru"] == out["lfu"]
+    assert out["lru misses"] != out["lfu misses"]  # the policy did change what was evicted
+    with pytest.raises(MoestreamError, match="eviction policy 'fifo' is not one of lru, lfu"):
+        moestream.load(path, cache=budget, policy="fifo")

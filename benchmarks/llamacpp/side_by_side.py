@@ -50,11 +50,12 @@ def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[
 
 def moestream_args(opts: dict[str, str]) -> list[str]:
     names = {"io": "--io-mode", "cache": "--cache", "threads": "--threads", "io_threads": "--io-threads",
-             "piece": "--piece", "k": "--experts-per-token"}
-    unknown = set(opts) - set(names) - {"ra"}
+             "piece": "--piece", "k": "--experts-per-token", "policy": "--policy"}
+    unknown = set(opts) - set(names) - {"ra", "prefetch"}
     if unknown:
-        raise SystemExit(f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)} and ra")
-    return [x for key, flag in names.items() if key in opts for x in (flag, opts[key])]
+        raise SystemExit(f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)}, prefetch and ra")
+    flags = ["--prefetch"] if opts.get("prefetch", "0") not in ("0", "off", "no") else []
+    return [x for key, flag in names.items() if key in opts for x in (flag, opts[key])] + flags
 
 
 def label_dir(spec: str) -> str:

@@ -48,10 +48,10 @@ MIN_SPREAD = 0.1  # the read volumes must span at least 10% of the largest one f
 
 def fit_runs(runs: list[dict[str, Any]]) -> tuple[LineFit | None, list[tuple[str, float, float]]]:
     """The line through every counted request of `runs`; None when the MiB/token values barely differ
-    (one run at one top-k: the slope would be fitted to noise)."""
+    (one run at one top-k: the slope would be fitted to noise), or when nothing was read."""
     points = fit_points(runs)
     xs = [p[1] for p in points]
-    if not xs or max(xs) - min(xs) < MIN_SPREAD * max(xs):
+    if not xs or max(xs) <= 0 or max(xs) - min(xs) < MIN_SPREAD * max(xs):
         return None, points
     return fit_line(xs, [p[2] for p in points]), points
 

@@ -24,6 +24,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's choice)")
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="compute dtype (default: the checkpoint's)")
+    group.add_argument("--policy", default="lru", choices=["lru", "lfu"],
+                       help="cache eviction: lru (default), or lfu, the expert used least often since the start "
+                            "(compare them on a trace with `moestream simulate`)")
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument("--prefetch", action="store_true",
                        help="while a layer computes, read the experts the next layer's router picks for its input")
@@ -36,7 +39,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache,
                 unified=args.unified, experts_per_token=args.experts_per_token,
-                prefetch=args.prefetch, io_mode=args.io_mode, io_threads=args.io_threads,
+                policy=args.policy, prefetch=args.prefetch, io_mode=args.io_mode, io_threads=args.io_threads,
                 piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
                 gpu_floor=args.gpu_floor)
 

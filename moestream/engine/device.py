@@ -8,6 +8,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from moestream.cache.expert_cache import ExpertCache, budget_requirements
+from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from moestream.engine.options import EngineOptions
 from moestream.io.reader import Reader
 from moestream.model.arch import text_config
@@ -17,27 +18,31 @@ from moestream.store.experts import ExpertMap
 from moestream.units import format_size
 
 
+POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+
+
 def build_runtime(emap: ExpertMap, reader: Reader, options: EngineOptions, config: Any, top_k: int,
                   device: torch.device, dtype: torch.dtype) -> tuple[ExpertCache, ExpertRuntime]:
     """The host expert cache and the runtime computing experts on `device`."""
     kwargs = _math_kwargs(emap, config, device, dtype)
+    policy = POLICY_CLASSES[options.policy]
     if device.type != "cuda":
         cache = ExpertCache(emap, options.cache, reader, top_k=top_k, piece_bytes=options.piece,
-                            lock_memory=options.lock_memory)
+                            lock_memory=options.lock_memory, policy_factory=policy)
         return cache, ExpertRuntime(cache, kwargs.pop("act_fn"), **kwargs)
     from moestream.runtime.cuda import CudaExpertRuntime, GpuTier, UnifiedExpertRuntime
 
     if uses_unified_memory(options, device):
         cache = ExpertCache(emap, options.cache, reader, top_k=top_k, piece_bytes=options.piece,
-                            lock_memory=options.lock_memory)
+                            lock_memory=options.lock_memory, policy_factory=policy)
         return cache, UnifiedExpertRuntime(cache, kwargs.pop("act_fn"), device, **kwargs)
     minimum, working_set = budget_requirements(emap, top_k)
     # pinned host tier between disk and GPU; 0 means staging only: one layer's worst case, or two with
     # prefetch (the next layer's reads need slots while this layer's are still pinned)
     host = max(options.host_cache, minimum * (2 if options.prefetch else 1))
     cache = ExpertCache(emap, host, reader, top_k=top_k, piece_bytes=options.piece,
-                        lock_memory=options.lock_memory, warn_working_set=False)
-    gpu = GpuTier(emap, options.gpu_cache, device, top_k)
+                        lock_memory=options.lock_memory, warn_working_set=False, policy_factory=policy)
+    gpu = GpuTier(emap, options.gpu_cache, device, top_k, policy())
     if gpu.capacity * gpu.slot_bytes + cache.allocated_bytes < working_set:
         warnings.warn(f"GPU + host cache ({format_size(gpu.capacity * gpu.slot_bytes + cache.allocated_bytes)}) is "
                       f"smaller than one token's working set ({format_size(working_set)})", RuntimeWarning, stacklevel=3)

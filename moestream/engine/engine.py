@@ -48,7 +48,9 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         io_threads: dedicated I/O threads.
         piece: read size of one I/O, a multiple of 4 KiB.
         threads: torch compute threads (None: torch's default).
-        extra: `dtype` ("auto", "float32", "bfloat16", "float16"), `lock_memory` (mlock the cache).
+        extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
+            `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
+            `unified`, `experts_per_token`, `gpu_floor`.
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
@@ -123,10 +125,10 @@ class Engine:
             module.bind(layer, self.runtime)
 
     def restream(self, **changes: Any) -> None:
-        """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece` or
-        `lock_memory`, keeping the loaded model: side-by-side comparisons without reloading."""
+        """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
+        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side comparisons without reloading."""
         unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
-                                  "prefetch"}
+                                  "prefetch", "policy"}
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -169,7 +171,8 @@ class Engine:
         io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
         return (
             f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
-            f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory} of "
+            f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory}"
+            f"{'' if o.policy == 'lru' else ', ' + o.policy.upper() + ' eviction'} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"

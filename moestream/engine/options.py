@@ -8,6 +8,7 @@ from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("lru", "lfu")  # eviction policies a live engine can run (the simulator has more)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class EngineOptions:
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
+    policy: str = "lru"  # eviction: lru, or lfu (uses counted over the whole run)
     prefetch: bool = False  # read the next layer's stale-gate-predicted experts while this layer computes
     experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
@@ -52,5 +54,7 @@ class EngineOptions:
             raise ValueError(f"compute threads must be at least 1, got {self.threads}")
         if self.experts_per_token is not None and self.experts_per_token < 1:
             raise ValueError(f"experts per token must be at least 1, got {self.experts_per_token}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache, LayerJob
-from moestream.cache.policy import LRUPolicy, ResidentSet
+from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet
 from moestream.errors import CacheBudgetError
 from moestream.io.memory import AlignedBuffer
 from moestream.runtime.experts import ExpertRuntime, Route
@@ -64,9 +64,10 @@ def gpu_layout(emap: ExpertMap, key: tuple[int, int]) -> tuple[dict[str, list[tu
 
 
 class GpuTier:
-    """GPU slots in one allocation, LRU, with per-slot copy and last-use events."""
+    """GPU slots in one allocation (LRU unless told otherwise), with per-slot copy and last-use events."""
 
-    def __init__(self, emap: ExpertMap, budget_bytes: int, device: torch.device, top_k: int) -> None:
+    def __init__(self, emap: ExpertMap, budget_bytes: int, device: torch.device, top_k: int,
+                 policy: EvictionPolicy | None = None) -> None:
         self.layouts = {k: gpu_layout(emap, k)[0] for k in emap.units}
         self.slot_bytes = max(gpu_layout(emap, k)[1] for k in emap.units)
         capacity = min(len(emap.units), budget_bytes // self.slot_bytes)
@@ -76,7 +77,7 @@ class GpuTier:
                 f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}")
         self.capacity, self.device = capacity, device
         self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.residents = ResidentSet(capacity, LRUPolicy())
+        self.residents = ResidentSet(capacity, policy or LRUPolicy())
         self.slots: dict[tuple[int, int], GpuSlot] = {}
 
     def victim_free(self) -> bool:
