@@ -3,6 +3,10 @@ read from its stat file, readahead, cgroup v2 / v1 memory limits, and the refusa
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,42 @@ def test_memory_limit_without_root_says_so_and_stops(tiny_dir, tmp_path, monkeyp
 def test_memory_limit_refused_for_a_target(tmp_path, capsys):
     code = main(["bench", "--target", "http://127.0.0.1:9", "--memory-limit", "1GiB", "--out", str(tmp_path)])
     assert code == 2 and "cannot limit a server this command did not start" in capsys.readouterr().err
+
+
+def _memory_cgroup_root() -> Path | None:
+    root = Path("/sys/fs/cgroup")
+    controllers = root / "cgroup.controllers"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        return root
+    if (root / "memory" / "memory.limit_in_bytes").exists():
+        return root / "memory"
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or _memory_cgroup_root() is None, reason="needs root and a memory cgroup")
+def test_a_killed_bench_stops_its_server_and_removes_its_cgroup(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "moestream", "bench", "--model", str(tiny_dir("qwen3_moe")),
+                             "--memory-limit", "2GiB", "--max-tokens", "400", "--no-plots", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group = _memory_cgroup_root() / f"moestream-bench-{proc.pid}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "serving" not in _read(out / "server.log"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    members = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+    assert members, "the server runs inside the bench's cgroup"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "terminated; stopping the server" in err and "Traceback" not in err
+    assert not group.exists()
+    for pid in members:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in _read(Path(f"/proc/{pid}/status")).lower()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

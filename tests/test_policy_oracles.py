@@ -27,8 +27,10 @@ def random_groups(seed: int, n_groups: int = 300, n_layers: int = 3, n_experts: 
     return groups
 
 
-def brute(groups, capacity: int, victim_of) -> int:
-    """Reference cache: hits first, then misses in order; `victim_of(resident, state, i)` picks whom to evict."""
+def brute(groups, capacity: int, victim_of, protect: bool = False) -> int:
+    """Reference cache: hits first, then misses in order; `victim_of(candidates, state, i)` picks whom to
+    evict. With `protect`, the candidates are the resident keys outside the current group while there are
+    any (the engine pins a layer's experts while it computes them)."""
     resident: dict = {}  # key -> (last use tick, use count)
     counts: dict = {}
     tick, misses = 0, 0
@@ -40,7 +42,8 @@ def brute(groups, capacity: int, victim_of) -> int:
             if key not in resident:
                 misses += 1
                 if len(resident) == capacity:
-                    del resident[victim_of(resident, counts, i)]
+                    outside = {k: v for k, v in resident.items() if k not in group}
+                    del resident[victim_of(outside if protect and outside else resident, counts, i)]
             resident[key] = tick
     return misses
 
@@ -70,7 +73,9 @@ def misses_of(resident_set, groups) -> int:
 def test_lru_lfu_opt_match_brute_force(seed: int, capacity: int) -> None:
     groups = random_groups(seed)
     assert misses_of(ResidentSet(capacity, LRUPolicy()), groups) == brute(groups, capacity, lru_victim)
-    assert misses_of(ResidentSet(capacity, LFUPolicy()), groups) == brute(groups, capacity, lfu_victim)
+    # LRU never picks a key of the current group while another is resident: protection changes nothing
+    assert brute(groups, capacity, lru_victim, protect=True) == brute(groups, capacity, lru_victim)
+    assert misses_of(ResidentSet(capacity, LFUPolicy()), groups) == brute(groups, capacity, lfu_victim, protect=True)
     assert misses_of(ResidentSet(capacity, BeladyPolicy(groups)), groups) == brute(
         groups, capacity, opt_victim_for(groups))
 

@@ -74,3 +74,28 @@ def test_lfu_keeps_the_tokens_and_refuses_unknown_policies(tiny_dir):
     assert out["lru misses"] != out["lfu misses"]  # the policy did change what was evicted
     with pytest.raises(MoestreamError, match="eviction policy 'fifo' is not one of lru, lfu"):
         moestream.load(path, cache=budget, policy="fifo")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_layer_never_waits_for_its_own_experts_slots(policy, tiny_dir, monkeypatch):
+    """A just-read expert has the lowest LFU count; it must not be the victim for the next miss of its
+    own layer (that miss would wait until the first one is computed: reads serialised with compute)."""
+    from moestream.cache.expert_cache import LayerJob
+
+    path = str(tiny_dir("qwen3_moe", experts=16, top_k=4))
+    with moestream.load(path, cache="64MiB") as probe:
+        budget = 6 * probe.cache.slot_bytes
+    waited = []
+    init = LayerJob.__init__
+
+    def spy(self, cache, layer, experts, seq):
+        init(self, cache, layer, experts, seq)
+        if len(experts) <= cache.capacity:  # room for the whole layer: every miss must get a slot at once
+            waited.append(len(self._pending))
+
+    monkeypatch.setattr(LayerJob, "__init__", spy)
+    with moestream.load(path, cache=budget, policy=policy) as engine:
+        for prompt in PROMPTS:
+            engine.generate(prompt, max_tokens=10, ignore_eos=True)
+        assert engine.cache.stats.evictions > 0
+    assert len(waited) > 20 and set(waited) == {0}

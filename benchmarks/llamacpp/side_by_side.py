@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
+import sys
 from pathlib import Path
 
 from moestream.bench.compare import compare_runs, load_baseline
@@ -154,6 +156,8 @@ def main() -> None:
     if args.cmd == "table":
         print(table(Path(args.out), args.reference))
         return
+    # a plain kill still stops the server and removes the cgroup (the harness's finally blocks)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     for spec in args.specs:
         run_spec(spec, args)
 

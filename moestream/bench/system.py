@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,12 +114,19 @@ class MemoryCgroup:
         except (OSError, ValueError):
             return None
 
-    def remove(self) -> None:
-        """Remove the group; it must be empty (its processes have exited)."""
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
+    def remove(self, wait_s: float = 10.0) -> None:
+        """Remove the group once it is empty: a process that has just exited can hold it busy for a moment."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
 
 
 def make_memory_cgroup(limit: int, name: str = "moestream-bench", cgroup_root: str = "/sys/fs/cgroup") -> MemoryCgroup:

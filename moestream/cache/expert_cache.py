@@ -105,6 +105,7 @@ class ExpertCache:
         self.last_job_seq = -1
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
+        self._open_keys: set[Key] = set()  # the experts of the last opened layer job (never its victims)
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -159,23 +160,26 @@ class ExpertCache:
     def open_layer(self, layer: int, experts: list[int]) -> "LayerJob":
         """Start one layer forward over `experts` (distinct, in execution order)."""
         self.last_job_seq = next(self._job_seq)
+        self._open_keys = {(layer, e) for e in experts}
         return LayerJob(self, layer, experts, self.last_job_seq)
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Read ahead experts predicted for `layer`, after every read of the last opened layer job and before
-        any of a later one. Only free or unpinned slots are used; stops at the first victim in use.
-        Returns the number of experts whose reads were queued."""
+        any of a later one. Only free or unpinned slots are used, never one of the open layer's or the
+        other predicted experts; stops at the first victim in use. Returns the number of experts queued."""
         after_job = self.last_job_seq
         reads: list[Request] = []
         queued = 0
+        protected = self._open_keys | {(layer, e) for e in experts}
         with self.lock:
             for expert in experts:
                 key = (layer, expert)
                 if key in self._states:
                     continue
-                if self._blocked(key):
+                if self._blocked(key, protected):
                     break
-                reads.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds))))
+                reads.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds)),
+                                              protected=protected))
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
@@ -212,13 +216,14 @@ class ExpertCache:
             else:
                 state.listeners.append(job)
 
-    def _blocked(self, key: Key) -> bool:
-        victim = self._class_of[key].residents.next_victim()
+    def _blocked(self, key: Key, protected: set[Key]) -> bool:
+        victim = self._class_of[key].residents.next_victim(protected)
         return victim is not None and self._states[victim].pins > 0
 
-    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None) -> list[Request]:
+    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None,
+                    protected: set[Key] = frozenset()) -> list[Request]:
         cls = self._class_of[key]
-        slot, evicted = cls.residents.admit(key)
+        slot, evicted = cls.residents.admit(key, protected)
         if evicted is not None:
             victim = self._states.pop(evicted)
             if self.on_evict is not None:
@@ -281,6 +286,7 @@ class LayerJob:
 
     def __init__(self, cache: ExpertCache, layer: int, experts: list[int], seq: int) -> None:
         self.cache, self.layer, self.seq = cache, layer, seq
+        self.keys = {(layer, e) for e in experts}  # never evicted to make room for each other
         self.events: queue.SimpleQueue[tuple[int, str, BaseException | None]] = queue.SimpleQueue()
         self.hits: list[int] = []
         self.misses: list[int] = []
@@ -304,9 +310,9 @@ class LayerJob:
     def _admit_pending(self) -> list[Request]:
         """Give slots to waiting misses, in order, while the next victim is not in use."""
         reads: list[Request] = []
-        while self._pending and not self.cache._blocked((self.layer, self._pending[0])):
+        while self._pending and not self.cache._blocked((self.layer, self._pending[0]), self.keys):
             expert = self._pending.pop(0)
-            reads.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted))
+            reads.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted, protected=self.keys))
             self._admitted += 1
             self._active += 1
         return reads

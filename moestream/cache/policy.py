@@ -16,7 +16,7 @@ import heapq
 import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable, Iterator
 from typing import ClassVar
 
 Key = Hashable
@@ -56,6 +56,11 @@ class EvictionPolicy(ABC):
     def victim(self) -> Key:
         """The resident key to evict next. Called only when every slot is taken."""
 
+    def ranked(self) -> Iterator[Key]:
+        """Resident keys in eviction order, victim first (lazily). Policies that cannot rank give only
+        their victim."""
+        yield self.victim()
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used: the key whose last hit or admission is oldest leaves first."""
@@ -76,6 +81,9 @@ class LRUPolicy(EvictionPolicy):
 
     def victim(self) -> Key:
         return next(iter(self._order))
+
+    def ranked(self) -> Iterator[Key]:
+        return iter(self._order)
 
 
 class ResidentSet:
@@ -104,17 +112,25 @@ class ResidentSet:
         self.policy.on_hit(key)
         return self._slot_of[key]
 
-    def next_victim(self) -> Key | None:
-        """The key that admitting a new one would evict, or None while a slot is free."""
-        return None if self._free else self.policy.victim()
+    def next_victim(self, protected: Container[Key] = ()) -> Key | None:
+        """The key that admitting a new one would evict, or None while a slot is free: the first key in
+        the policy's order that is not `protected` (the experts of the layer being computed, which it
+        needs now), or the policy's own victim when every resident key is protected."""
+        if self._free:
+            return None
+        if protected:
+            for key in self.policy.ranked():
+                if key not in protected:
+                    return key
+        return self.policy.victim()
 
-    def admit(self, key: Key) -> tuple[int, Key | None]:
-        """Give `key` a slot, evicting the policy's victim when full. Returns (slot, evicted key or None)."""
+    def admit(self, key: Key, protected: Container[Key] = ()) -> tuple[int, Key | None]:
+        """Give `key` a slot, evicting `next_victim(protected)` when full. Returns (slot, evicted key or None)."""
         if key in self._slot_of:
             raise KeyError(f"{key!r} is already resident")
         evicted = None
         if not self._free:
-            evicted = self.policy.victim()
+            evicted = self.next_victim(protected)
             self.remove(evicted)
         slot = self._free.pop()
         self._slot_of[key] = slot
@@ -128,14 +144,17 @@ class ResidentSet:
         self._free.append(slot)
 
     def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
-        """One layer forward with instantaneous compute: touch hits, then admit misses. Returns (hits, misses)."""
+        """One layer forward with instantaneous compute: touch hits, then admit misses, never evicting
+        one of the group's own keys while another key can go (as the engine, whose layer holds them
+        pinned). Returns (hits, misses)."""
         keys = list(keys)
         hits = [k for k in keys if k in self._slot_of]
         misses = [k for k in keys if k not in self._slot_of]
         for key in hits:
             self.touch(key)
+        group = set(keys)
         for key in misses:
-            self.admit(key)
+            self.admit(key, group)
         return hits, misses
 
 
@@ -191,6 +210,12 @@ class LFUPolicy(EvictionPolicy):
         while self._stamp.get(heap[0][2]) != heap[0][1]:
             heapq.heappop(heap)
         return heap[0][2]
+
+    def ranked(self) -> Iterator[Key]:
+        live = [e for e in self._heap if self._stamp.get(e[2]) == e[1]]
+        heapq.heapify(live)
+        while live:
+            yield heapq.heappop(live)[2]
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -333,7 +358,7 @@ class PartitionedResidentSet(ResidentSet):
         super().__init__(max(1, sum(quotas.values())), PartitionedLRUPolicy())
         self.quotas = dict(quotas)
 
-    def admit(self, key: Key) -> tuple[int, Key | None]:
+    def admit(self, key: Key, protected: Container[Key] = ()) -> tuple[int, Key | None]:
         """Give `key` a slot of its layer's share, evicting that layer's LRU key when the share is full."""
         layer = key[0]  # type: ignore[index]
         quota = self.quotas.get(layer, 0)

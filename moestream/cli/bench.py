@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,6 +84,11 @@ def build_config(args: argparse.Namespace) -> "BenchConfig":
                        server_name="moestream" if args.model else "server")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    print("moestream bench: terminated; stopping the server and restoring the machine", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     from moestream.bench.harness import run_bench
     from moestream.bench.report import summary_lines
@@ -89,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model).exists():
         raise MoestreamError(f"--model {args.model} does not exist")
     config = build_config(args)
-    results = run_bench(config)
+    # a plain kill must still stop the server and remove the cgroup and readahead change (finally blocks)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        results = run_bench(config)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if results["mode_line"]:
         print(results["mode_line"])
     for line in summary_lines(results):

@@ -80,13 +80,13 @@ class GpuTier:
         self.residents = ResidentSet(capacity, policy or LRUPolicy())
         self.slots: dict[tuple[int, int], GpuSlot] = {}
 
-    def victim_free(self) -> bool:
+    def victim_free(self, protected: set[tuple[int, int]]) -> bool:
         """Whether admitting one more expert would not evict a slot in use by the current layer."""
-        victim = self.residents.next_victim()
+        victim = self.residents.next_victim(protected)
         return victim is None or self.slots[victim].pins == 0
 
-    def admit(self, key: tuple[int, int]) -> GpuSlot:
-        slot, evicted = self.residents.admit(key)
+    def admit(self, key: tuple[int, int], protected: set[tuple[int, int]]) -> GpuSlot:
+        slot, evicted = self.residents.admit(key, protected)
         previous = self.slots.pop(evicted, None) if evicted is not None else None
         state = GpuSlot(slot, pins=1)
         if previous is not None:
@@ -135,6 +135,7 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         self.gpu = gpu
         self.copy_stream = torch.cuda.Stream(device=self.device)
         self._compute_stream = torch.cuda.current_stream(self.device)
+        self._layer_keys: set[tuple[int, int]] = set()
 
     def _stage_kinds(self) -> list[tuple[str, ...]]:
         if self.emap.family == "swiglu":
@@ -144,6 +145,7 @@ class CudaExpertRuntime(_PinnedHostRuntime):
     def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
                  predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
         self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)
+        self._layer_keys = {(layer, e) for e in order}  # never evicted from the GPU for each other
         resident = [e for e in order if (layer, e) in self.gpu.residents]
         rest = [e for e in order if (layer, e) not in self.gpu.residents]
         self.cuda_stats.gpu_hits += len(resident)
@@ -174,9 +176,9 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         key = (job.layer, expert)
         state = self.gpu.slots.get(key)
         if state is None:
-            if not self.gpu.victim_free():
+            if not self.gpu.victim_free(self._layer_keys):
                 return False  # every GPU slot is held by this layer's unfinished experts
-            state = self.gpu.admit(key)
+            state = self.gpu.admit(key, self._layer_keys)
             self.cuda_stats.gpu_misses += 1
         missing = [kind for kind in self.stages[stage] if kind not in state.copied]
         if missing:
