@@ -11,16 +11,19 @@ from moestream.cli import main
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe"])
-def test_prefetch_keeps_output_identical_to_stock(arch, tiny_dir):
+@pytest.mark.parametrize("arch,policy", [("qwen3_moe", "lru"), ("mixtral", "lru"), ("gpt_oss", "lru"),
+                                         ("qwen3_5_moe", "lru"), ("qwen3_moe", "lfu"), ("gpt_oss", "lfu")])
+def test_prefetch_keeps_output_identical_to_stock(arch, policy, tiny_dir):
+    """(With LFU, a layer once found every victim held by in-flight prefetches and gave up: "waits for an
+    expert slot that nothing will release"; budgets of 6 and 10 slots hit it.)"""
     path = tiny_dir(arch, experts=16, top_k=4)
     ref = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     expected = expected[0, len(PROMPT):].tolist()
     with moestream.load(str(path), cache="64MiB", prefetch=True) as engine:
         slot = engine.cache.slot_bytes
-        for budget in (6 * slot, 12 * slot, 32 * slot):
-            engine.restream(cache=budget, prefetch=True)
+        for budget in (6 * slot, 10 * slot, 12 * slot, 32 * slot):
+            engine.restream(cache=budget, prefetch=True, policy=policy)
             gen = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
             assert gen.tokens == expected, (arch, budget)
             stats = engine.cache.stats

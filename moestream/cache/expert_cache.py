@@ -106,6 +106,8 @@ class ExpertCache:
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         self._open_keys: set[Key] = set()  # the experts of the last opened layer job (never its victims)
+        self._prefetching = 0  # prefetched experts whose reads are still in flight (each holds a pin)
+        self._waiting: LayerJob | None = None  # the open layer job, while it has misses without a slot
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -161,7 +163,10 @@ class ExpertCache:
         """Start one layer forward over `experts` (distinct, in execution order)."""
         self.last_job_seq = next(self._job_seq)
         self._open_keys = {(layer, e) for e in experts}
-        return LayerJob(self, layer, experts, self.last_job_seq)
+        job = LayerJob(self, layer, experts, self.last_job_seq)
+        with self.lock:
+            self._waiting = job
+        return job
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Read ahead experts predicted for `layer`, after every read of the last opened layer job and before
@@ -183,6 +188,7 @@ class ExpertCache:
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
+                self._prefetching += 1
                 self.stats.prefetches += 1
                 self.stats.prefetch_bytes += self.emap.unit_bytes(layer, expert)
         self.reader.submit(reads)
@@ -217,13 +223,13 @@ class ExpertCache:
                 state.listeners.append(job)
 
     def _blocked(self, key: Key, protected: set[Key]) -> bool:
-        victim = self._class_of[key].residents.next_victim(protected)
+        victim = self._class_of[key].residents.next_victim(_Unavailable(protected, self._states))
         return victim is not None and self._states[victim].pins > 0
 
     def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None,
                     protected: set[Key] = frozenset()) -> list[Request]:
         cls = self._class_of[key]
-        slot, evicted = cls.residents.admit(key, protected)
+        slot, evicted = cls.residents.admit(key, _Unavailable(protected, self._states))
         if evicted is not None:
             victim = self._states.pop(evicted)
             if self.on_evict is not None:
@@ -257,6 +263,7 @@ class ExpertCache:
         return requests
 
     def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
+        reads: list[Request] = []
         with self.lock:
             if error is not None and state.errors[kind] is None:
                 state.errors[kind] = error
@@ -266,7 +273,13 @@ class ExpertCache:
                     job.events.put((state.key[1], kind, state.errors[kind]))
                 if state.prefetching and all(n == 0 for n in state.remaining.values()):
                     state.prefetching = False
+                    self._prefetching -= 1
                     self._unpin(state)
+                    waiting = self._waiting
+                    if waiting is not None and waiting._pending:  # its next victim may have been this one
+                        reads = waiting._admit_pending()
+        if reads:
+            self.reader.submit(reads)
 
     def _release(self, key: Key, job: "LayerJob") -> None:
         state = self._states[key]
@@ -279,6 +292,21 @@ class ExpertCache:
         if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
             state.cls.residents.remove(state.key)  # bad bytes must not be served as a hit later
             del self._states[state.key]
+
+
+class _Unavailable:
+    """Keys a new miss must not evict: the open layer's own experts, and any expert pinned right now (in
+    use, or a prefetch still being read), while another key can go."""
+
+    def __init__(self, protected: set[Key], states: dict[Key, SlotState]) -> None:
+        self.protected, self.states = protected, states
+
+    def __contains__(self, key: object) -> bool:
+        state = self.states.get(key)  # type: ignore[arg-type]
+        return key in self.protected or (state is not None and state.pins > 0)
+
+    def __bool__(self) -> bool:
+        return True
 
 
 class LayerJob:
@@ -323,7 +351,9 @@ class LayerJob:
             return self.events.get_nowait()
         except queue.Empty:
             pass
-        if self._active == 0:
+        with self.cache.lock:  # a finishing prefetch admits the rest (under the lock, atomically)
+            stuck = self._active == 0 and not self.cache._prefetching
+        if stuck:
             raise RuntimeError(f"layer {self.layer} waits for an expert slot that nothing will release")
         start = time.perf_counter()
         event = self.events.get()
