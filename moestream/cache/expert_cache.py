@@ -105,9 +105,8 @@ class ExpertCache:
         self.last_job_seq = -1
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
-        self._open_keys: set[Key] = set()  # the experts of the last opened layer job (never its victims)
         self._prefetching = 0  # prefetched experts whose reads are still in flight (each holds a pin)
-        self._waiting: LayerJob | None = None  # the open layer job, while it has misses without a slot
+        self._open_job: LayerJob | None = None  # the last opened layer job (its experts are never its victims)
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -162,10 +161,9 @@ class ExpertCache:
     def open_layer(self, layer: int, experts: list[int]) -> "LayerJob":
         """Start one layer forward over `experts` (distinct, in execution order)."""
         self.last_job_seq = next(self._job_seq)
-        self._open_keys = {(layer, e) for e in experts}
         job = LayerJob(self, layer, experts, self.last_job_seq)
         with self.lock:
-            self._waiting = job
+            self._open_job = job
         return job
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
@@ -175,7 +173,8 @@ class ExpertCache:
         after_job = self.last_job_seq
         reads: list[Request] = []
         queued = 0
-        protected = self._open_keys | {(layer, e) for e in experts}
+        open_keys = self._open_job.keys if self._open_job is not None else set()
+        protected = open_keys | {(layer, e) for e in experts}
         with self.lock:
             for expert in experts:
                 key = (layer, expert)
@@ -275,9 +274,9 @@ class ExpertCache:
                     state.prefetching = False
                     self._prefetching -= 1
                     self._unpin(state)
-                    waiting = self._waiting
-                    if waiting is not None and waiting._pending:  # its next victim may have been this one
-                        reads = waiting._admit_pending()
+                    open_job = self._open_job
+                    if open_job is not None and open_job._pending:  # its next victim may have been this one
+                        reads = open_job._admit_pending()
         if reads:
             self.reader.submit(reads)
 
