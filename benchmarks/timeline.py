@@ -5,7 +5,8 @@ and per MoE layer forward the moments it entered, had the routing back, had queu
 returned. Over the decode steps (one token per forward) it reports the share of wall time during which
 at least one read was in flight, the mean number of reads in flight, and, for each gap during which
 the disk idled, which phase of the compute thread it fell in. With --profile, a cProfile of the
-compute thread (top functions by own time).
+generation (top functions by own time); on Python 3.12 and later it also sees the I/O threads and slows
+them, so take the timeline's figures from a run without it.
 
     python benchmarks/timeline.py CHECKPOINT [engine options as `moestream generate`] --tokens 8 [--profile]
 """
@@ -141,7 +142,7 @@ def main() -> int:
     parser.add_argument("path")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--profile", action="store_true", help="cProfile the compute thread")
+    parser.add_argument("--profile", action="store_true", help="cProfile the generation (slows the I/O threads on Python >= 3.12)")
     parser.add_argument("--label", default="")
     add_engine_arguments(parser)
     args = parser.parse_args()
