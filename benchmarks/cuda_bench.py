@@ -34,7 +34,7 @@ with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=ho
     for _ in range(passes):
         out = e.generate(sys.argv[6], max_tokens=tokens, ignore_eos=True)
     s = out.stats.to_dict()
-    s["host_syncs"] = e.runtime.cuda_stats.host_syncs
+    s["host_syncs"] = e.runtime.tier.stats.host_syncs
     print(json.dumps({"mode": mode, "stats": s, "tokens": out.tokens}))
 """
 
