@@ -11,7 +11,7 @@ from moestream.bench.fit import LineFit, cv, fit_line, mean
 
 if TYPE_CHECKING:
     from moestream.bench.client import RequestResult
-    from moestream.bench.harness import BenchConfig
+    from moestream.bench.config import BenchConfig
 
 GiB, MiB = 1 << 30, 1 << 20
 RESULTS_VERSION = 1
@@ -59,7 +59,7 @@ def fit_runs(runs: list[dict[str, Any]]) -> tuple[LineFit | None, list[tuple[str
 def build_results(config: "BenchConfig", requests: "list[RequestResult]", telemetry: dict[str, Any],
                   mode_line: str | None, machine: dict[str, Any]) -> dict[str, Any]:
     """The whole run as one JSON-able object (the format `--baseline` and `--fit-with` read back)."""
-    from moestream.bench.harness import request_dict
+    from moestream.bench.client import request_dict
 
     rows = [request_dict(r) for r in requests]
     server = "moestream" if any(r.moe is not None for r in requests) else config.server_name
