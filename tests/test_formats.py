@@ -1,15 +1,16 @@
 """Weight formats are one class each: a toy format registered by this test alone streams exactly."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 import transformers as T
 from safetensors.torch import load_file, save_file
+from tiny_models import write_tiny
 
 import moestream
 from moestream.runtime import formats
 from moestream.runtime.formats import WeightFormat
-from tiny_models import write_tiny
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 
@@ -53,7 +54,7 @@ def test_a_registered_toy_format_streams_exactly(tmp_path):
     finally:
         formats.unregister("F16", previous)
     assert Fp16Upcast.views > 0
-    assert gen.tokens == ref[0, len(PROMPT):].tolist()
+    assert gen.tokens == ref[0, len(PROMPT) :].tolist()
     assert (logits - ref_logits).abs().max().item() <= 1e-5
 
 

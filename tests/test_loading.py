@@ -1,12 +1,13 @@
 """transformers builds the model but never reads an expert tensor; experts come only from the store."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
+from tiny_models import ARCHS
 
 import moestream
-from tiny_models import ARCHS
 
 EXPERT_KEY = re.compile(r"\.experts\.")
 

@@ -1,8 +1,10 @@
 """Read/compute overlap under hostile timing: pieces complete in random order after random delays."""
+
 from __future__ import annotations
 
 import random
 import time
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +41,12 @@ def _resident_experts(sd, layer, hidden, index, weights):
 
 def test_thousand_forwards_identical_under_random_completion(tiny_dir):
     path = tiny_dir("qwen3_moe", experts=16, top_k=4)
-    engine = moestream.load(str(path), cache=5 * 36 * 1024, io_mode="direct",  # 5 slots: constant eviction
-                            make_reader=lambda mode, threads: JitteryReader(mode, 8))
+    engine = moestream.load(
+        str(path),
+        cache=5 * 36 * 1024,
+        io_mode="direct",  # 5 slots: constant eviction
+        make_reader=lambda mode, threads: JitteryReader(mode, 8),
+    )
     gen = torch.Generator().manual_seed(0)
     misses_before = engine.cache.stats.misses
     sd = load_file(path / "model.safetensors")
@@ -66,7 +72,7 @@ def test_stalled_experts_retry_until_done(tiny_dir):
     from moestream.runtime.tiers import HostTier
 
     class TwoSlots(HostTier):
-        held: set = set()
+        held: ClassVar[set] = set()
 
         def prepare(self, job, expert, kinds):
             if kinds == ("gate",) and (job.layer, expert) not in self.held:
@@ -79,8 +85,12 @@ def test_stalled_experts_retry_until_done(tiny_dir):
             self.held.discard((layer, expert))
 
     path = tiny_dir("qwen3_moe", experts=16, top_k=4)
-    engine = moestream.load(str(path), cache=8 * 36 * 1024, io_mode="direct",
-                            make_reader=lambda mode, threads: JitteryReader(mode, 8, seed=5))
+    engine = moestream.load(
+        str(path),
+        cache=8 * 36 * 1024,
+        io_mode="direct",
+        make_reader=lambda mode, threads: JitteryReader(mode, 8, seed=5),
+    )
     tier = TwoSlots(engine.cache)
     runtime = ExpertRuntime(engine.cache, tier, SwiGLU(torch.nn.functional.silu))
     sd = load_file(path / "model.safetensors")

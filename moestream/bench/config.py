@@ -1,4 +1,5 @@
 """What one benchmark run is asked to do."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,7 +38,11 @@ class BenchConfig:
         if (self.target is None) == (self.server_argv is None):
             raise MoestreamError("give either --target URL or --model PATH, not both and not neither")
         if self.max_tokens < 2:
-            raise MoestreamError(f"--max-tokens must be at least 2 (decode speed needs two tokens), got {self.max_tokens}")
+            raise MoestreamError(
+                f"--max-tokens must be at least 2 (decode speed needs two tokens), got {self.max_tokens}"
+            )
         if self.target is not None and self.memory_limit is not None:
-            raise MoestreamError("--memory-limit cannot limit a server this command did not start; use --model "
-                                 "PATH, or start the target inside a cgroup yourself")
+            raise MoestreamError(
+                "--memory-limit cannot limit a server this command did not start; use --model "
+                "PATH, or start the target inside a cgroup yourself"
+            )

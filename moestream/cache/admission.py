@@ -5,6 +5,7 @@ of the layer being computed, which it needs now) nor pinned (in use, or a prefet
 while such a key exists. When the key that would be evicted is still pinned, admission must wait until
 it is released.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable
@@ -27,7 +28,9 @@ class Unavailable:
         return True
 
 
-def admission_blocked(residents: ResidentSet, protected: Container[Key], pinned: Callable[[Key], bool]) -> bool:
+def admission_blocked(
+    residents: ResidentSet, protected: Container[Key], pinned: Callable[[Key], bool]
+) -> bool:
     """Whether admitting one more key now would have to evict a pinned key (so it must wait)."""
     victim = residents.next_victim(Unavailable(protected, pinned))
     return victim is not None and pinned(victim)

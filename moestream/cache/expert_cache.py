@@ -5,6 +5,7 @@ Compute asks for one layer at a time with `open_layer`, which returns a `LayerJo
 readiness event per (expert, kind): at once for cached experts, when the last piece lands for misses.
 All bookkeeping happens here, under one lock; callbacks of other owners (`on_evict`) run outside it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -108,7 +109,9 @@ class ExpertCache:
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         self._prefetching = 0  # prefetched experts whose reads are still in flight (each holds a pin)
-        self._open_job: LayerJob | None = None  # the last opened layer job (its experts are never its victims)
+        self._open_job: LayerJob | None = (
+            None  # the last opened layer job (its experts are never its victims)
+        )
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -141,7 +144,9 @@ class ExpertCache:
         for size, keys in sorted(by_size.items()):
             share = budget * size * len(keys) // total if len(by_size) > 1 else budget
             capacity = min(len(keys), max(top_k, slots_for_budget(share, size)))
-            cls = SizeClass(size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory()))
+            cls = SizeClass(
+                size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
+            )
             classes.append(cls)
             class_of.update((key, cls) for key in keys)
         return classes, class_of
@@ -196,8 +201,14 @@ class ExpertCache:
                     continue
                 if self._blocked(key, protected):
                     break
-                self._admit_miss(key, None, queued, admitted, priority=(after_job, len(self.emap.kinds)),
-                                 protected=protected)
+                self._admit_miss(
+                    key,
+                    None,
+                    queued,
+                    admitted,
+                    priority=(after_job, len(self.emap.kinds)),
+                    protected=protected,
+                )
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
@@ -227,7 +238,8 @@ class ExpertCache:
         return [(state.cls.buffer, state.base + p.region_offset + p.head, p) for p in state.plan[kind]]
 
     def next_event(self, job: LayerJob) -> tuple[int, str, BaseException | None]:
-        """The next (expert, kind, error-or-None) of `job` whose bytes are in place; blocks while reads run."""
+        """The next (expert, kind, error-or-None) of `job` whose bytes are in place (blocks while reads
+        run)."""
         try:
             return job.events.get_nowait()
         except queue.Empty:
@@ -293,8 +305,15 @@ class ExpertCache:
         state = self._states.get(key)
         return state is not None and state.pins > 0
 
-    def _admit_miss(self, key: Key, job: LayerJob | None, rank: int, admitted: _Admitted,
-                    priority: tuple | None = None, protected: set[Key] = frozenset()) -> None:
+    def _admit_miss(
+        self,
+        key: Key,
+        job: LayerJob | None,
+        rank: int,
+        admitted: _Admitted,
+        priority: tuple | None = None,
+        protected: set[Key] = frozenset(),
+    ) -> None:
         cls = self._class_of[key]
         slot, evicted = cls.residents.admit(key, Unavailable(protected, self._pinned))
         if evicted is not None:
@@ -303,8 +322,16 @@ class ExpertCache:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
-        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1,
-                          listeners=[job] if job is not None else [])
+        state = SlotState(
+            key,
+            cls,
+            slot,
+            plan,
+            {},
+            {k: None for k in self.emap.kinds},
+            pins=1,
+            listeners=[job] if job is not None else [],
+        )
         self._states[key] = state
         for kind_rank, kind in enumerate(self.emap.kinds):
             order = (job.seq, kind_rank) if priority is None else priority
@@ -317,12 +344,20 @@ class ExpertCache:
         requests = []
         for part_rank, part in enumerate(state.plan[kind]):
             dest = state.base + part.region_offset
-            requests.append(Request(
-                priority=(*priority, part_rank), seq=self.reader.next_seq(), file=self.reader.open(part.ref.file),
-                offset=part.file_offset, length=part.length, needed=part.head + part.ref.nbytes,
-                dest=state.cls.buffer.view[dest:dest + part.length], dest_address=state.cls.buffer.address + dest,
-                piece=self.piece_bytes, on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
-            ))
+            requests.append(
+                Request(
+                    priority=(*priority, part_rank),
+                    seq=self.reader.next_seq(),
+                    file=self.reader.open(part.ref.file),
+                    offset=part.file_offset,
+                    length=part.length,
+                    needed=part.head + part.ref.nbytes,
+                    dest=state.cls.buffer.view[dest : dest + part.length],
+                    dest_address=state.cls.buffer.address + dest,
+                    piece=self.piece_bytes,
+                    on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
+                )
+            )
         return requests
 
     def _unpin(self, state: SlotState) -> None:

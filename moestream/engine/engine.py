@@ -1,4 +1,5 @@
 """`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+
 from __future__ import annotations
 
 import time
@@ -38,9 +39,17 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: str = "direct",
-         io_threads: int = 4, piece: int | str = "128KiB", threads: int | None = None,
-         make_reader: ReaderFactory | None = None, **extra: Any) -> Engine:
+def load(
+    path: str,
+    cache: int | str = "512MiB",
+    device: str = "cpu",
+    io_mode: str = "direct",
+    io_threads: int = 4,
+    piece: int | str = "128KiB",
+    threads: int | None = None,
+    make_reader: ReaderFactory | None = None,
+    **extra: Any,
+) -> Engine:
     """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
 
     Args:
@@ -60,8 +69,15 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
     """
     try:
-        options = EngineOptions(cache=cache, device=device, io_mode=io_mode, io_threads=io_threads,
-                                piece=piece, threads=threads, **extra)
+        options = EngineOptions(
+            cache=cache,
+            device=device,
+            io_mode=io_mode,
+            io_threads=io_threads,
+            piece=piece,
+            threads=threads,
+            **extra,
+        )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
     return Engine(path, options, make_reader=make_reader)
@@ -70,7 +86,9 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
-    def __init__(self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None) -> None:
+    def __init__(
+        self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None
+    ) -> None:
         self.options = options
         self._make_reader = make_reader or Reader
         if options.threads is not None:
@@ -112,7 +130,7 @@ class Engine:
         return self.streaming.reader
 
     def start_trace(self, path: str | Path, predict: bool = True) -> None:
-        """Record every layer's routing (and the stale-gate prediction) of the following requests to `path`."""
+        """Record every layer's routing (and the stale-gate prediction) of the next requests to `path`."""
         from moestream.engine.tracing import TraceRecorder
 
         if self.recorder is not None:
@@ -127,8 +145,14 @@ class Engine:
 
     def _stream(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
-        streaming = ExpertStreaming(self.emap, self.family, self.options.stream_config(), top_k=self.top_k,
-                                    device=self.device, make_reader=self._make_reader)
+        streaming = ExpertStreaming(
+            self.emap,
+            self.family,
+            self.options.stream_config(),
+            top_k=self.top_k,
+            device=self.device,
+            make_reader=self._make_reader,
+        )
         if self.options.prefetch:
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)
@@ -138,8 +162,17 @@ class Engine:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
         `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side
         comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
-                                  "prefetch", "policy"}
+        unknown = set(changes) - {
+            "cache",
+            "io_mode",
+            "io_threads",
+            "piece",
+            "lock_memory",
+            "gpu_cache",
+            "host_cache",
+            "prefetch",
+            "policy",
+        }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -159,8 +192,11 @@ class Engine:
         from moestream.power.floor import make_engine_floor
 
         try:
-            return make_engine_floor(self.options.gpu_floor, sysfs_root=self.options.sysfs_root,
-                                     experts_off_gpu=self.options.device == "cpu")
+            return make_engine_floor(
+                self.options.gpu_floor,
+                sysfs_root=self.options.sysfs_root,
+                experts_off_gpu=self.options.device == "cpu",
+            )
         except BaseException:
             self.streaming.close()
             raise
@@ -178,8 +214,11 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
-            + (f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
-               if self.top_k != self.model_top_k else "")
+            + (
+                f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
+                if self.top_k != self.model_top_k
+                else ""
+            )
         )
 
     def counters(self) -> Counters:
@@ -194,8 +233,9 @@ class Engine:
         if self.tokenizer is None:
             raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
         if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
 
@@ -206,17 +246,30 @@ class Engine:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-                 **sampling: Any) -> Generation:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        **sampling: Any,
+    ) -> Generation:
         """Generate a completion (greedy unless temperature > 0). Keyword args build SamplingParams."""
         result = None
         for result in self.stream(prompt, params, chat=chat, **sampling):
             pass
         return result
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-               cancelled: Callable[[], bool] | None = None, request_id: str | None = None,
-               **sampling: Any) -> Iterator[Generation]:
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token; the last one is final."""
         try:
             params = params or SamplingParams(**sampling)
@@ -228,8 +281,9 @@ class Engine:
         self._requests += 1
         yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-             request_id: str) -> Iterator[Generation]:
+    def _run(
+        self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str
+    ) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
         try:
@@ -252,8 +306,13 @@ class Engine:
 
         return step
 
-    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-                step: Callable[[list[int], Any], tuple[torch.Tensor, Any]]) -> Iterator[Generation]:
+    def _tokens(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+    ) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         tokens: list[int] = []
@@ -278,7 +337,9 @@ class Engine:
                 break
             yield gen
         gen.done = True
-        gen.stats.gpu_floor = "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        gen.stats.gpu_floor = (
+            "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        )
         yield gen
 
     def close(self) -> None:
@@ -288,7 +349,7 @@ class Engine:
             self.floor.close()
         self.streaming.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -299,7 +360,9 @@ def _override_top_k(config: Any, k: int) -> None:
     """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
     cfg = text_config(config)
     if k > num_experts(config):
-        raise MoestreamError(f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts")
+        raise MoestreamError(
+            f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
+        )
     cfg.num_experts_per_tok = k
 
 
@@ -312,7 +375,9 @@ def _apply_stop(gen: Generation, stops: list[str]) -> bool:
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
+        model.config, "eos_token_id", None
+    )
     found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)

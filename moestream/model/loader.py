@@ -6,6 +6,7 @@ shared experts, rotary buffers, tied weights, checkpoint renames) and then assig
 swapped for the duration of the call, through `transformers.monkey_patching.register_patch_mapping`.
 `StreamingExperts` has no parameters, so no expert tensor is asked for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,9 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def build_model(source: CheckpointSource, config: Any, arch: Arch, dtype: str | torch.dtype,
-                emap: ExpertMap) -> torch.nn.Module:
+def build_model(
+    source: CheckpointSource, config: Any, arch: Arch, dtype: str | torch.dtype, emap: ExpertMap
+) -> torch.nn.Module:
     """The model built on the meta device with the experts class patched, then given the source's trunk.
 
     Raises:
@@ -59,13 +61,16 @@ def build_model(source: CheckpointSource, config: Any, arch: Arch, dtype: str | 
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            model, info = model_class.from_pretrained(None, config=config, state_dict=trunk, dtype=dtype,
-                                                      output_loading_info=True)
+            model, info = model_class.from_pretrained(
+                None, config=config, state_dict=trunk, dtype=dtype, output_loading_info=True
+            )
         finally:
             unregister_patch_mapping([arch.experts_class])
     missing = [k for k in info.get("missing_keys", []) if not _EXPERT_KEY.search(k)]
     if missing:
-        raise CheckpointError(f"{source.path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}")
+        raise CheckpointError(
+            f"{source.path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}"
+        )
     generation = source.generation_config()
     if generation is not None:
         model.generation_config = generation
@@ -77,8 +82,9 @@ def _causal_lm_class(config: Any) -> type:
     try:
         return AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:
-        raise UnsupportedModelError(f"transformers has no causal LM class for model_type "
-                                    f"{config.model_type!r}") from None
+        raise UnsupportedModelError(
+            f"transformers has no causal LM class for model_type {config.model_type!r}"
+        ) from None
 
 
 def streaming_modules(model: torch.nn.Module) -> list[tuple[int, StreamingExperts]]:

@@ -15,6 +15,7 @@ those waits are counted in `TierStats.host_syncs` (a slot is reused long after i
 normally zero). `UnifiedTier` (integrated GPUs: Jetson) has one tier of pinned, device-mapped host
 slots that kernels read in place, with no staging copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,8 +43,9 @@ class GpuSlot:
     last_use: torch.cuda.Event | None = None  # compute done reading this slot
 
 
-def gpu_layout(emap: ExpertMap, key: tuple[int, int], fusions: dict[str, tuple[str, ...]]
-               ) -> tuple[dict[str, list[tuple[int, Any]]], int]:
+def gpu_layout(
+    emap: ExpertMap, key: tuple[int, int], fusions: dict[str, tuple[str, ...]]
+) -> tuple[dict[str, list[tuple[int, Any]]], int]:
     """Offsets of every part of one expert in a GPU slot: kind -> [(offset, ref)], and the slot size.
     Kinds of one fusion follow each other with no gap, so their bytes are one matrix."""
     fused_tail = {kinds[i] for kinds in fusions.values() for i in range(1, len(kinds))}
@@ -63,7 +65,9 @@ def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
     for kernels to read it in place (cudaHostRegisterMapped)."""
     err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 2 if mapped else 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
+        raise RuntimeError(
+            f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}"
+        )
 
 
 class _PinnedHost(DeviceTier):
@@ -102,8 +106,15 @@ class GpuSlotTier(_PinnedHost):
 
     fuses = True
 
-    def __init__(self, cache: ExpertCache, budget_bytes: int, device: torch.device, top_k: int,
-                 fusions: dict[str, tuple[str, ...]], policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        cache: ExpertCache,
+        budget_bytes: int,
+        device: torch.device,
+        top_k: int,
+        fusions: dict[str, tuple[str, ...]],
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         emap = cache.emap
         layouts = {k: gpu_layout(emap, k, fusions) for k in emap.units}
         self.layouts = {k: layout for k, (layout, _) in layouts.items()}
@@ -112,7 +123,9 @@ class GpuSlotTier(_PinnedHost):
         if capacity < top_k:
             raise CacheBudgetError(
                 f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
-                f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}")
+                f"{format_size(self.slot_bytes)}; use a GPU cache of at least "
+                f"{format_size(top_k * self.slot_bytes)}"
+            )
         super().__init__(cache, device, mapped=False)
         self.capacity, self.fusions = capacity, fusions
         self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
@@ -129,7 +142,9 @@ class GpuSlotTier(_PinnedHost):
         for expert in ready:
             key = (layer, expert)
             self.residents.touch(key)
-            self.cache.touch_if_resident(key)  # keep the host copy warm, so a GPU eviction can fall back to it
+            self.cache.touch_if_resident(
+                key
+            )  # keep the host copy warm, so a GPU eviction can fall back to it
             self.slots[key].pins += 1
         self.stats.gpu_hits += len(ready)
         return ready, [e for e in order if (layer, e) not in self.residents]
@@ -167,10 +182,12 @@ class GpuSlotTier(_PinnedHost):
         if state.last_use is not None:
             self.copy_stream.wait_event(state.last_use)
         host_state = self.cache.state_of(key)
-        for (buffer, offset, _), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.layouts[key][kind]):
-            src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
+        for (buffer, offset, _), (gpu_offset, ref) in zip(
+            job.tensor_parts(key[1], kind), self.layouts[key][kind]
+        ):
+            src = self._views.bytes_of(buffer)[offset : offset + ref.nbytes]
             dst_start = state.slot * self.slot_bytes + gpu_offset
-            self.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
+            self.buffer[dst_start : dst_start + ref.nbytes].copy_(src, non_blocking=True)
             self.stats.copy_bytes += ref.nbytes
         event = torch.cuda.Event()
         event.record(self.copy_stream)
@@ -198,12 +215,14 @@ class GpuSlotTier(_PinnedHost):
         if kind in self.fusions:  # the fused kinds' parts, back to back: one byte range
             first, *_ = layout[self.fusions[kind][0]]
             size = sum(ref.nbytes for part in self.fusions[kind] for _, ref in layout[part])
-            return [self.buffer[base + first[0]:base + first[0] + size]]
-        return [self.buffer[base + offset:base + offset + ref.nbytes] for offset, ref in layout[kind]]
+            return [self.buffer[base + first[0] : base + first[0] + size]]
+        return [self.buffer[base + offset : base + offset + ref.nbytes] for offset, ref in layout[kind]]
 
     def describe(self) -> str:
-        return (f"gpu cache {format_size(self.capacity * self.slot_bytes)} = {self.capacity} slots, "
-                f"pinned host cache {format_size(self.cache.allocated_bytes)} = {self.cache.capacity} slots")
+        return (
+            f"gpu cache {format_size(self.capacity * self.slot_bytes)} = {self.capacity} slots, "
+            f"pinned host cache {format_size(self.cache.allocated_bytes)} = {self.cache.capacity} slots"
+        )
 
 
 class UnifiedTier(_PinnedHost):
@@ -219,8 +238,10 @@ class UnifiedTier(_PinnedHost):
         self._aliases = {id(buffer): device_alias(buffer, device) for buffer in self._registered}
 
     def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
-        return [self._aliases[id(buffer)][offset:offset + part.ref.nbytes]
-                for buffer, offset, part in job.tensor_parts(expert, kind)]
+        return [
+            self._aliases[id(buffer)][offset : offset + part.ref.nbytes]
+            for buffer, offset, part in job.tensor_parts(expert, kind)
+        ]
 
     def release(self, layer: int, expert: int, job: LayerJob | None, failed: bool) -> None:
         event = torch.cuda.Event()
@@ -229,16 +250,23 @@ class UnifiedTier(_PinnedHost):
 
     def describe(self) -> str:
         c = self.cache
-        return (f"unified memory cache {format_size(c.budget_bytes)} = {c.capacity} slots "
-                f"(pinned, device-mapped, no staging copy)")
+        return (
+            f"unified memory cache {format_size(c.budget_bytes)} = {c.capacity} slots "
+            f"(pinned, device-mapped, no staging copy)"
+        )
 
 
 class _CudaArray:
     """`__cuda_array_interface__` for a device-visible byte range, so torch can alias it."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def device_alias(buffer: AlignedBuffer, device: torch.device) -> torch.Tensor:

@@ -12,8 +12,10 @@ Schedule per layer forward:
   * contributions are summed in ascending expert order at the end, so the result does not depend on
     the order reads complete in.
 """
+
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,7 +93,9 @@ class ExpertRuntime:
                     for kind in kinds[1:]:
                         fused = fused.fused(formats[(layer, kind)]) if fused is not None else None
                     if fused is None:
-                        raise NotImplementedError(f"layer {layer}: {', '.join(kinds)} cannot be computed as one")
+                        raise NotImplementedError(
+                            f"layer {layer}: {', '.join(kinds)} cannot be computed as one"
+                        )
                     formats[(layer, name)] = fused
         return formats
 
@@ -99,10 +103,11 @@ class ExpertRuntime:
         """Apply, once per layer forward, layer L+1's router to layer L's input (the stale gate): for
         `prefetch` and for observers. `routers` maps every MoE layer to its router module."""
         layers = sorted(routers)
-        self._ahead = {a: (b, routers[b]) for a, b in zip(layers, layers[1:])}
+        self._ahead = {a: (b, routers[b]) for a, b in itertools.pairwise(layers)}
 
-    def forward(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
         ahead = self._lookahead(layer, hidden)
         rows, predicted = self._readback(layer, top_k_index, ahead)
@@ -130,8 +135,9 @@ class ExpertRuntime:
         with torch.no_grad():
             return ahead[0], ahead[1](hidden)
 
-    def _readback(self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
-                  ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
+    def _readback(
+        self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
+    ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
         """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
         if ahead is None or not self.prefetch:
             return top_k_index.tolist(), None  # the one host readback of the routing
@@ -141,8 +147,14 @@ class ExpertRuntime:
         both = torch.cat([top_k_index, guess.to(top_k_index.dtype)], dim=1).tolist()  # still one readback
         return [row[:k] for row in both], (next_layer, execution_order(row[k:] for row in both))
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
-                 predicted: tuple[int, list[int]] | None) -> dict[int, torch.Tensor]:
+    def _compute(
+        self,
+        layer: int,
+        order: list[int],
+        hidden: torch.Tensor,
+        routes: dict[int, Route],
+        predicted: tuple[int, list[int]] | None,
+    ) -> dict[int, torch.Tensor]:
         ready, rest = self.tier.split(layer, order)
         outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
         job = self.cache.open_layer(layer, rest) if rest else None
@@ -160,9 +172,12 @@ class ExpertRuntime:
         self.tier.release(layer, expert, None, failed=False)
         return carry
 
-    def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]
-             ) -> dict[int, torch.Tensor]:
-        p = _Progress(stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts))
+    def _run(
+        self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]
+    ) -> dict[int, torch.Tensor]:
+        p = _Progress(
+            stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts)
+        )
         while p.remaining:
             expert, kind, failure = job.next_event()
             if failure is not None and p.error is None:
@@ -179,8 +194,9 @@ class ExpertRuntime:
             raise p.error
         return p.carry
 
-    def _advance(self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route],
-                 p: _Progress) -> bool:
+    def _advance(
+        self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress
+    ) -> bool:
         """Run every stage of `expert` whose kinds are in. Returns True when the expert finished."""
         if expert in p.finished or expert in p.stalled:
             return False  # already done, or queued for a retry when a slot frees
@@ -190,8 +206,9 @@ class ExpertRuntime:
                 if not self.tier.prepare(job, expert, kinds):
                     p.stalled.append(expert)
                     return False
-                p.carry[expert] = self._stage(job.layer, expert, kinds, hidden, routes[expert],
-                                              p.carry.get(expert), job)
+                p.carry[expert] = self._stage(
+                    job.layer, expert, kinds, hidden, routes[expert], p.carry.get(expert), job
+                )
             p.stage[expert] += 1
         if p.stage[expert] < len(self.stages):
             return False
@@ -201,8 +218,16 @@ class ExpertRuntime:
         p.remaining -= 1
         return True
 
-    def _stage(self, layer: int, expert: int, kinds: tuple[str, ...], hidden: torch.Tensor, route: Route,
-               carry: torch.Tensor | None, job: LayerJob | None) -> torch.Tensor:
+    def _stage(
+        self,
+        layer: int,
+        expert: int,
+        kinds: tuple[str, ...],
+        hidden: torch.Tensor,
+        route: Route,
+        carry: torch.Tensor | None,
+        job: LayerJob | None,
+    ) -> torch.Tensor:
         def linear(kind: str, x: torch.Tensor) -> torch.Tensor:
             fmt = self.formats[(layer, kind)]
             return fmt.linear(x, fmt.view(self.tier.raws(layer, expert, kind, job)))
@@ -227,6 +252,11 @@ class ExpertRuntime:
             both = both.pin_memory().to(device, non_blocking=True)
         tokens, positions = both[0], both[1]
         whole = len(rows)
-        return Routing(tokens, positions, {
-            e: Route(tokens[span], positions[span], span, span.stop - span.start == whole) for e, span in spans.items()
-        })
+        return Routing(
+            tokens,
+            positions,
+            {
+                e: Route(tokens[span], positions[span], span, span.stop - span.start == whole)
+                for e, span in spans.items()
+            },
+        )

@@ -6,12 +6,13 @@ whatever format and tier it lives. `fusions` names kinds that a tier may lay out
 compute as one matrix (gate and up: [2I, H], gate rows first, the matmul transformers runs).
 This module is the only place that looks at family names.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers.activations import ACT2FN
@@ -25,15 +26,22 @@ Linear = Callable[[str, torch.Tensor], torch.Tensor]
 
 class ExpertFamily(ABC):
     kinds: tuple[str, ...]
-    fusions: dict[str, tuple[str, ...]] = {}
+    fusions: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         """The kinds each stage needs, in execution order; `fused`: the tier computes `fusions` as one."""
         return [(kind,) for kind in self.kinds]
 
     @abstractmethod
-    def stage(self, kinds: tuple[str, ...], x: torch.Tensor, carry: torch.Tensor | None, linear: Linear,
-              layer: int, expert: int) -> torch.Tensor:
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
         """Run the stage of `stages(...)` that needs `kinds`; the last returns the expert's output [t, H]."""
 
 
@@ -42,7 +50,7 @@ class SwiGLU(ExpertFamily):
     order the seed found fastest to read in), or gate+up -> down when the tier fuses them."""
 
     kinds = ("gate", "up", "down")
-    fusions = {"gate_up": ("gate", "up")}
+    fusions: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate", "up")}
 
     def __init__(self, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.act_fn = act_fn
@@ -50,8 +58,15 @@ class SwiGLU(ExpertFamily):
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
 
-    def stage(self, kinds: tuple[str, ...], x: torch.Tensor, carry: torch.Tensor | None, linear: Linear,
-              layer: int, expert: int) -> torch.Tensor:
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
         if kinds == ("gate", "up"):  # gate_up [2I,H], gate rows first: one matmul, like transformers
             gate, up = linear("gate_up", x).chunk(2, dim=-1)
             return self.act_fn(gate) * up
@@ -77,8 +92,15 @@ class GptOss(ExpertFamily):
     def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
         self.params, self.biases = params, biases
 
-    def stage(self, kinds: tuple[str, ...], x: torch.Tensor, carry: torch.Tensor | None, linear: Linear,
-              layer: int, expert: int) -> torch.Tensor:
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
         if kinds == ("gate_up",):  # [t,H] @ [H,2I]
             gate_up = linear("gate_up", x) + self.biases[(layer, "gate_up_proj_bias")][expert]
             gate = gate_up[..., ::2].clamp(max=self.params.limit)
@@ -95,13 +117,15 @@ def _gpt_oss(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dt
     cfg = text_config(config)
     biases = {key: read_tensor(ref).to(dtype).to(device) for key, ref in emap.resident.items()}
     # transformers < 5.2x hard-codes these two constants of gpt-oss's clamped SwiGLU
-    params = GptOssParams(alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
-                          limit=float(getattr(cfg, "swiglu_limit", 7.0)))
+    params = GptOssParams(
+        alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(getattr(cfg, "swiglu_limit", 7.0))
+    )
     return GptOss(params, biases)
 
 
 _FAMILIES: dict[str, Callable[[Any, ExpertMap, torch.device, torch.dtype], ExpertFamily]] = {
-    "swiglu": _swiglu, "gpt_oss": _gpt_oss,
+    "swiglu": _swiglu,
+    "gpt_oss": _gpt_oss,
 }
 
 

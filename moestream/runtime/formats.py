@@ -8,6 +8,7 @@ looks at format names; a new stored type is one subclass registered here (or by 
 
 Shapes: t tokens routed to the expert, `out` x `in` the logical matrix.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -85,8 +86,12 @@ class Dense(WeightFormat):
         return x @ weight if self.stored.transposed else F.linear(x, weight)  # [in,out] or [out,in]
 
     def fused(self, other: WeightFormat) -> WeightFormat | None:
-        if not isinstance(other, Dense) or other.stored != self.stored or self.stored.transposed \
-                or other.shapes[0][1:] != self.shapes[0][1:]:
+        if (
+            not isinstance(other, Dense)
+            or other.stored != self.stored
+            or self.stored.transposed
+            or other.shapes[0][1:] != self.shapes[0][1:]
+        ):
             return None
         rows = self.shapes[0][0] + other.shapes[0][0]
         return Dense(self.stored, [(rows, *self.shapes[0][1:])], [self.part_bytes[0] + other.part_bytes[0]])
@@ -115,8 +120,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return torch.ldexp(values, exponents[..., None]).to(dtype).reshape(rows, groups * 32)
 
 
-_REGISTRY: dict[str, type[WeightFormat]] = {"F32": Dense, "F16": Dense, "BF16": Dense, "F64": Dense,
-                                            "mxfp4": MXFP4}
+_REGISTRY: dict[str, type[WeightFormat]] = {
+    "F32": Dense,
+    "F16": Dense,
+    "BF16": Dense,
+    "F64": Dense,
+    "mxfp4": MXFP4,
+}
 
 
 def register(stored_name: str, cls: type[WeightFormat]) -> type[WeightFormat] | None:
@@ -142,13 +152,16 @@ def make_format(stored: StoredFormat, parts: Parts) -> WeightFormat:
     """
     cls = _REGISTRY.get(stored.name)
     if cls is None:
-        raise UnsupportedModelError(f"experts stored as {stored.name} are not supported "
-                                    f"(supported: {', '.join(sorted(_REGISTRY))})")
+        raise UnsupportedModelError(
+            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))})"
+        )
     return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
 
 
 def layer_formats(emap: ExpertMap) -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
     their formats and shapes, so expert 0's parts describe them all)."""
-    return {(layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
-            for (layer, kind), stored in emap.formats.items()}
+    return {
+        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
+        for (layer, kind), stored in emap.formats.items()
+    }

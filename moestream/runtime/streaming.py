@@ -5,6 +5,7 @@ device tier and the runtime that computes experts over them, and it describes an
 mode line's streaming part, cumulative counters). The engine builds one, binds the model's
 `StreamingExperts` modules to its runtime, and closes it; `restream` is a new one.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -58,8 +59,16 @@ class StreamCounters:
 class ExpertStreaming:
     """Reader + cache + tier + runtime for one `ExpertMap`, on one device."""
 
-    def __init__(self, emap: ExpertMap, family: ExpertFamily, config: StreamConfig, *, top_k: int,
-                 device: torch.device, make_reader: ReaderFactory = Reader) -> None:
+    def __init__(
+        self,
+        emap: ExpertMap,
+        family: ExpertFamily,
+        config: StreamConfig,
+        *,
+        top_k: int,
+        device: torch.device,
+        make_reader: ReaderFactory = Reader,
+    ) -> None:
         self.emap, self.config, self.device = emap, config, device
         self.reader = make_reader(config.io_mode, config.io_threads)
         self.tier: DeviceTier | None = None
@@ -88,24 +97,43 @@ class ExpertStreaming:
         # prefetch (the next layer's reads need slots while this layer's are still pinned)
         host = max(c.host_cache, minimum * (2 if c.prefetch else 1))
         cache = self._cache(host, top_k, policy, warn_working_set=False)
-        gpu = GpuSlotTier(cache, c.cache if c.gpu_cache is None else c.gpu_cache, self.device, top_k,
-                          family.fusions, policy())
+        gpu = GpuSlotTier(
+            cache,
+            c.cache if c.gpu_cache is None else c.gpu_cache,
+            self.device,
+            top_k,
+            family.fusions,
+            policy(),
+        )
         if gpu.capacity * gpu.slot_bytes + cache.allocated_bytes < working_set:
-            warnings.warn(f"GPU + host cache ({format_size(gpu.capacity * gpu.slot_bytes + cache.allocated_bytes)})"
-                          f" is smaller than one token's working set ({format_size(working_set)})",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"GPU + host cache ({format_size(gpu.capacity * gpu.slot_bytes + cache.allocated_bytes)})"
+                f" is smaller than one token's working set ({format_size(working_set)})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return cache, gpu
 
-    def _cache(self, budget: int, top_k: int, policy: type[EvictionPolicy], warn_working_set: bool = True
-               ) -> ExpertCache:
+    def _cache(
+        self, budget: int, top_k: int, policy: type[EvictionPolicy], warn_working_set: bool = True
+    ) -> ExpertCache:
         c = self.config
-        return ExpertCache(self.emap, budget, self.reader, top_k=top_k, piece_bytes=c.piece,
-                           lock_memory=c.lock_memory, policy_factory=policy, warn_working_set=warn_working_set)
+        return ExpertCache(
+            self.emap,
+            budget,
+            self.reader,
+            top_k=top_k,
+            piece_bytes=c.piece,
+            lock_memory=c.lock_memory,
+            policy_factory=policy,
+            warn_working_set=warn_working_set,
+        )
 
     def enable_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
         """Give the runtime the routers of the streamed layers (stale-gate prefetch and trace predictions)."""
-        self.runtime.set_lookahead({layer: router for layer, router in routers.items()
-                                    if layer in set(self.emap.layers)})
+        self.runtime.set_lookahead(
+            {layer: router for layer, router in routers.items() if layer in set(self.emap.layers)}
+        )
 
     def bind(self, modules: list[tuple[int, Any]]) -> None:
         """Point every `StreamingExperts` module (layer, module) at this runtime."""
@@ -115,15 +143,25 @@ class ExpertStreaming:
     def describe(self) -> str:
         """The streaming part of the mode line: io mode, threads, pieces, prefetch, memory, policy."""
         c = self.config
-        io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
-        return (f"io {io}, {c.io_threads} io threads, {c.piece // 1024} KiB pieces"
-                f"{', next-layer prefetch' if c.prefetch else ''} | {self.tier.describe()}"
-                f"{'' if c.policy == 'lru' else ', ' + c.policy.upper() + ' eviction'}")
+        io = self.reader.io_mode + (
+            f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else ""
+        )
+        return (
+            f"io {io}, {c.io_threads} io threads, {c.piece // 1024} KiB pieces"
+            f"{', next-layer prefetch' if c.prefetch else ''} | {self.tier.describe()}"
+            f"{'' if c.policy == 'lru' else ', ' + c.policy.upper() + ' eviction'}"
+        )
 
     def counters(self) -> StreamCounters:
         s = self.cache.stats
-        return StreamCounters(self.reader.bytes_read, s.hits + self.tier.stats.gpu_hits, s.misses, s.read_wait_s,
-                        s.prefetches, s.prefetch_used)
+        return StreamCounters(
+            self.reader.bytes_read,
+            s.hits + self.tier.stats.gpu_hits,
+            s.misses,
+            s.read_wait_s,
+            s.prefetches,
+            s.prefetch_used,
+        )
 
     def close(self) -> None:
         """Release the tier (GPU memory, page-locking), stop the I/O threads, close the files."""

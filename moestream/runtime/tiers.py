@@ -9,6 +9,7 @@ The runtime schedules every layer the same way over a tier:
   * `release`: the expert's last stage has been issued.
 `HostTier` computes straight from the host cache's slots (CPU); the CUDA tiers are in `runtime.cuda`.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -70,10 +71,14 @@ class HostTier(DeviceTier):
     """Experts computed on the CPU straight from the host cache's slots."""
 
     def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
-        return [self._views.bytes_of(buffer)[offset:offset + part.ref.nbytes]
-                for buffer, offset, part in job.tensor_parts(expert, kind)]
+        return [
+            self._views.bytes_of(buffer)[offset : offset + part.ref.nbytes]
+            for buffer, offset, part in job.tensor_parts(expert, kind)
+        ]
 
     def describe(self) -> str:
         c = self.cache
-        return (f"cache {format_size(c.budget_bytes)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
-                f"({'locked' if c.locked else 'unlocked'})")
+        return (
+            f"cache {format_size(c.budget_bytes)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
+            f"({'locked' if c.locked else 'unlocked'})"
+        )

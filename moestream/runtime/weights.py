@@ -1,4 +1,5 @@
 """Byte-level torch views of the cache's slot buffers (what tiers hand to weight formats)."""
+
 from __future__ import annotations
 
 import torch

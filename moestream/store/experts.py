@@ -11,6 +11,7 @@ Expert e of a fused tensor is one contiguous byte range because E is the outermo
 Every (layer, kind) records its stored format (`StoredFormat`); what a format name means and how it is
 computed is decided in `moestream.runtime.formats` only.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,7 +30,14 @@ _PER_EXPERT = re.compile(
     r"(?P<name>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 _FUSED = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<name>[a-z_]+)$")
-_PER_EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PER_EXPERT_KIND = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 _IGNORED_PREFIXES = ("mtp", "visual", "vision", "audio")
 
 Parts = tuple[TensorRef, ...]
@@ -112,8 +120,9 @@ def _expert_match(name: str) -> re.Match | None:
     return match
 
 
-def build_expert_map(tensors: dict[str, TensorRef], family: str, layers: list[int] | None,
-                     num_experts: int) -> ExpertMap:
+def build_expert_map(
+    tensors: dict[str, TensorRef], family: str, layers: list[int] | None, num_experts: int
+) -> ExpertMap:
     """Locate every (layer, expert, kind) of the given MoE layers (None: every layer that has experts).
 
     Raises:
@@ -174,7 +183,8 @@ def _split_gpt_oss(emap: ExpertMap, layer: int, fused: dict[tuple[int, str], Ten
 
 
 _FUSED_SPLITTERS: dict[str, Callable[[ExpertMap, int, dict[tuple[int, str], TensorRef]], None]] = {
-    "swiglu": _split_swiglu, "gpt_oss": _split_gpt_oss,
+    "swiglu": _split_swiglu,
+    "gpt_oss": _split_gpt_oss,
 }
 
 

@@ -1,4 +1,5 @@
 """A HF checkpoint directory: config.json, tokenizer files and safetensors shards."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,13 +30,18 @@ class SafetensorsSource:
         try:
             config = AutoConfig.from_pretrained(str(self.path))
         except ValueError as exc:
-            raise UnsupportedModelError(f"transformers cannot read the config in {self.path} ({exc})") from None
+            raise UnsupportedModelError(
+                f"transformers cannot read the config in {self.path} ({exc})"
+            ) from None
         quant = getattr(config, "quantization_config", None)
         if quant is not None:
-            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            method = (
+                quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            )
             if method != "mxfp4":
                 raise UnsupportedModelError(
-                    f"quantization {method!r} in {self.path} is not supported (only MXFP4 experts)")
+                    f"quantization {method!r} in {self.path} is not supported (only MXFP4 experts)"
+                )
             del config.quantization_config  # only the experts are MXFP4, and moestream computes those itself
         return config
 

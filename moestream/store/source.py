@@ -5,6 +5,7 @@ stored type), the routed-expert table (`ExpertMap`) and the trunk (every non-exp
 transformers names it, read lazily). The engine builds the model from these alone, so a new on-disk
 format is one module implementing `CheckpointSource`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ The trunk is read with plain file reads, not memory-mapped: a mapped file's page
 read again under a memory limit, and a file shrunk under a running process turns a page fault into a
 SIGBUS. Read bytes are owned by the process.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,15 @@ from moestream.errors import CheckpointError
 from moestream.store.safetensors_file import TensorRef
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
     "BOOL": torch.bool,
 }
 
