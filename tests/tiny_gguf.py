@@ -77,16 +77,16 @@ def perturb_vectors(hf_dir: Path, seed: int = 0) -> None:
     save_file(sd, path, metadata={"format": "pt"})
 
 
-def round_weights(hf_dir: Path, dtype: torch.dtype) -> None:
-    """Round every matrix of a checkpoint to `dtype` (stored back in float32): the weights a F16/BF16 GGUF
-    holds exactly."""
+def round_weights(hf_dir: Path, qtype: Q, select: Callable[[str], bool] = lambda key: True) -> None:
+    """Round the selected matrices of a checkpoint through `qtype` (gguf.quants, stored back in float32):
+    the weights a GGUF of that type holds exactly."""
     path = hf_dir / "model.safetensors"
     sd = load_file(path)
-    save_file(
-        {k: v.to(dtype).float() if v.dim() >= 2 else v for k, v in sd.items()},
-        path,
-        metadata={"format": "pt"},
-    )
+    for key, value in sd.items():
+        if value.dim() >= 2 and select(key):
+            array = value.float().numpy()
+            sd[key] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype))
+    save_file(sd, path, metadata={"format": "pt"})
 
 
 def synthetic_blocks(shape: tuple[int, ...], qtype: Q, seed: int) -> np.ndarray:

@@ -10,7 +10,7 @@ from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with experts streamed from disk")
-    p.add_argument("path", help="checkpoint directory or hub id")
+    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")

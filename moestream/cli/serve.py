@@ -17,7 +17,7 @@ from moestream.errors import MoestreamError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("path", help="checkpoint directory or hub id")
+    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)"
     )

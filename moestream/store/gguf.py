@@ -54,9 +54,13 @@ class GgufSource:
         return self._config
 
     def _compute_dtype(self) -> str:
-        """bfloat16 for a BF16 trunk; float32 otherwise (F16 and dequantized blocks are exact in it)."""
-        trunk = [r.dtype for n, r in self.tensors.items() if not _EXPERTS.match(n) and len(r.shape) > 1]
-        return "bfloat16" if trunk and all(t == "BF16" for t in trunk) else "float32"
+        """bfloat16 where most trunk bytes are BF16; float32 otherwise (F16 values and dequantized
+        blocks are exact in it). `--dtype` overrides it."""
+        by_type: dict[str, int] = {}
+        for name, ref in self.tensors.items():
+            if not _EXPERTS.match(name):
+                by_type[ref.dtype] = by_type.get(ref.dtype, 0) + ref.nbytes
+        return "bfloat16" if by_type and max(by_type, key=by_type.__getitem__) == "BF16" else "float32"
 
     def generation_config(self) -> Any | None:
         from transformers import GenerationConfig
