@@ -60,7 +60,8 @@ def test_f16_and_bf16_files_stream_like_stock_with_the_same_rounded_weights(tmp_
     path = write_gguf(hf, tmp_path / "model.gguf", ftype=qtype)
     emap = _assert_streams_like(path, hf, dtype="float32")
     assert {f.name for f in emap.formats.values()} == {qtype.name}
-    assert GgufSource(path).config().dtype == ("bfloat16" if qtype == Q.BF16 else "float32")
+    with moestream.load(str(path), cache="1MiB") as engine:  # computes in the file's type by default
+        assert engine.dtype == (torch.bfloat16 if qtype == Q.BF16 else torch.float32)
 
 
 def test_quantized_trunk_is_dequantized_on_load(tmp_path):
@@ -283,3 +284,18 @@ def test_unaligned_neighbouring_expert_ranges_read_with_o_direct_stay_intact(tmp
     for e in (0, 1):
         job.release(e)
     reader.close()
+
+
+def test_multi_token_prediction_blocks_are_neither_streamed_nor_trunk(tmp_path):
+    """GLM-4.5 GGUFs append their MTP block, experts included, as blk.{layers}: moestream runs without it."""
+    hf = _hf(tmp_path, "glm4_moe")
+    mtp = {
+        f"blk.2.ffn_{kind}_exps.weight": np.ones((8, *shape), np.float32)
+        for kind, shape in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32)))
+    }
+    mtp["blk.2.nextn.eh_proj.weight"] = np.ones((64, 128), np.float32)
+    path = write_gguf(hf, tmp_path / "model.gguf", extra=mtp)
+    source = GgufSource(path)
+    assert source.config().num_hidden_layers == 2 and source.config().num_nextn_predict_layers == 1
+    assert source.expert_map("swiglu", 8).layers == [1]  # layer 0 is dense (first_k_dense_replace)
+    _assert_streams_like(path, hf)

@@ -108,9 +108,11 @@ def write_gguf(
     ftype: Q = Q.F32,
     expert_type: ExpertType | None = None,
     split_max_tensors: int = 0,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `hf_dir` as a GGUF at `out`: 2-D weights in `ftype` (1-D, norms, routers in F32, as the
-    converter does), experts in `expert_type(layer, kind)` when given. Returns the first file."""
+    converter does), experts in `expert_type(layer, kind)` when given, `extra` tensors (GGUF names)
+    added as they are. Returns the first file."""
     cfg = AutoConfig.from_pretrained(hf_dir)
     arch = getattr(gguf.MODEL_ARCH, ARCH[cfg.model_type])
     blocks = cfg.num_hidden_layers + _mtp_layers(cfg)
@@ -122,6 +124,8 @@ def write_gguf(
         new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new_name is not None, name
         _add(writer, new_name, data, ftype, expert_type)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -254,7 +258,7 @@ def _vocab(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
     w.add_tokenizer_model("gpt2")
     # the converter names the split regex the HF tokenizer (as transformers loads it) uses: Qwen3.5's
     # own class for a Qwen3.5 checkpoint, GPT-2's byte-level one otherwise
-    w.add_tokenizer_pre("qwen35" if type(tok).__name__ == "Qwen3_5Tokenizer" else "gpt2")
+    w.add_tokenizer_pre("qwen35" if type(tok).__name__ == "Qwen3_5Tokenizer" else "gpt-2")
     w.add_token_list(tokens)
     w.add_token_types(types)
     gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)

@@ -21,6 +21,7 @@ from moestream.store.gguf_file import GgufFile, open_gguf
 from moestream.store.gguf_trunk import Trunk
 from moestream.store.safetensors_file import TensorRef
 
+SYNTH_KEY = "moestream.synth"  # the marker `moestream synth --format gguf` writes
 _EXPERTS = re.compile(
     r"^blk\.(?P<layer>\d+)\.ffn_(?P<kind>gate|up|down|gate_up)_exps\.(?P<what>weight|bias)$"
 )
@@ -29,12 +30,11 @@ _EXPERTS = re.compile(
 class GgufSource:
     """`CheckpointSource` over a GGUF file (the header of every part read, no tensor)."""
 
-    synthetic = False
-
     def __init__(self, path: Path) -> None:
         self.path = path
         self.gguf: GgufFile = open_gguf(path)
         self.files, self.tensors = self.gguf.files, self.gguf.tensors
+        self.synthetic = SYNTH_KEY in self.gguf.metadata
         self.arch = gguf_arch(self.gguf)
         self._config: Any = None
 
@@ -83,7 +83,8 @@ class GgufSource:
         return gguf_tokenizer(self.path)
 
     def expert_map(self, family: str, num_experts: int) -> ExpertMap:
-        return gguf_expert_map(self.tensors, family, num_experts)
+        # llama.cpp appends multi-token-prediction blocks (with experts) after the decoder layers
+        return gguf_expert_map(self.tensors, family, num_experts, _text(self.config()).num_hidden_layers)
 
     def trunk_state_dict(
         self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
@@ -99,8 +100,10 @@ def _text(config: Any) -> Any:
     return sub if sub is not None and hasattr(sub, "num_hidden_layers") else config
 
 
-def gguf_expert_map(tensors: dict[str, TensorRef], family: str, num_experts: int) -> ExpertMap:
-    """Every routed expert of every layer that has `ffn_*_exps` tensors.
+def gguf_expert_map(
+    tensors: dict[str, TensorRef], family: str, num_experts: int, n_layers: int | None = None
+) -> ExpertMap:
+    """Every routed expert of every decoder layer (below `n_layers`) that has `ffn_*_exps` tensors.
 
     Raises:
         CheckpointError: a layer lacks a kind, or an expert tensor does not hold `num_experts` experts.
@@ -111,7 +114,9 @@ def gguf_expert_map(tensors: dict[str, TensorRef], family: str, num_experts: int
         match = _EXPERTS.match(name)
         if match is None:
             continue
-        emap.tensor_names.add(name)
+        emap.tensor_names.add(name)  # never trunk, even in a block moestream does not run
+        if n_layers is not None and int(match["layer"]) >= n_layers:
+            continue
         if ref.shape[0] != num_experts:
             raise CheckpointError(
                 f"GGUF tensor {name} holds {ref.shape[0]} experts, the model has {num_experts}"
