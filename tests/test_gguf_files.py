@@ -236,6 +236,11 @@ def test_dense_unknown_truncated_and_foreign_files_are_one_sentence(tmp_path, ca
     assert "is truncated" in err and "inside tensor token_embd.weight" in err
     (tmp_path / "head.gguf").write_bytes(data[:30])
     assert "truncated inside its GGUF header" in _cli_error(capsys, tmp_path / "head.gguf")
+    absurd = (
+        b"GGUF" + (3).to_bytes(4, "little") + (1).to_bytes(8, "little") * 2 + (1 << 60).to_bytes(8, "little")
+    )
+    (tmp_path / "absurd.gguf").write_bytes(absurd + b"x" * 64)  # a key claiming 2**60 bytes
+    assert "truncated inside its GGUF header" in _cli_error(capsys, tmp_path / "absurd.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
     assert "not a GGUF file" in _cli_error(capsys, tmp_path / "junk.gguf")
     (tmp_path / "notes.txt").write_text("hello")
@@ -299,3 +304,27 @@ def test_multi_token_prediction_blocks_are_neither_streamed_nor_trunk(tmp_path):
     assert source.config().num_hidden_layers == 2 and source.config().num_nextn_predict_layers == 1
     assert source.expert_map("swiglu", 8).layers == [1]  # layer 0 is dense (first_k_dense_replace)
     _assert_streams_like(path, hf)
+
+
+def test_serve_a_gguf_through_the_openai_client(tmp_path, capsys):
+    """The server's own tokenizer copy comes from the GGUF too: chat output equals `generate --chat`."""
+    from test_server_harness import SERVER_ARGS, LiveServer
+
+    path = write_gguf(_hf(tmp_path), tmp_path / "model.gguf")
+    capsys.readouterr()
+    argv = ["generate", str(path), "--prompt", "Hi there", "--max-tokens", "6", "--ignore-eos", "--chat"]
+    assert main([*argv, "--cache", "1MiB", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    server = LiveServer(path, SERVER_ARGS)
+    try:
+        out = server.client().chat.completions.create(
+            model=server.model,
+            temperature=0,
+            max_tokens=6,
+            messages=[{"role": "user", "content": "Hi there"}],
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].message.content == expected["text"]
+        assert out.usage.prompt_tokens == expected["prompt_tokens"]
+    finally:
+        server.stop()

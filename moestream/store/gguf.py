@@ -16,7 +16,7 @@ from typing import Any
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.store.experts import SWIGLU_KINDS, ExpertMap, StoredFormat, expert_row
-from moestream.store.gguf_config import config_kwargs, gguf_arch
+from moestream.store.gguf_config import config_kwargs, decoder_layers, gguf_arch
 from moestream.store.gguf_file import GgufFile, open_gguf
 from moestream.store.gguf_trunk import Trunk
 from moestream.store.safetensors_file import TensorRef
@@ -84,7 +84,7 @@ class GgufSource:
 
     def expert_map(self, family: str, num_experts: int) -> ExpertMap:
         # llama.cpp appends multi-token-prediction blocks (with experts) after the decoder layers
-        return gguf_expert_map(self.tensors, family, num_experts, _text(self.config()).num_hidden_layers)
+        return gguf_expert_map(self.tensors, family, num_experts, decoder_layers(self.gguf))
 
     def trunk_state_dict(
         self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None

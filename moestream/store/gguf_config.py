@@ -309,6 +309,11 @@ def gguf_arch(gfile: GgufFile) -> GgufArch:
     return ARCHS[gfile.arch]
 
 
+def decoder_layers(gfile: GgufFile) -> int:
+    """The decoder layers of a GGUF (its blocks less the multi-token-prediction ones)."""
+    return _layers(Meta(gfile))
+
+
 def config_kwargs(gfile: GgufFile) -> tuple[str, dict[str, Any]]:
     """(model_type, transformers config kwargs) of a GGUF."""
     return gguf_arch(gfile).build(Meta(gfile))

@@ -102,7 +102,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorRef]]:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            cursor = _Cursor(f, path)
+            cursor = _Cursor(f, path, size)
             if cursor.take(4) != MAGIC:
                 raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
             version, n_tensors, n_kv = cursor.unpack("<IQQ")
@@ -128,7 +128,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorRef]]:
 def _tensor_info(cursor: _Cursor) -> tuple[str, list[int], int, int]:
     name = cursor.string()
     (n_dims,) = cursor.unpack("<I")
-    dims = list(cursor.unpack(f"<{n_dims}Q"))
+    dims = list(cursor.array("Q", n_dims))
     type_id, offset = cursor.unpack("<IQ")
     return name, dims, type_id, offset
 
@@ -164,8 +164,8 @@ def _check_not_truncated(path: Path, size: int, tensors: dict[str, TensorRef]) -
 class _Cursor:
     """Sequential reads of a header through a growing buffer (headers are small; vocabularies are not)."""
 
-    def __init__(self, f: BinaryIO, path: Path) -> None:
-        self.f, self.path = f, path
+    def __init__(self, f: BinaryIO, path: Path, size: int) -> None:
+        self.f, self.path, self.size = f, path, size
         self.buf, self.pos, self.base = b"", 0, 0  # buf holds file bytes [base, base + len(buf))
 
     @property
@@ -175,6 +175,8 @@ class _Cursor:
     def _need(self, n: int) -> None:
         if self.pos + n <= len(self.buf):
             return
+        if self.position + n > self.size:  # also catches absurd lengths in a corrupt header
+            raise CheckpointError(f"{self.path} is truncated inside its GGUF header")
         more = self.f.read(max(n, _CHUNK))
         self.base += self.pos
         self.buf, self.pos = self.buf[self.pos :] + more, 0
@@ -193,6 +195,11 @@ class _Cursor:
         out = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return out
+
+    def array(self, code: str, count: int) -> tuple:
+        """`count` values of struct type `code`; the count comes from the file, so it is checked first."""
+        self._need(count * struct.calcsize("<" + code))
+        return self.unpack(f"<{count}{code}") if count else ()
 
     def string(self) -> str:
         (length,) = self.unpack("<Q")
@@ -213,7 +220,7 @@ class _Cursor:
             raise CheckpointError(f"{self.path} has a corrupt GGUF header (value type {type_id})")
         item_type, count = self.unpack("<IQ")
         if item_type in _SCALARS:
-            values = self.unpack(f"<{count}{_SCALARS[item_type][1]}") if count else ()
+            values = self.array(_SCALARS[item_type][1], count)
             if not keep_arrays:
                 return count
             return [float(str(np.float32(v))) for v in values] if item_type == _FLOAT32 else list(values)

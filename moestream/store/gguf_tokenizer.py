@@ -20,7 +20,13 @@ def gguf_tokenizer(path: Path) -> Any:
         UnsupportedModelError: transformers cannot build the tokenizer kind the file names.
     """
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    except ImportError:  # older transformers spell these differently
+        raise UnsupportedModelError(
+            "building the tokenizer of a GGUF needs transformers >= 5.24 (pip install -U transformers)"
+        ) from None
 
     try:
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
