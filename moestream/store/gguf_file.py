@@ -2,11 +2,10 @@
 
 `gguf.GGUFReader` builds a numpy view for every element of every metadata array, which takes seconds
 on a real vocabulary (6.0 s against 0.08 s here for 151,936 tokens and merges: BENCHMARKS.md), and
-maps the whole file. Only the scalar
-metadata and the tensor table are needed (the tokenizer is built by transformers from the file itself),
-so the documented header is parsed here with plain reads: magic, version, counts, key/value pairs,
-tensor infos, then the data section at the next multiple of `general.alignment`. Type names and block
-sizes come from the `gguf` package.
+maps the whole file. Only the scalar metadata and the tensor table are needed (the tokenizer is built
+by transformers from the file itself), so the documented header is parsed here with plain reads:
+magic, version, counts, key/value pairs, tensor infos, then the data section at the next multiple of
+`general.alignment`. Type names and block sizes come from the `gguf` package.
 
 A split GGUF (`NAME-00001-of-00003.gguf`) is opened from its first part: every part has its own
 tensors (offsets relative to its own data section); the first part holds the metadata.
