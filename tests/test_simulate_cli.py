@@ -12,13 +12,7 @@ from moestream.cli import main
 from moestream.trace.jsonl import write_jsonl
 from moestream.trace.synthetic import random_trace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MIXTRAL = SHARED / "mixtral-8x7b-humaneval-routing.jsonl"
-QWEN = sorted(SHARED.glob("qwen1.5-moe-a2.7b-gsm8k-layer*.jsonl"))
-MIXTRAL_EXPERT = 3 * 4096 * 14336 * 2  # bf16 gate+up+down
-QWEN_EXPERT = 3 * 2048 * 1408 * 2
-needs_shared = pytest.mark.skipif(not MIXTRAL.exists() or len(QWEN) != 5,
-                                  reason=f"real traces not found in {SHARED} (they live beside the repository)")
+from shared_data import MIXTRAL, MIXTRAL_EXPERT, QWEN, QWEN_EXPERT, needs_traces
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +26,8 @@ def test_json_records_have_the_promised_fields(synthetic_jsonl: Path, capsys: py
     assert main(["simulate", str(synthetic_jsonl), "--budgets", "4MiB,16MiB", "--json"]) == 0
     out = capsys.readouterr()
     records = json.loads(out.out)
-    assert {r["policy"] for r in records} == {"lru", "lfu", "partitioned-lru", "static", "opt", "lru-prefetch"}
+    assert {r["policy"] for r in records} == {"lru", "lfu", "predictive", "partitioned-lru", "static", "opt",
+                                              "lru-prefetch"}
     assert {r["budget_bytes"] for r in records} == {4 << 20, 16 << 20}
     assert {r["phase"] for r in records} == {"prefill", "decode"}
     for r in records:
@@ -79,13 +74,13 @@ def test_simulate_never_imports_torch(synthetic_jsonl: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-@needs_shared
+@needs_traces
 def test_real_traces_without_sizes_ask_for_unit_bytes(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate", str(MIXTRAL)]) == 2
     assert "--unit-bytes" in capsys.readouterr().err
 
 
-@needs_shared
+@needs_traces
 def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate", str(MIXTRAL), "--unit-bytes", str(MIXTRAL_EXPERT), "--budgets",
                  "16GiB,64GiB", "--json"]) == 0
@@ -97,7 +92,7 @@ def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
     assert all(dec[("opt", b)]["misses"] <= dec[(p, b)]["misses"] for p in ("lru", "lfu") for b in (16, 64))
 
 
-@needs_shared
+@needs_traces
 def test_real_qwen_merge_runs(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate", *map(str, QWEN), "--unit-bytes", str(QWEN_EXPERT), "--budgets", "1GiB",
                  "--policy", "lru", "opt"]) == 0

@@ -5,7 +5,8 @@ header, else the expert size). Every forward goes through `ResidentSet.access_gr
 policy needs), so LRU here makes the same decisions as the engine's LRU. Compute is instantaneous: a
 victim still used by the current forward is evicted at once (the engine would wait instead).
 
-Policies: lru, lfu, partitioned-lru (per-layer quotas), static (pinned from the first half of the trace,
+Policies: lru, lfu, predictive (learns when each expert is used next; `moestream.cache.predictive`),
+partitioned-lru (per-layer quotas), static (pinned from the first half of the trace,
 evaluated on the second), opt (Belady, the bound: needs the future) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
 """
@@ -18,8 +19,9 @@ from typing import Any
 
 from moestream.cache.policy import (
     BeladyPolicy, LFUPolicy, LRUPolicy, PartitionedResidentSet, PinnedResidentSet, ResidentSet, prefetch,
-    split_evenly,
+    slots_for_budget, split_evenly,
 )
+from moestream.cache.predictive import PredictivePolicy
 from moestream.errors import CacheBudgetError
 from moestream.trace.errors import TraceError
 from moestream.trace.replay import Replay, build_replay
@@ -27,7 +29,8 @@ from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
 from moestream.units import MiB, format_size
 
-POLICIES = ("lru", "lfu", "partitioned-lru", "static", "opt", "lru-prefetch")
+POLICIES = ("lru", "lfu", "predictive", "partitioned-lru", "static", "opt", "lru-prefetch")
+LEARNING = ("predictive",)  # policies that read each forward's routing counts (`Replay.uses`)
 ALIASES = {"belady": "opt", "plru": "partitioned-lru", "prefetch": "lru-prefetch", "lru+prefetch": "lru-prefetch"}
 _COUNTERS = ("hits", "misses", "bytes_read", "prefetch_bytes", "prefetched", "prefetch_used")
 
@@ -50,8 +53,9 @@ class Counters:
 
 
 def capacity_for(budget_bytes: int, slot_bytes: int) -> int:
-    """Slots a budget buys; a budget below one slot is a user error."""
-    capacity = budget_bytes // slot_bytes
+    """Slots a budget buys (`slots_for_budget`, as the engine's cache counts them); a budget below one slot
+    is a user error. A budget far above the trace's keys costs no memory: slots are handed out lazily."""
+    capacity = slots_for_budget(budget_bytes, slot_bytes)
     if capacity < 1:
         raise CacheBudgetError(f"a budget of {format_size(budget_bytes)} holds no expert slot "
                                f"of {format_size(slot_bytes)}")
@@ -68,6 +72,11 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         return _run(ResidentSet(capacity, LRUPolicy()), replay, unit)
     if policy == "lfu":
         return _run(ResidentSet(capacity, LFUPolicy()), replay, unit)
+    if policy == "predictive":
+        if replay.uses is None:
+            raise ValueError("the predictive policy needs a replay built with uses=True")
+        return _run(ResidentSet(capacity, PredictivePolicy(replay.layers, replay.n_experts)), replay, unit,
+                    uses=replay.uses)
     if policy == "opt":
         return _run(ResidentSet(capacity, BeladyPolicy(replay.keys)), replay, unit)
     if policy == "partitioned-lru":
@@ -90,13 +99,13 @@ def rank_by_frequency(groups: Iterable[list[tuple[int, int]]]) -> list[tuple[int
     return [key for key, _ in counts.most_common()]  # most_common keeps insertion order among ties
 
 
-def _run(resident: ResidentSet, replay: Replay, unit: list[int], indices: Iterable[int] | None = None
-         ) -> list[Counters]:
+def _run(resident: ResidentSet, replay: Replay, unit: list[int], indices: Iterable[int] | None = None,
+         uses: list[tuple[list[int], int]] | None = None) -> list[Counters]:
     # plain int lists instead of Counters objects in the hot loop: this loop is the simulator's speed
     hits, misses, nbytes = [0] * 4, [0] * 4, [0] * 4
     access, keys, layer, cell = resident.access_group, replay.keys, replay.layer, replay.cell
     for i in range(len(keys)) if indices is None else indices:
-        h, m = access(keys[i])
+        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
         c = cell[i]
         hits[c] += len(h)
         if m:
@@ -176,7 +185,7 @@ def simulate(trace: Trace, policies: list[str], budgets: list[int], unit_bytes: 
         raise TraceError(f"{trace.header.source or 'the trace'} has no stale-gate predictions, which "
                          "lru-prefetch needs")
     top = (prefetch_top or trace.header.top_k) if "lru-prefetch" in policies else None
-    replay = build_replay(trace, top)
+    replay = build_replay(trace, top, uses=any(p in LEARNING for p in policies))
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     records = []
     for budget in budgets:
