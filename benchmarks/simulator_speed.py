@@ -53,7 +53,7 @@ def main() -> None:
 
         pq.write_table(trace.to_table(), args.save, compression="zstd")
         t1 = time.perf_counter()
-    replay = build_replay(trace, prefetch_top=8)
+    replay = build_replay(trace, prefetch_top=8, uses=True)
     t2 = time.perf_counter()
     rows = len(trace)
     print(f"trace: {rows:,} (token, layer) rows, {len(replay):,} layer forwards; generated in {t1 - t0:.1f} s, "
