@@ -23,9 +23,9 @@ from moestream import ggml
 
 TOL = {"F32": 1e-6, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 1.2e-2, "Q8_1": 1.2e-2, "Q8_K": 1.5e-2}
 # Every type ggml multiplies that gguf can dequantize (Q1_0: gguf has no dequantizer yet).
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-         "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
-         "MXFP4", "NVFP4"]
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+         "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+         "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"]
 GGUF_QUANTIZES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"]
 # dequantize(quantize(w)) error on N(0,1) weights, ~1.2x what ggml's quantizers give (no imatrix).
 ROUNDTRIP = {"Q2_K": 0.36, "Q3_K": 0.18, "Q4_K": 0.085, "Q5_K": 0.043, "Q6_K": 0.022, "IQ4_NL": 0.09,

@@ -13,10 +13,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moestream import ggml
 from moestream.ggml import lib as ggml_lib
-from moestream.ggml.build import native_dir
+from moestream.ggml.host import native_dir
 
-REQUIRED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-            "IQ4_NL", "IQ4_XS", "MXFP4"]
+REQUIRED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+            "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 HERE = Path(__file__).parent
 
 
@@ -31,7 +31,8 @@ def test_type_table_covers_the_cpu_types_with_gguf_block_sizes():
     assert set(table) - set(TYPES) <= {"Q1_0"}
     q4k = ggml.ggml_type("q4_k")
     assert (q4k.block, q4k.block_bytes, q4k.vec_dot_type) == (256, 144, "Q8_K")
-    assert ggml.row_bytes("Q6_K", 2048) == 8 * 210 and ggml.row_bytes(GGMLQuantizationType.MXFP4, 2880) == 90 * 17
+    assert ggml.row_bytes("Q6_K", 2048) == 8 * 210
+    assert ggml.row_bytes(GGMLQuantizationType.MXFP4, 2880) == 90 * 17
     assert ggml.ggml_type(8).name == "Q8_0" and q4k.nbytes(768, 2048) == 884_736
 
 
@@ -88,12 +89,13 @@ def test_prebuilt_library_is_refused_on_a_cpu_without_avx2():
     ggml_lib.check_cpu("prebuilt", "x86_64", no_avx2 | {"avx2"})
     ggml_lib.check_cpu("prebuilt", "aarch64", {"fp", "asimd"})  # the aarch64 wheel is armv8.0
     with pytest.raises(ggml.GgmlUnavailableError, match="avx512f.*`make native` again"):
-        ggml_lib.check_cpu("native", "x86_64", no_avx2 | {"avx2"}, build_flags={"avx2", "avx512f", "hypervisor"})
+        ggml_lib.check_cpu("native", "x86_64", no_avx2 | {"avx2"},
+                           build_flags={"avx2", "avx512f", "hypervisor"})
 
 
 def test_refusal_happens_before_the_library_is_loaded(tmp_path):
     # A fresh interpreter on "a CPU without AVX2": load() must raise, and no libggml may be mapped.
-    code = ("import moestream.ggml.build as b, moestream.ggml.lib as l\n"
+    code = ("import moestream.ggml.lib as l\n"
             "l.cpu_flags = lambda: {'sse', 'sse2', 'avx'}\n"
             "try:\n    l.load()\nexcept l.GgmlUnavailableError as e:\n    print('refused:', e)\n"
             "print('mapped' if 'libggml' in open('/proc/self/maps').read() else 'not mapped')\n")
@@ -141,7 +143,8 @@ def test_the_other_build_passes_the_same_kernel_tests():
         pytest.skip(f"no native ggml build at {native_dir()} (run `make native`)")
     other = "prebuilt" if ggml.library().kind == "native" else str(native_dir())
     env = dict(os.environ, MOESTREAM_GGML_LIB=other)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_ggml_kernels.py")],
-                         cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            str(HERE / "test_ggml_kernels.py")]
+    out = subprocess.run(argv, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout

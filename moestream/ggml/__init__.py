@@ -17,9 +17,9 @@ from moestream.ggml.ops import WEIGHT_ALIGNMENT, dequantize, linear, quantize, s
 from moestream.ggml.thresholds import dequant_threshold
 from moestream.ggml.types import GgmlType, UnsupportedTypeError, ggml_type, row_bytes, type_table
 
-__all__ = ["GgmlType", "GgmlUnavailableError", "Kernels", "Library", "UnsupportedTypeError", "WEIGHT_ALIGNMENT",
-           "dequant_threshold", "dequantize", "describe", "ggml_type", "kernels", "library", "linear", "quantize",
-           "row_bytes", "swiglu", "swiglu_expert", "type_table"]
+__all__ = ["GgmlType", "GgmlUnavailableError", "Kernels", "Library", "UnsupportedTypeError",
+           "WEIGHT_ALIGNMENT", "dequant_threshold", "dequantize", "describe", "ggml_type", "kernels",
+           "library", "linear", "quantize", "row_bytes", "swiglu", "swiglu_expert", "type_table"]
 
 
 def describe() -> str:

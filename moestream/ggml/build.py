@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from moestream.ggml.host import cpu_flags, native_dir
+
 SDIST = "llama-cpp-python==0.3.36"
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_OPENMP=OFF",
@@ -31,33 +33,23 @@ CMAKE_FLAGS = [
 ]
 
 
-def native_dir() -> Path:
-    """Where `make native` puts its build: $MOESTREAM_HOME/ggml-native (default ~/.cache/moestream)."""
-    home = os.environ.get("MOESTREAM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "moestream")
-    return Path(home) / "ggml-native"
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 'flags', ARM 'Features'); empty where unknown."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
-def _run(cmd: list[str], cwd: Path | None = None) -> None:
+def _run(cmd: list[str], log: Path) -> None:
+    """Run cmd with its output appended to log; on failure show the log's tail and stop."""
     print("+ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=cwd, check=True)
+    with log.open("a") as f:
+        f.write("+ " + " ".join(cmd) + "\n")
+        f.flush()
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = log.read_text().splitlines()[-40:]
+        raise SystemExit("\n".join(tail) + f"\nmake native: {cmd[0]} failed ({done.returncode}), log {log}")
 
 
-def _fetch_source(work: Path) -> tuple[Path, str]:
+def _fetch_source(work: Path, log: Path) -> tuple[Path, str]:
     """Download the sdist with pip and extract its vendored llama.cpp; returns (root, ggml version)."""
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", str(work)])
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d",
+           str(work)]
+    _run(pip, log)
     archive = next(work.glob("llama_cpp_python-*.tar.gz"))
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
@@ -77,13 +69,18 @@ def build(dest: Path, jobs: int) -> dict:
         if shutil.which(tool) is None:
             raise SystemExit(f"make native needs {tool} on PATH (e.g. apt-get install cmake g++)")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    log = dest.parent / "ggml-native-build.log"
+    log.write_text("")
     with tempfile.TemporaryDirectory(prefix="moestream-ggml-") as tmp:
         work = Path(tmp)
-        root, version = _fetch_source(work)
         t0 = time.perf_counter()
-        _run(["cmake", "-S", str(root), "-B", str(work / "build"), *generator, *CMAKE_FLAGS])
-        _run(["cmake", "--build", str(work / "build"), "--target", "ggml-base", "ggml-cpu", "-j", str(jobs)])
-        seconds = time.perf_counter() - t0
+        root, version = _fetch_source(work, log)
+        t1 = time.perf_counter()
+        _run(["cmake", "-S", str(root), "-B", str(work / "build"), *generator, *CMAKE_FLAGS], log)
+        targets = ["--target", "ggml-base", "ggml-cpu"]
+        _run(["cmake", "--build", str(work / "build"), *targets, "-j", str(jobs)], log)
+        seconds = time.perf_counter() - t1
         libs = [p for p in (work / "build" / "bin").iterdir() if p.name.startswith(("libggml-base.so",
                                                                                     "libggml-cpu.so"))]
         if dest.exists():
@@ -91,7 +88,8 @@ def build(dest: Path, jobs: int) -> dict:
         (dest / "lib").mkdir(parents=True)
         for p in libs:  # keep the soname symlinks as links
             shutil.copy2(p, dest / "lib" / p.name, follow_symlinks=False)
-    info = {"ggml_version": version, "source": SDIST, "build_seconds": round(seconds, 1), "jobs": jobs,
+    info = {"ggml_version": version, "source": SDIST, "fetch_seconds": round(t1 - t0, 1),
+            "build_seconds": round(seconds, 1), "jobs": jobs,
             "generator": "ninja" if generator else "make", "cmake_flags": CMAKE_FLAGS,
             "machine": platform.machine(), "cpu_flags": sorted(cpu_flags()),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
@@ -106,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     dest = args.dest or native_dir()
     info = build(dest, args.jobs)
-    print(f"ggml {info['ggml_version']} native built in {info['build_seconds']} s "
-          f"({info['jobs']} jobs, {info['generator']}) into {dest}")
+    print(f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "
+          f"{info['build_seconds']} s ({info['jobs']} jobs, {info['generator']}) into {dest}")
 
 
 if __name__ == "__main__":

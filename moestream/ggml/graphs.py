@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from moestream.ggml.lib import Cplan, GgmlTensor, InitParams, Library, library
+from moestream.ggml.lib import GgmlTensor, InitParams, Library, library
 
 GRAPH_NODES = 16  # the largest graph (a SwiGLU expert) has 4 nodes and 4 leafs
 F32 = 0
@@ -52,8 +52,8 @@ class Graph:
 
     def __init__(self, lib: Library, pool: int, n_threads: int, build: Callable[[Builder], int]) -> None:
         self.lib = lib
-        mem = 4 * GRAPH_NODES * lib.base.ggml_tensor_overhead() + lib.base.ggml_graph_overhead_custom(GRAPH_NODES,
-                                                                                                        False)
+        mem = (4 * GRAPH_NODES * lib.base.ggml_tensor_overhead()
+               + lib.base.ggml_graph_overhead_custom(GRAPH_NODES, False))
         self.ctx = lib.base.ggml_init(InitParams(mem, None, True))
         b = Builder(lib, self.ctx)
         out = build(b)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moestream.errors import MoestreamError
-from moestream.ggml.build import cpu_flags, native_dir
+from moestream.ggml.host import cpu_flags, native_dir
 
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_NAME, GGML_MAX_N_THREADS = 4, 10, 64, 512
 # What the prebuilt x86_64 wheel is compiled with (GGML_NATIVE=OFF, AVX2 baseline).
@@ -77,10 +77,12 @@ class TypeTraitsCpu(C.Structure):
 _P, _I, _I64, _SZ, _B = C.c_void_p, C.c_int, C.c_int64, C.c_size_t, C.c_bool
 _BASE_API = {  # name: (restype, argtypes)
     "ggml_version": (C.c_char_p, []), "ggml_tensor_overhead": (_SZ, []),
-    "ggml_graph_overhead_custom": (_SZ, [_SZ, _B]), "ggml_init": (_P, [InitParams]), "ggml_free": (None, [_P]),
+    "ggml_graph_overhead_custom": (_SZ, [_SZ, _B]), "ggml_init": (_P, [InitParams]),
+    "ggml_free": (None, [_P]),
     "ggml_new_tensor_2d": (_P, [_P, _I, _I64, _I64]), "ggml_new_tensor_3d": (_P, [_P, _I, _I64, _I64, _I64]),
     "ggml_set_name": (_P, [_P, C.c_char_p]), "ggml_get_data": (_P, [_P]), "ggml_nbytes": (_SZ, [_P]),
-    "ggml_mul_mat": (_P, [_P, _P, _P]), "ggml_swiglu_split": (_P, [_P, _P, _P]), "ggml_cast": (_P, [_P, _P, _I]),
+    "ggml_mul_mat": (_P, [_P, _P, _P]), "ggml_swiglu_split": (_P, [_P, _P, _P]),
+    "ggml_cast": (_P, [_P, _P, _I]),
     "ggml_new_graph_custom": (_P, [_P, _SZ, _B]), "ggml_build_forward_expand": (None, [_P, _P]),
     "ggml_get_type_traits": (C.POINTER(TypeTraits), [_I]), "ggml_row_size": (_SZ, [_I, _I64]),
     "ggml_quantize_requires_imatrix": (_B, [_I]),
@@ -121,7 +123,8 @@ def locate() -> tuple[Path, str]:
         if (folder / "lib").is_dir():
             folder = folder / "lib"
         if not (folder / "libggml-base.so").exists() or not (folder / "libggml-cpu.so").exists():
-            raise GgmlUnavailableError(f"MOESTREAM_GGML_LIB={env} holds no libggml-base.so and libggml-cpu.so.")
+            raise GgmlUnavailableError(
+                f"MOESTREAM_GGML_LIB={env} holds no libggml-base.so and libggml-cpu.so.")
         return folder, "native" if (folder.parent / "build.json").exists() else "custom"
     if not env and (native_dir() / "build.json").exists():
         return native_dir() / "lib", "native"
@@ -133,7 +136,8 @@ def locate() -> tuple[Path, str]:
     for sub in ("lib64", "lib"):
         if (root / sub / "libggml-cpu.so").exists():
             return root / sub, "prebuilt"
-    raise GgmlUnavailableError(f"the libggml-python package at {root} has no libggml-cpu.so for this platform.")
+    raise GgmlUnavailableError(f"the libggml-python package at {root} has no libggml-cpu.so for this "
+                               "platform; run `make native`.")
 
 
 def check_cpu(kind: str, machine: str, flags: set[str], build_flags: set[str] | None = None) -> None:
@@ -210,7 +214,7 @@ _LIB: Library | None = None
 
 
 def library() -> Library:
-    """The process-wide ggml (loaded on first use; one ggml per process, the dynamic loader allows no more)."""
+    """The process-wide ggml, loaded on first use (one per process: both builds share their sonames)."""
     global _LIB
     if _LIB is None:
         _LIB = load()

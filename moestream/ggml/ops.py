@@ -14,6 +14,7 @@ from typing import Sequence, Union
 import torch
 
 from moestream.ggml.graphs import F32, Builder, kernels
+from moestream.ggml.lib import library
 from moestream.ggml.types import GgmlType, TypeLike, ggml_type
 
 WEIGHT_ALIGNMENT = 32
@@ -133,7 +134,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
 
 def dequantize(weight: Weight, type: TypeLike, rows: int, k: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """The [rows, k] f32 values of a matrix of GGML `type` (ggml's to_float, split over the pool's threads)."""
+    """The [rows, k] f32 values of a matrix of GGML `type`: ggml's to_float, rows split over the pool."""
     t = ggml_type(type)
     if rows * k >= 2 ** 32:  # ggml's dequantizing copy indexes elements with 32 bits
         raise ValueError(f"dequantize at most 2^32 weights per call; split the {rows} rows")
@@ -157,7 +158,7 @@ def quantize(w: torch.Tensor, type: TypeLike, imatrix: torch.Tensor | None = Non
     column; the IQ1/IQ2 types need one.
     """
     t = ggml_type(type)
-    lib = kernels().lib
+    lib = library()
     if w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
         raise ValueError(f"w must be a contiguous float32 CPU tensor [N, K]; got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape

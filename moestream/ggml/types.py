@@ -23,7 +23,7 @@ class UnsupportedTypeError(MoestreamError):
 
 @dataclass(frozen=True)
 class GgmlType:
-    """One multipliable type. `vec_dot_type` is what ggml converts the f32 activations to (Q8_0, Q8_K, ...)."""
+    """A multipliable type; `vec_dot_type` is what ggml converts the f32 activations to (Q8_0, Q8_K...)."""
     id: int
     name: str           # GGUF spelling: "Q4_K", "MXFP4", "BF16"
     block: int          # weights per block
@@ -35,7 +35,8 @@ class GgmlType:
     def row_bytes(self, k: int) -> int:
         """Bytes of one row of k weights; k must be a whole number of blocks."""
         if k <= 0 or k % self.block:
-            raise ValueError(f"{self.name} rows hold whole blocks of {self.block} weights; {k} is not a multiple")
+            raise ValueError(f"{self.name} rows hold whole blocks of {self.block} weights; "
+                             f"{k} is not a multiple")
         return k // self.block * self.block_bytes
 
     def nbytes(self, rows: int, k: int) -> int:
@@ -65,8 +66,8 @@ def type_table() -> dict[str, GgmlType]:
         if not cpu.vec_dot:
             continue
         if GGML_QUANT_SIZES[t] != (traits.blck_size, traits.type_size):
-            raise GgmlUnavailableError(f"{t.name} blocks are {traits.blck_size} weights in {traits.type_size} "
-                                       f"bytes in ggml but {GGML_QUANT_SIZES[t]} in gguf.")
+            raise GgmlUnavailableError(f"{t.name} blocks are {traits.blck_size} weights in "
+                                       f"{traits.type_size} bytes in ggml but {GGML_QUANT_SIZES[t]} in gguf.")
         table[t.name] = GgmlType(t.value, t.name, int(traits.blck_size), int(traits.type_size),
                                  GGMLQuantizationType(cpu.vec_dot_type).name, bool(traits.is_quantized),
                                  bool(lib.base.ggml_quantize_requires_imatrix(t.value)))
@@ -87,8 +88,8 @@ def ggml_type(t: TypeLike) -> GgmlType:
             raise UnsupportedTypeError(f"{t} is not a GGML tensor type.")
     if name not in table:
         known = name in GGMLQuantizationType.__members__
-        raise UnsupportedTypeError(
-            f"ggml's CPU backend cannot multiply {name} tensors." if known else f"{t!r} is not a GGML tensor type.")
+        raise UnsupportedTypeError(f"ggml's CPU backend cannot multiply {name} tensors." if known
+                                   else f"{t!r} is not a GGML tensor type.")
     return table[name]
 
 
