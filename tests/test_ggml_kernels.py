@@ -92,6 +92,17 @@ def test_dequantize_is_bit_identical_to_gguf(name):
     np.testing.assert_array_equal(got.numpy(), reference(name, data, N, K).astype(np.float32))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4", "BF16"])
+def test_get_rows_picks_the_rows_gguf_reads(name):
+    _, data = weights(name)
+    ids = torch.tensor([5, 0, 63, 5, 17], dtype=torch.int32)
+    got = ggml.get_rows(data, name, N, K, ids)
+    np.testing.assert_array_equal(got.numpy(), reference(name, data, N, K)[ids.numpy()].astype(np.float32))
+    for bad in ([64], [-1]):
+        with pytest.raises(ValueError, match="lie in"):
+            ggml.get_rows(data, name, N, K, torch.tensor(bad, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("name", GGUF_QUANTIZES)
 def test_quantize_writes_the_bytes_gguf_writes(name):
     w, data = weights(name)
@@ -153,6 +164,16 @@ def test_graph_reuse_by_pointer_swap_gives_identical_results():
     assert torch.equal(y2, ggml.linear(x2, a, "Q4_K", N))
 
 
+def test_graph_cache_is_bounded_and_rebuilds_what_it_dropped(monkeypatch):
+    from moestream.ggml import graphs
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 3)
+    _, data = weights("Q4_K")
+    xs = [torch.randn(m, K) for m in range(1, 6)]  # five shapes: five graphs through a cache of three
+    first = [ggml.linear(x, data, "Q4_K", N) for x in xs]
+    assert ggml.kernels().graphs == 3
+    assert all(torch.equal(a, ggml.linear(x, data, "Q4_K", N)) for a, x in zip(first, xs))
+
+
 def test_one_and_two_threads_agree_bit_for_bit():
     _, data = weights("Q6_K")
     x = torch.randn(7, K)
@@ -180,12 +201,16 @@ def test_threadpool_sleeps_between_computes_unless_held():
     _, data = weights("Q4_K")
     x = torch.randn(1, K)
     k = ggml.kernels(2)
-    g = k.graph(("probe-linear",), lambda b: b.op("mul_mat", b.input("w", 12, K, N), b.input("x", 0, K, 1)))
     out = torch.empty(1, N)
-    k.run(g, w=data.data_ptr(), x=x.data_ptr(), out=out.data_ptr())
+    addresses = dict(w=data.data_ptr(), x=x.data_ptr(), out=out.data_ptr())
+
+    def build(b):
+        return b.op("mul_mat", b.input("w", ggml.ggml_type("Q4_K").id, K, N), b.input("x", 0, K, 1))
+
+    k.compute(("probe-linear",), build, **addresses)
     assert _cpu_seconds_while_sleeping() < 0.03  # paused: the worker waits on a condition variable
     with k.hold():
-        k.run(g, w=data.data_ptr(), x=x.data_ptr(), out=out.data_ptr())
+        k.compute(("probe-linear",), build, **addresses)
         spinning = _cpu_seconds_while_sleeping()
     assert _cpu_seconds_while_sleeping() < 0.03  # paused again on leaving hold()
     assert spinning > 0.03  # control: a held pool polls for work, which is what pausing avoids

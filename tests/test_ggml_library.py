@@ -78,6 +78,7 @@ def test_unaligned_or_short_weights_and_bad_activations_are_refused():
         ggml.linear(x.bfloat16(), data, "Q4_0", 32)
     with pytest.raises(ValueError, match="needs"):  # K comes from x: a wider x needs a larger matrix
         ggml.linear(torch.randn(2, 512), data, "Q4_0", 32)
+    assert ggml.linear(torch.zeros(0, 256), data, "Q4_0", 32).shape == (0, 32)  # an expert nobody picked
     with pytest.raises(ValueError, match="importance matrix"):
         ggml.quantize(torch.randn(4, 256), "IQ2_XXS")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes as C
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -22,7 +23,8 @@ import torch
 from moestream.ggml.lib import GgmlTensor, InitParams, Library, library
 
 GRAPH_NODES = 16  # the largest graph (a SwiGLU expert) has 4 nodes and 4 leafs
-F32 = 0
+F32, I32 = 0, 26  # GGML_TYPE_F32, GGML_TYPE_I32
+MAX_GRAPHS = 128  # prefill sees many M per expert; least recently used graphs beyond this are freed
 
 
 class Builder:
@@ -69,8 +71,8 @@ class Graph:
         self._slots = {name: GgmlTensor.from_address(t) for name, t in b.inputs.items()}
         self._slots["out"] = GgmlTensor.from_address(out)
         self.plan = lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
-        if self.plan.n_threads != n_threads or self.plan.threadpool != pool:
-            raise RuntimeError("ggml_graph_plan returned a plan for another thread count or pool")
+        if self.plan.n_threads > n_threads or self.plan.threadpool != pool:  # fewer: single-task ops
+            raise RuntimeError("ggml_graph_plan returned a plan for more threads or another pool")
         self._work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
         self.plan.work_data = self._work.data_ptr()
         self._plan_ref = C.byref(self.plan)
@@ -100,24 +102,24 @@ class Kernels:
         self.pool = self.lib.cpu.ggml_threadpool_new(C.byref(params))
         if not self.pool:
             raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
-        self._graphs: dict[tuple, Graph] = {}
+        self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
         self._lock = threading.RLock()
         self._held = 0
 
-    def graph(self, key: tuple, build: Callable[[Builder], int]) -> Graph:
-        """The cached graph for key, built by `build` the first time."""
-        g = self._graphs.get(key)
-        if g is None:
-            with self._lock:
-                g = self._graphs.get(key) or Graph(self.lib, self.pool, self.n_threads, build)
-                self._graphs[key] = g
-        return g
-
-    def run(self, graph: Graph, /, **addresses: int) -> None:
-        """Compute graph with these data pointers, then pause the pool unless a hold() is open."""
+    def compute(self, key: tuple, build: Callable[[Builder], int], /, **addresses: int) -> None:
+        """Run the graph cached under key (built by `build` the first time) on these data pointers, then
+        pause the pool unless a hold() is open. Lookup and compute share one lock, so a graph is never
+        freed (least recently used beyond MAX_GRAPHS) while another thread is about to run it."""
         with self._lock:
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = Graph(self.lib, self.pool, self.n_threads, build)
+                while len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.pop(next(iter(self._graphs))).close()
+            else:
+                self._graphs.move_to_end(key)
             try:
-                graph.run(**addresses)
+                g.run(**addresses)
             finally:
                 if not self._held:
                     self.lib.cpu.ggml_threadpool_pause(self.pool)

@@ -82,7 +82,7 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_new_tensor_2d": (_P, [_P, _I, _I64, _I64]), "ggml_new_tensor_3d": (_P, [_P, _I, _I64, _I64, _I64]),
     "ggml_set_name": (_P, [_P, C.c_char_p]), "ggml_get_data": (_P, [_P]), "ggml_nbytes": (_SZ, [_P]),
     "ggml_mul_mat": (_P, [_P, _P, _P]), "ggml_swiglu_split": (_P, [_P, _P, _P]),
-    "ggml_cast": (_P, [_P, _P, _I]),
+    "ggml_get_rows": (_P, [_P, _P, _P]),
     "ggml_new_graph_custom": (_P, [_P, _SZ, _B]), "ggml_build_forward_expand": (None, [_P, _P]),
     "ggml_get_type_traits": (C.POINTER(TypeTraits), [_I]), "ggml_row_size": (_SZ, [_I, _I64]),
     "ggml_quantize_requires_imatrix": (_B, [_I]),

@@ -13,7 +13,7 @@ from typing import Sequence, Union
 
 import torch
 
-from moestream.ggml.graphs import F32, Builder, kernels
+from moestream.ggml.graphs import F32, I32, Builder, kernels
 from moestream.ggml.lib import library
 from moestream.ggml.types import GgmlType, TypeLike, ggml_type
 
@@ -69,12 +69,14 @@ def linear(x: torch.Tensor, weight: Weight, type: TypeLike, rows: int,
     xa = _activations(x, k)
     wa = _weight_address(weight, t, rows, k, "weight")
     y = _out(out, (m, rows))
+    if m == 0:  # no rows routed to this expert: nothing to compute (ggml asserts on empty tensors)
+        return y
     kern = kernels()
 
     def build(b: Builder) -> int:
         return b.op("mul_mat", b.input("w", t.id, k, rows), b.input("x", F32, k, m))
 
-    kern.run(kern.graph(("linear", t.id, rows, k, m), build), w=wa, x=xa, out=y.data_ptr())
+    kern.compute(("linear", t.id, rows, k, m), build, w=wa, x=xa, out=y.data_ptr())
     return y
 
 
@@ -103,6 +105,8 @@ def swiglu_expert(x: torch.Tensor, gate: Weight, up: Weight, down: Weight,
                      up=_weight_address(up, tu, intermediate, h, "up"),
                      down=_weight_address(down, td, h, intermediate, "down"))
     y = _out(out, (m, h))
+    if m == 0:
+        return y
     kern = kernels()
 
     def build(b: Builder) -> int:
@@ -111,8 +115,8 @@ def swiglu_expert(x: torch.Tensor, gate: Weight, up: Weight, down: Weight,
         u = b.op("mul_mat", b.input("up", tu.id, h, intermediate), xt)
         return b.op("mul_mat", b.input("down", td.id, intermediate, h), b.op("swiglu_split", g, u))
 
-    g = kern.graph(("swiglu", tg.id, tu.id, td.id, intermediate, h, m), build)
-    kern.run(g, x=xa, out=y.data_ptr(), **addresses)
+    key = ("swiglu", tg.id, tu.id, td.id, intermediate, h, m)
+    kern.compute(key, build, x=xa, out=y.data_ptr(), **addresses)
     return y
 
 
@@ -123,30 +127,58 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
     if up.shape[0] != m:
         raise ValueError(f"gate has {m} rows and up {up.shape[0]}")
     y = _out(out, (m, n))
+    if m == 0:
+        return y
     kern = kernels()
 
     def build(b: Builder) -> int:
         return b.op("swiglu_split", b.input("g", F32, n, m), b.input("u", F32, n, m))
 
-    kern.run(kern.graph(("silu_mul", n, m), build), g=ga, u=ua, out=y.data_ptr())
+    kern.compute(("silu_mul", n, m), build, g=ga, u=ua, out=y.data_ptr())
     return y
+
+
+def get_rows(weight: Weight, type: TypeLike, rows: int, k: int, ids: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (int32 [n], each in [0, rows)) of a [rows, k] matrix of GGML `type`, as f32 [n, k].
+
+    ggml's get_rows: each row is decoded by the type's to_float, rows split over the pool's threads;
+    an embedding lookup on a quantized token table.
+    """
+    t = ggml_type(type)
+    if ids.dtype != torch.int32 or ids.dim() != 1 or not ids.is_contiguous() or ids.device.type != "cpu":
+        raise ValueError(f"ids must be a contiguous int32 CPU tensor [n]; got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):  # ggml aborts on a bad index
+        raise ValueError(f"row ids must lie in [0, {rows})")
+    return _get_rows(t, weight, rows, k, ids, out)
+
+
+def _get_rows(t: GgmlType, weight: Weight, rows: int, k: int, ids: torch.Tensor,
+              out: torch.Tensor | None) -> torch.Tensor:
+    wa = _weight_address(weight, t, rows, k, "weight")
+    n = ids.numel()
+    y = _out(out, (n, k))
+    if n == 0:
+        return y
+    kern = kernels()
+
+    def build(b: Builder) -> int:
+        return b.op("get_rows", b.input("w", t.id, k, rows), b.input("ids", I32, n, 1))
+
+    kern.compute(("get_rows", t.id, rows, k, n), build, w=wa, ids=ids.data_ptr(), out=y.data_ptr())
+    return y
+
+
+_ARANGE: dict[int, torch.Tensor] = {}
 
 
 def dequantize(weight: Weight, type: TypeLike, rows: int, k: int,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """The [rows, k] f32 values of a matrix of GGML `type`: ggml's to_float, rows split over the pool."""
-    t = ggml_type(type)
-    if rows * k >= 2 ** 32:  # ggml's dequantizing copy indexes elements with 32 bits
-        raise ValueError(f"dequantize at most 2^32 weights per call; split the {rows} rows")
-    wa = _weight_address(weight, t, rows, k, "weight")
-    y = _out(out, (rows, k))
-    kern = kernels()
-
-    def build(b: Builder) -> int:
-        return b.op("cast", b.input("w", t.id, k, rows), F32)
-
-    kern.run(kern.graph(("dequantize", t.id, rows, k), build), w=wa, out=y.data_ptr())
-    return y
+    """The [rows, k] f32 values of a matrix of GGML `type` (get_rows of every row: ggml's to_float)."""
+    ids = _ARANGE.get(rows)
+    if ids is None:
+        ids = _ARANGE.setdefault(rows, torch.arange(rows, dtype=torch.int32))
+    return _get_rows(ggml_type(type), weight, rows, k, ids, out)
 
 
 def quantize(w: torch.Tensor, type: TypeLike, imatrix: torch.Tensor | None = None,
