@@ -142,11 +142,12 @@ def crossover(res: dict, fmt: str, ms: list[int]) -> int | None:
 def run_one(args: argparse.Namespace) -> dict:
     from moestream import ggml
     lib = ggml.library()
-    result = {"lib": lib.kind, "describe": lib.describe(), "threads": {}}
+    result = {"lib": lib.kind, "describe": lib.describe(), "threads": {}, "load_before": os.getloadavg()[0]}
     for t in args.threads:
         res = measure(t, args.formats, MS, args.rounds)
         result["threads"][str(t)] = {"cells": {"|".join(map(str, k)): v for k, v in res.items()},
                                 "crossover": {f: crossover(res, f, MS) for f in args.formats}}
+    result["load_after"] = os.getloadavg()[0]
     return result
 
 
@@ -155,7 +156,8 @@ def table(result: dict, threads: int, formats: list[str]) -> str:
     cross = result["threads"][str(threads)]["crossover"]
     shown = [1, 4, 16, 64]
     head = "| route | " + " | ".join(f"M={m}" for m in shown) + " | dequant faster from M |"
-    lines = [f"**{result['describe']}, {threads} thread(s)**: ms per expert (x bf16 at the same M)", "",
+    lines = [f"**{result['describe']}, {threads} thread(s)**: ms per expert (x bf16 at the same M); "
+             f"1-min load average {result['load_before']:.2f} before, {result['load_after']:.2f} after", "",
              head, "|" + "---|" * (len(shown) + 2)]
     bf = [cells[f"bf16|bf16|{m}"]["ms"] for m in shown]
     lines.append("| bf16 F.linear | " + " | ".join(f"{v:.3f}" for v in bf) + " | |")

@@ -215,3 +215,19 @@ def test_threadpool_sleeps_between_computes_unless_held():
     assert _cpu_seconds_while_sleeping() < 0.03  # paused again on leaving hold()
     assert spinning > 0.03  # control: a held pool polls for work, which is what pausing avoids
     torch.testing.assert_close(out, ggml.linear(x, data, "Q4_K", N), rtol=0, atol=0)
+
+
+def test_single_task_graphs_run_on_the_calling_thread_alone():
+    # ggml runs get_rows on one thread: its graph is planned on a pool of the caller alone, so the
+    # main pool's worker is not woken to poll beside it.
+    _, data = weights("Q6_K")
+    k = ggml.kernels(2)
+    y, ids = torch.empty(N, K), torch.arange(N, dtype=torch.int32)
+
+    def build(b):
+        return b.op("get_rows", b.input("w", ggml.ggml_type("Q6_K").id, K, N), b.input("ids", 26, N, 1))
+
+    k.compute(("probe-rows",), build, w=data.data_ptr(), ids=ids.data_ptr(), out=y.data_ptr())
+    g = k._graphs[("probe-rows",)]
+    assert g.pool == k.solo != k.pool and g.plan.n_threads == 1
+    assert torch.equal(y, ggml.dequantize(data, "Q6_K", N, K))

@@ -79,6 +79,10 @@ def test_unaligned_or_short_weights_and_bad_activations_are_refused():
     with pytest.raises(ValueError, match="needs"):  # K comes from x: a wider x needs a larger matrix
         ggml.linear(torch.randn(2, 512), data, "Q4_0", 32)
     assert ggml.linear(torch.zeros(0, 256), data, "Q4_0", 32).shape == (0, 32)  # an expert nobody picked
+    with pytest.raises(ValueError, match="null address"):
+        ggml.linear(x, 0, "Q4_0", 32)
+    with pytest.raises(ValueError, match="out must be"):
+        ggml.linear(x, data, "Q4_0", 32, out=torch.empty(2, 31))
     with pytest.raises(ValueError, match="importance matrix"):
         ggml.quantize(torch.randn(4, 256), "IQ2_XXS")
 

@@ -52,7 +52,8 @@ class Builder:
 class Graph:
     """One planned ggml graph; `run(**addresses)` sets the inputs' and the output's data and computes."""
 
-    def __init__(self, lib: Library, pool: int, n_threads: int, build: Callable[[Builder], int]) -> None:
+    def __init__(self, lib: Library, pool: int, n_threads: int, build: Callable[[Builder], int],
+                 solo_pool: int | None = None) -> None:
         self.lib = lib
         mem = (4 * GRAPH_NODES * lib.base.ggml_tensor_overhead()
                + lib.base.ggml_graph_overhead_custom(GRAPH_NODES, False))
@@ -71,8 +72,12 @@ class Graph:
         self._slots = {name: GgmlTensor.from_address(t) for name, t in b.inputs.items()}
         self._slots["out"] = GgmlTensor.from_address(out)
         self.plan = lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
-        if self.plan.n_threads > n_threads or self.plan.threadpool != pool:  # fewer: single-task ops
+        if self.plan.n_threads == 1 and solo_pool:  # single-task ops (get_rows): leave the workers asleep
+            pool = solo_pool
+            self.plan = lib.cpu.ggml_graph_plan(self.gf, 1, pool)
+        if self.plan.n_threads > n_threads or self.plan.threadpool != pool:
             raise RuntimeError("ggml_graph_plan returned a plan for more threads or another pool")
+        self.pool = pool
         self._work = torch.empty(max(self.plan.work_size, 1), dtype=torch.uint8)
         self.plan.work_data = self._work.data_ptr()
         self._plan_ref = C.byref(self.plan)
@@ -100,7 +105,11 @@ class Kernels:
         params = self.lib.base.ggml_threadpool_params_default(n_threads)
         params.paused = True
         self.pool = self.lib.cpu.ggml_threadpool_new(C.byref(params))
-        if not self.pool:
+        # A pool of the calling thread alone, for graphs whose ops ggml runs single-task: waking the
+        # main pool's workers for those only makes them compete with the one thread that works.
+        params1 = self.lib.base.ggml_threadpool_params_default(1)
+        self.solo = self.lib.cpu.ggml_threadpool_new(C.byref(params1)) if n_threads > 1 else None
+        if not self.pool or (n_threads > 1 and not self.solo):
             raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
         self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
         self._lock = threading.RLock()
@@ -113,7 +122,7 @@ class Kernels:
         with self._lock:
             g = self._graphs.get(key)
             if g is None:
-                g = self._graphs[key] = Graph(self.lib, self.pool, self.n_threads, build)
+                g = self._graphs[key] = Graph(self.lib, self.pool, self.n_threads, build, self.solo)
                 while len(self._graphs) > MAX_GRAPHS:
                     self._graphs.pop(next(iter(self._graphs))).close()
             else:
@@ -121,7 +130,7 @@ class Kernels:
             try:
                 g.run(**addresses)
             finally:
-                if not self._held:
+                if not self._held and g.pool == self.pool:
                     self.lib.cpu.ggml_threadpool_pause(self.pool)
 
     @contextmanager
@@ -146,9 +155,10 @@ class Kernels:
             for g in self._graphs.values():
                 g.close()
             self._graphs.clear()
-            if self.pool:
-                self.lib.cpu.ggml_threadpool_free(self.pool)
-                self.pool = None
+            for pool in (self.pool, self.solo):
+                if pool:
+                    self.lib.cpu.ggml_threadpool_free(pool)
+            self.pool = self.solo = None
 
 
 _KERNELS: Kernels | None = None

@@ -23,6 +23,8 @@ Weight = Union[torch.Tensor, int]
 
 def _weight_address(w: Weight, t: GgmlType, rows: int, k: int, what: str) -> int:
     """The checked address of a [rows, k] matrix of type t."""
+    if rows <= 0:
+        raise ValueError(f"{what} needs a positive number of rows, not {rows}")
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu" or not w.is_contiguous():
             raise ValueError(f"{what} must be a contiguous CPU tensor")
@@ -34,6 +36,8 @@ def _weight_address(w: Weight, t: GgmlType, rows: int, k: int, what: str) -> int
     else:
         t.row_bytes(k)
         address = int(w)
+        if address == 0:
+            raise ValueError(f"{what} is a null address")
     if address % WEIGHT_ALIGNMENT:
         raise ValueError(f"{what} at 0x{address:x} is not {WEIGHT_ALIGNMENT}-byte aligned")
     return address
@@ -51,7 +55,8 @@ def _activations(x: torch.Tensor, k: int, what: str = "x") -> int:
 def _out(out: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32)
-    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+    if (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()
+            or out.device.type != "cpu"):
         raise ValueError(f"out must be a contiguous float32 tensor {list(shape)}; got {out.dtype} "
                          f"{tuple(out.shape)}")
     return out
