@@ -153,3 +153,12 @@ def test_the_other_build_passes_the_same_kernel_tests():
     out = subprocess.run(argv, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout
+
+
+def test_dequant_thresholds_cover_the_benchmarked_formats():
+    from moestream.ggml.thresholds import NEVER
+    assert ggml.dequant_threshold("Q4_K", "prebuilt", 2) == 32
+    assert ggml.dequant_threshold("Q4_K", "native", 2) == NEVER  # VNNI + sgemm: ggml wins up to M=256
+    assert ggml.dequant_threshold("Q6_K", "prebuilt", 8) == ggml.dequant_threshold("Q6_K", "prebuilt", 2)
+    assert ggml.dequant_threshold("IQ2_XXS", "prebuilt", 1) == NEVER  # not measured: stay on ggml
+    assert ggml.dequant_threshold("Q8_0", "custom", 1) == ggml.dequant_threshold("Q8_0", "prebuilt", 1)
