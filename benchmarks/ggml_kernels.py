@@ -13,6 +13,7 @@ from which `dequant` beats `ggml` at that M and every larger one.
 
     python benchmarks/ggml_kernels.py [--lib both|prebuilt|native] [--threads 1,2] [--rounds 5] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def copies(nbytes: int) -> int:
 
 def quant_pool(fmt: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     from moestream import ggml
+
     g, u, d = (torch.randn(r, k) * 0.02 for r, k in ((INTER, H), (INTER, H), (H, INTER)))
     qg, qu, qd = ggml.quantize(g, fmt), ggml.quantize(u, fmt), ggml.quantize(d, fmt)
     n = copies(qg.numel() + qu.numel() + qd.numel())
@@ -67,6 +69,7 @@ class Dequant:
 
     def __call__(self, x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
         from moestream import ggml
+
         for data, f, b, (r, k) in zip(w, self.f32, self.bf, ((INTER, H), (INTER, H), (H, INTER))):
             ggml.dequantize(data, self.fmt, r, k, out=f)
             b.copy_(f)
@@ -87,6 +90,7 @@ def block(fn, pool: list, x: torch.Tensor, calls: int, start: int) -> float:
 def candidates(formats: list[str], ms: list[int]) -> tuple[dict, dict]:
     """name -> (callable, pool, x) for every (route, format, M); pools are shared across M."""
     from moestream import ggml
+
     pools = {fmt: quant_pool(fmt) for fmt in formats}
     pools["bf16"] = bf16_pool()
     cands = {}
@@ -94,8 +98,10 @@ def candidates(formats: list[str], ms: list[int]) -> tuple[dict, dict]:
         x = torch.randn(m, H)
         cands[("bf16", "bf16", m)] = (bf16_expert, pools["bf16"], x.bfloat16())
         for fmt in formats:
+
             def run(x, w, fmt=fmt):
                 return ggml.swiglu_expert(x, w[0], w[1], w[2], fmt, INTER)
+
             cands[("ggml", fmt, m)] = (run, pools[fmt], x)
             cands[("ggml held", fmt, m)] = (run, pools[fmt], x)
             cands[("dequant", fmt, m)] = (Dequant(fmt), pools[fmt], x)
@@ -105,6 +111,7 @@ def candidates(formats: list[str], ms: list[int]) -> tuple[dict, dict]:
 def measure(threads: int, formats: list[str], ms: list[int], rounds: int) -> dict:
     """{(route, fmt, M): {"ms": median ms, "ratio": median ratio to bf16 at M}} for one thread count."""
     from moestream import ggml
+
     torch.set_num_threads(threads)
     cands, _ = candidates(formats, ms)
     per_round: dict[tuple, list[float]] = {key: [] for key in cands}
@@ -123,8 +130,10 @@ def measure(threads: int, formats: list[str], ms: list[int], rounds: int) -> dic
     out = {}
     for key, ts in per_round.items():
         base = per_round[("bf16", "bf16", key[2])]
-        out[key] = {"ms": 1e3 * statistics.median(ts),
-                    "ratio": statistics.median(t / b for t, b in zip(ts, base))}
+        out[key] = {
+            "ms": 1e3 * statistics.median(ts),
+            "ratio": statistics.median(t / b for t, b in zip(ts, base)),
+        }
     return out
 
 
@@ -141,12 +150,15 @@ def crossover(res: dict, fmt: str, ms: list[int]) -> int | None:
 
 def run_one(args: argparse.Namespace) -> dict:
     from moestream import ggml
+
     lib = ggml.library()
     result = {"lib": lib.kind, "describe": lib.describe(), "threads": {}, "load_before": os.getloadavg()[0]}
     for t in args.threads:
         res = measure(t, args.formats, MS, args.rounds)
-        result["threads"][str(t)] = {"cells": {"|".join(map(str, k)): v for k, v in res.items()},
-                                "crossover": {f: crossover(res, f, MS) for f in args.formats}}
+        result["threads"][str(t)] = {
+            "cells": {"|".join(map(str, k)): v for k, v in res.items()},
+            "crossover": {f: crossover(res, f, MS) for f in args.formats},
+        }
     result["load_after"] = os.getloadavg()[0]
     return result
 
@@ -156,17 +168,24 @@ def table(result: dict, threads: int, formats: list[str]) -> str:
     cross = result["threads"][str(threads)]["crossover"]
     shown = [1, 4, 16, 64]
     head = "| route | " + " | ".join(f"M={m}" for m in shown) + " | dequant faster from M |"
-    lines = [f"**{result['describe']}, {threads} thread(s)**: ms per expert (x bf16 at the same M); "
-             f"1-min load average {result['load_before']:.2f} before, {result['load_after']:.2f} after", "",
-             head, "|" + "---|" * (len(shown) + 2)]
+    lines = [
+        f"**{result['describe']}, {threads} thread(s)**: ms per expert (x bf16 at the same M); "
+        f"1-min load average {result['load_before']:.2f} before, {result['load_after']:.2f} after",
+        "",
+        head,
+        "|" + "---|" * (len(shown) + 2),
+    ]
     bf = [cells[f"bf16|bf16|{m}"]["ms"] for m in shown]
     lines.append("| bf16 F.linear | " + " | ".join(f"{v:.3f}" for v in bf) + " | |")
     for fmt in formats:
         for route in ("ggml", "ggml held", "dequant"):
             vals = [cells[f"{route}|{fmt}|{m}"] for m in shown]
             extra = (str(cross[fmt]) if cross[fmt] else f"> {MS[-1]}") if route == "ggml" else ""
-            lines.append(f"| {fmt} {route} | " + " | ".join(f"{v['ms']:.3f} ({v['ratio']:.2f})" for v in vals)
-                         + f" | {extra} |")
+            lines.append(
+                f"| {fmt} {route} | "
+                + " | ".join(f"{v['ms']:.3f} ({v['ratio']:.2f})" for v in vals)
+                + f" | {extra} |"
+            )
     return "\n".join(lines)
 
 
@@ -183,25 +202,41 @@ def main() -> None:
         print(json.dumps(run_one(args)))
         return
     from moestream.ggml.host import native_dir
+
     libs = ["prebuilt", "native"] if args.lib == "both" else [args.lib]
     results = []
     for lib in libs:
         env = dict(os.environ, MOESTREAM_GGML_LIB="prebuilt" if lib == "prebuilt" else str(native_dir()))
-        argv = [sys.executable, __file__, "--child", "--threads", ",".join(map(str, args.threads)),
-                "--formats", ",".join(args.formats), "--rounds", str(args.rounds)]
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--threads",
+            ",".join(map(str, args.threads)),
+            "--formats",
+            ",".join(args.formats),
+            "--rounds",
+            str(args.rounds),
+        ]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{lib} run failed:\n{proc.stderr[-3000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     cpu = platform.processor() or platform.machine()
-    print(f"date {time.strftime('%Y-%m-%d %H:%M %Z')} | {platform.node()} | {cpu} | torch {torch.__version__}"
-          f" | rounds {args.rounds}")
+    print(
+        f"date {time.strftime('%Y-%m-%d %H:%M %Z')} | {platform.node()} | {cpu} | torch {torch.__version__}"
+        f" | rounds {args.rounds}"
+    )
     for res in results:
         for t in args.threads:
             print()
             print(table(res, t, args.formats))
-    print("\nDEQUANT_THRESHOLD = " + json.dumps(
-        {r["lib"]: {t: r["threads"][str(t)]["crossover"] for t in args.threads} for r in results}))
+    print(
+        "\nDEQUANT_THRESHOLD = "
+        + json.dumps(
+            {r["lib"]: {t: r["threads"][str(t)]["crossover"] for t in args.threads} for r in results}
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

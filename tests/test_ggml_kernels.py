@@ -7,6 +7,7 @@ dequantized weights by that rounding alone: relative Frobenius error ~1.6e-7 (F3
 measured at K=2048, x ~ N(0, 1). The bounds below are ~2x those, far below any layout or scale bug
 (a wrong block order or scale gives errors of order 1).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,13 +24,46 @@ from moestream import ggml
 
 TOL = {"F32": 1e-6, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 1.2e-2, "Q8_1": 1.2e-2, "Q8_K": 1.5e-2}
 # Every type ggml multiplies that gguf can dequantize (Q1_0: gguf has no dequantizer yet).
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-         "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
-         "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"]
+TYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+    "IQ4_NL",
+    "IQ4_XS",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+    "NVFP4",
+]
 GGUF_QUANTIZES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"]
 # dequantize(quantize(w)) error on N(0,1) weights, ~1.2x what ggml's quantizers give (no imatrix).
-ROUNDTRIP = {"Q2_K": 0.36, "Q3_K": 0.18, "Q4_K": 0.085, "Q5_K": 0.043, "Q6_K": 0.022, "IQ4_NL": 0.09,
-             "IQ4_XS": 0.092, "NVFP4": 0.115}
+ROUNDTRIP = {
+    "Q2_K": 0.36,
+    "Q3_K": 0.18,
+    "Q4_K": 0.085,
+    "Q5_K": 0.043,
+    "Q6_K": 0.022,
+    "IQ4_NL": 0.09,
+    "IQ4_XS": 0.092,
+    "NVFP4": 0.115,
+}
 # ggml's IQ1/IQ2 quantizers build neighbour tables on first use (seconds); these types get random blocks
 # (every grid index and sign pattern is valid) with a fixed fp16 scale `d` in each block's first 2 bytes;
 # IQ1_M keeps its fp16 scale in the top nibbles of its four uint16 sub-block scales (bytes 48..55).
@@ -47,8 +81,9 @@ def weights(name: str, rows: int = N, k: int = K, seed: int = 0) -> tuple[torch.
         w = torch.randn(rows, k, generator=gen)
         t = ggml.ggml_type(name)
         if name in RANDOM_BLOCKS:
-            blocks = torch.randint(0, 256, (t.nbytes(rows, k) // t.block_bytes, t.block_bytes), generator=gen,
-                                   dtype=torch.uint8)
+            blocks = torch.randint(
+                0, 256, (t.nbytes(rows, k) // t.block_bytes, t.block_bytes), generator=gen, dtype=torch.uint8
+            )
             if name == "IQ1_M":
                 for i in range(4):
                     blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((D_BITS >> 4 * i) & 0xF) << 4)
@@ -127,8 +162,10 @@ def test_quantize_threads_do_not_change_the_bytes():
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("MXFP4",) * 3, ("Q8_0", "Q4_0", "IQ4_XS")])
 def test_swiglu_expert_graph_equals_three_calls_bit_for_bit(types):
     h, inter = 512, 256
-    g, u, d = (weights(t, rows, k, seed)[1] for t, rows, k, seed in
-               zip(types, (inter, inter, h), (h, h, inter), (1, 2, 3)))
+    g, u, d = (
+        weights(t, rows, k, seed)[1]
+        for t, rows, k, seed in zip(types, (inter, inter, h), (h, h, inter), (1, 2, 3))
+    )
     for m in (1, 5):
         x = torch.randn(m, h, generator=torch.Generator().manual_seed(10 + m))
         y = ggml.swiglu_expert(x, g, u, d, types, inter)
@@ -136,8 +173,10 @@ def test_swiglu_expert_graph_equals_three_calls_bit_for_bit(types):
         composed = ggml.linear(ggml.swiglu(gate, up), d, types[2], h)
         assert torch.equal(y, composed)
         # and the math is SwiGLU: against fp64 over gguf's dequantized weights
-        rg, ru, rd = (torch.from_numpy(reference(t, b, r, k)) for t, b, r, k in
-                      zip(types, (g, u, d), (inter, inter, h), (h, h, inter)))
+        rg, ru, rd = (
+            torch.from_numpy(reference(t, b, r, k))
+            for t, b, r, k in zip(types, (g, u, d), (inter, inter, h), (h, h, inter))
+        )
         xd = x.double()
         expect = (F.silu(xd @ rg.T) * (xd @ ru.T)) @ rd.T
         assert relerr(y, expect.numpy()) < 2.5e-2
@@ -166,6 +205,7 @@ def test_graph_reuse_by_pointer_swap_gives_identical_results():
 
 def test_graph_cache_is_bounded_and_rebuilds_what_it_dropped(monkeypatch):
     from moestream.ggml import graphs
+
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 3)
     _, data = weights("Q4_K")
     xs = [torch.randn(m, K) for m in range(1, 6)]  # five shapes: five graphs through a cache of three
@@ -191,6 +231,7 @@ def test_one_and_two_threads_agree_bit_for_bit():
 
 def _cpu_seconds_while_sleeping(seconds: float = 0.3) -> float:
     import time
+
     t0 = os.times()
     time.sleep(seconds)
     t1 = os.times()

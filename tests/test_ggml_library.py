@@ -1,4 +1,5 @@
 """Loading ggml: which library, refusals (CPU, layout, types, alignment), and the other build's run."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,24 @@ from moestream import ggml
 from moestream.ggml import lib as ggml_lib
 from moestream.ggml.host import native_dir
 
-REQUIRED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-            "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+REQUIRED = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "MXFP4",
+]
 HERE = Path(__file__).parent
 
 
@@ -28,6 +45,7 @@ def test_type_table_covers_the_cpu_types_with_gguf_block_sizes():
         assert t.id == GGMLQuantizationType[name].value
     # the kernel tests cover every multipliable type gguf can dequantize
     from test_ggml_kernels import TYPES
+
     assert set(table) - set(TYPES) <= {"Q1_0"}
     q4k = ggml.ggml_type("q4_k")
     assert (q4k.block, q4k.block_bytes, q4k.vec_dot_type) == (256, 144, "Q8_K")
@@ -67,10 +85,10 @@ def test_unaligned_or_short_weights_and_bad_activations_are_refused():
     x = torch.randn(2, 256)
     for off in (1, 2, 16):
         with pytest.raises(ValueError, match="32-byte aligned"):
-            ggml.linear(x, buf[off:off + data.numel()], "Q4_0", 32)
+            ggml.linear(x, buf[off : off + data.numel()], "Q4_0", 32)
         with pytest.raises(ValueError, match="32-byte aligned"):
             ggml.linear(x, buf.data_ptr() + off, "Q4_0", 32)
-    buf[32:32 + data.numel()] = data  # an aligned address inside a larger buffer works
+    buf[32 : 32 + data.numel()] = data  # an aligned address inside a larger buffer works
     assert torch.equal(ggml.linear(x, buf.data_ptr() + 32, "Q4_0", 32), ggml.linear(x, data, "Q4_0", 32))
     with pytest.raises(ValueError, match="needs"):
         ggml.linear(x, data[:-1], "Q4_0", 32)
@@ -94,16 +112,19 @@ def test_prebuilt_library_is_refused_on_a_cpu_without_avx2():
     ggml_lib.check_cpu("prebuilt", "x86_64", no_avx2 | {"avx2"})
     ggml_lib.check_cpu("prebuilt", "aarch64", {"fp", "asimd"})  # the aarch64 wheel is armv8.0
     with pytest.raises(ggml.GgmlUnavailableError, match="avx512f.*`make native` again"):
-        ggml_lib.check_cpu("native", "x86_64", no_avx2 | {"avx2"},
-                           build_flags={"avx2", "avx512f", "hypervisor"})
+        ggml_lib.check_cpu(
+            "native", "x86_64", no_avx2 | {"avx2"}, build_flags={"avx2", "avx512f", "hypervisor"}
+        )
 
 
 def test_refusal_happens_before_the_library_is_loaded(tmp_path):
     # A fresh interpreter on "a CPU without AVX2": load() must raise, and no libggml may be mapped.
-    code = ("import moestream.ggml.lib as l\n"
-            "l.cpu_flags = lambda: {'sse', 'sse2', 'avx'}\n"
-            "try:\n    l.load()\nexcept l.GgmlUnavailableError as e:\n    print('refused:', e)\n"
-            "print('mapped' if 'libggml' in open('/proc/self/maps').read() else 'not mapped')\n")
+    code = (
+        "import moestream.ggml.lib as l\n"
+        "l.cpu_flags = lambda: {'sse', 'sse2', 'avx'}\n"
+        "try:\n    l.load()\nexcept l.GgmlUnavailableError as e:\n    print('refused:', e)\n"
+        "print('mapped' if 'libggml' in open('/proc/self/maps').read() else 'not mapped')\n"
+    )
     env = dict(os.environ, MOESTREAM_GGML_LIB="prebuilt")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if os.uname().machine != "x86_64":
@@ -148,8 +169,15 @@ def test_the_other_build_passes_the_same_kernel_tests():
         pytest.skip(f"no native ggml build at {native_dir()} (run `make native`)")
     other = "prebuilt" if ggml.library().kind == "native" else str(native_dir())
     env = dict(os.environ, MOESTREAM_GGML_LIB=other)
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            str(HERE / "test_ggml_kernels.py")]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(HERE / "test_ggml_kernels.py"),
+    ]
     out = subprocess.run(argv, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout
@@ -157,6 +185,7 @@ def test_the_other_build_passes_the_same_kernel_tests():
 
 def test_dequant_thresholds_cover_the_benchmarked_formats():
     from moestream.ggml.thresholds import NEVER
+
     assert ggml.dequant_threshold("Q4_K", "prebuilt", 2) == 32
     assert ggml.dequant_threshold("Q4_K", "native", 2) == NEVER  # VNNI + sgemm: ggml wins up to M=256
     assert ggml.dequant_threshold("Q6_K", "prebuilt", 8) == ggml.dequant_threshold("Q6_K", "prebuilt", 2)

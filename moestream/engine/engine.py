@@ -1,4 +1,5 @@
 """`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,16 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: str = "direct",
-         io_threads: int = 4, piece: int | str = "128KiB", threads: int | None = None, **extra: Any) -> "Engine":
+def load(
+    path: str,
+    cache: int | str = "512MiB",
+    device: str = "cpu",
+    io_mode: str = "direct",
+    io_threads: int = 4,
+    piece: int | str = "128KiB",
+    threads: int | None = None,
+    **extra: Any,
+) -> "Engine":
     """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
 
     Args:
@@ -56,8 +65,15 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
     """
     try:
-        options = EngineOptions(cache=cache, device=device, io_mode=io_mode, io_threads=io_threads,
-                                piece=piece, threads=threads, **extra)
+        options = EngineOptions(
+            cache=cache,
+            device=device,
+            io_mode=io_mode,
+            io_threads=io_threads,
+            piece=piece,
+            threads=threads,
+            **extra,
+        )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
     return Engine(resolve_path(path), options)
@@ -83,8 +99,9 @@ class Engine:
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
         modules = streaming_modules(self.model)
         self.top_k = top_k(self.config)
-        self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
-                                     num_experts(self.config))
+        self.emap = build_expert_map(
+            checkpoint.tensors, self.arch.family, [i for i, _ in modules], num_experts(self.config)
+        )
         self._stream_experts(modules)
         self.tokenizer = _load_tokenizer(path)
         self._step = ForwardStep(self.model)
@@ -111,24 +128,41 @@ class Engine:
         options = self.options
         self.reader = Reader(options.io_mode, options.io_threads)
         try:
-            for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
+            for name in sorted(
+                {ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}
+            ):
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
-            self.cache, self.runtime = build_runtime(self.emap, self.reader, options, self.config, self.top_k,
-                                                     self.device, self.dtype)
+            self.cache, self.runtime = build_runtime(
+                self.emap, self.reader, options, self.config, self.top_k, self.device, self.dtype
+            )
         except BaseException:
             self.reader.close()
             raise
         if options.prefetch:
-            self.runtime.enable_prefetch({layer: router for layer, router in router_modules(self.model).items()
-                                          if layer in set(self.emap.layers)})
+            self.runtime.enable_prefetch(
+                {
+                    layer: router
+                    for layer, router in router_modules(self.model).items()
+                    if layer in set(self.emap.layers)
+                }
+            )
         for layer, module in modules:
             module.bind(layer, self.runtime)
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
         `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
-                                  "prefetch", "policy"}
+        unknown = set(changes) - {
+            "cache",
+            "io_mode",
+            "io_threads",
+            "piece",
+            "lock_memory",
+            "gpu_cache",
+            "host_cache",
+            "prefetch",
+            "policy",
+        }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -143,8 +177,11 @@ class Engine:
         from moestream.power.floor import make_engine_floor
 
         try:
-            return make_engine_floor(self.options.gpu_floor, sysfs_root=self.options.sysfs_root,
-                                     experts_off_gpu=self.options.device == "cpu")
+            return make_engine_floor(
+                self.options.gpu_floor,
+                sysfs_root=self.options.sysfs_root,
+                experts_off_gpu=self.options.device == "cpu",
+            )
         except BaseException:
             self.reader.close()
             raise
@@ -159,16 +196,24 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         o, c = self.options, self.cache
         if self.device.type == "cuda" and not hasattr(self.runtime, "gpu"):
-            memory = (f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
-                      f"(pinned, device-mapped, no staging copy)")
+            memory = (
+                f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
+                f"(pinned, device-mapped, no staging copy)"
+            )
         elif self.device.type == "cuda":
             gpu = self.runtime.gpu
-            memory = (f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
-                      f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots")
+            memory = (
+                f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
+                f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots"
+            )
         else:
-            memory = (f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
-                      f"({'locked' if c.locked else 'unlocked'})")
-        io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
+            memory = (
+                f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
+                f"({'locked' if c.locked else 'unlocked'})"
+            )
+        io = self.reader.io_mode + (
+            f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else ""
+        )
         return (
             f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
             f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory}"
@@ -176,16 +221,20 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
-            + (f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
-               if self.top_k != self.model_top_k else "")
+            + (
+                f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
+                if self.top_k != self.model_top_k
+                else ""
+            )
         )
 
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         s = self.cache.stats
         gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
-        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches,
-                        s.prefetch_used)
+        return Counters(
+            self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches, s.prefetch_used
+        )
 
     # --- generation --------------------------------------------------------------------------
 
@@ -194,8 +243,9 @@ class Engine:
         if self.tokenizer is None:
             raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
         if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
 
@@ -206,17 +256,30 @@ class Engine:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-                 **sampling: Any) -> Generation:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        **sampling: Any,
+    ) -> Generation:
         """Generate a completion (greedy unless temperature > 0). Keyword args build SamplingParams."""
         result = None
         for result in self.stream(prompt, params, chat=chat, **sampling):
             pass
         return result
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-               cancelled: Callable[[], bool] | None = None, request_id: str | None = None,
-               **sampling: Any) -> Iterator[Generation]:
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token; the last one is final."""
         try:
             params = params or SamplingParams(**sampling)
@@ -228,8 +291,9 @@ class Engine:
         self._requests += 1
         yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-             request_id: str) -> Iterator[Generation]:
+    def _run(
+        self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str
+    ) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
         try:
@@ -252,8 +316,13 @@ class Engine:
 
         return step
 
-    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-                step: Callable[[list[int], Any], tuple[torch.Tensor, Any]]) -> Iterator[Generation]:
+    def _tokens(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+    ) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         tokens: list[int] = []
@@ -278,7 +347,9 @@ class Engine:
                 break
             yield gen
         gen.done = True
-        gen.stats.gpu_floor = "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        gen.stats.gpu_floor = (
+            "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        )
         yield gen
 
     def close(self) -> None:
@@ -305,7 +376,9 @@ def _override_top_k(config: Any, k: int) -> None:
     """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
     cfg = text_config(config)
     if k > num_experts(config):
-        raise MoestreamError(f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts")
+        raise MoestreamError(
+            f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
+        )
     cfg.num_experts_per_tok = k
 
 
@@ -318,7 +391,9 @@ def _apply_stop(gen: Generation, stops: list[str]) -> bool:
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
+        model.config, "eos_token_id", None
+    )
     found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
@@ -326,7 +401,9 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 
 
 def _load_tokenizer(path: Path) -> Any:
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 

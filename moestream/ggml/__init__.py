@@ -10,6 +10,7 @@ Nothing is loaded at import: the library is found, checked and dlopen'ed on firs
     e = ggml.get_rows(table, "Q6_K", vocab, hidden, token_ids)  # [n, hidden] f32
     b = ggml.quantize(w, "Q4_K")                      # uint8 [rows * row_bytes(k)]
 """
+
 from __future__ import annotations
 
 from moestream.ggml.graphs import Kernels, kernels
@@ -18,9 +19,27 @@ from moestream.ggml.ops import WEIGHT_ALIGNMENT, dequantize, get_rows, linear, q
 from moestream.ggml.thresholds import dequant_threshold
 from moestream.ggml.types import GgmlType, UnsupportedTypeError, ggml_type, row_bytes, type_table
 
-__all__ = ["GgmlType", "GgmlUnavailableError", "Kernels", "Library", "UnsupportedTypeError",
-           "WEIGHT_ALIGNMENT", "dequant_threshold", "dequantize", "describe", "get_rows", "ggml_type",
-           "kernels", "library", "linear", "quantize", "row_bytes", "swiglu", "swiglu_expert", "type_table"]
+__all__ = [
+    "GgmlType",
+    "GgmlUnavailableError",
+    "Kernels",
+    "Library",
+    "UnsupportedTypeError",
+    "WEIGHT_ALIGNMENT",
+    "dequant_threshold",
+    "dequantize",
+    "describe",
+    "get_rows",
+    "ggml_type",
+    "kernels",
+    "library",
+    "linear",
+    "quantize",
+    "row_bytes",
+    "swiglu",
+    "swiglu_expert",
+    "type_table",
+]
 
 
 def describe() -> str:

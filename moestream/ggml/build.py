@@ -9,6 +9,7 @@ llama.cpp, whose ggml is configured from the llama.cpp root (its ggml/ folder al
 Output: DIR/lib/libggml-base.so*, DIR/lib/libggml-cpu.so* and DIR/build.json (version, ISA flags of the
 build machine, build seconds), where DIR defaults to `native_dir()` and moestream finds it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,15 @@ from moestream.ggml.host import cpu_flags, native_dir
 
 SDIST = "llama-cpp-python==0.3.36"
 CMAKE_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_OPENMP=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_OPENMP=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_CURL=OFF",
 ]
 
 
@@ -47,8 +54,18 @@ def _run(cmd: list[str], log: Path) -> None:
 
 def _fetch_source(work: Path, log: Path) -> tuple[Path, str]:
     """Download the sdist with pip and extract its vendored llama.cpp; returns (root, ggml version)."""
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d",
-           str(work)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        SDIST,
+        "-d",
+        str(work),
+    ]
     _run(pip, log)
     archive = next(work.glob("llama_cpp_python-*.tar.gz"))
     with tarfile.open(archive) as tar:
@@ -81,18 +98,28 @@ def build(dest: Path, jobs: int) -> dict:
         targets = ["--target", "ggml-base", "ggml-cpu"]
         _run(["cmake", "--build", str(work / "build"), *targets, "-j", str(jobs)], log)
         seconds = time.perf_counter() - t1
-        libs = [p for p in (work / "build" / "bin").iterdir() if p.name.startswith(("libggml-base.so",
-                                                                                    "libggml-cpu.so"))]
+        libs = [
+            p
+            for p in (work / "build" / "bin").iterdir()
+            if p.name.startswith(("libggml-base.so", "libggml-cpu.so"))
+        ]
         if dest.exists():
             shutil.rmtree(dest)
         (dest / "lib").mkdir(parents=True)
         for p in libs:  # keep the soname symlinks as links
             shutil.copy2(p, dest / "lib" / p.name, follow_symlinks=False)
-    info = {"ggml_version": version, "source": SDIST, "fetch_seconds": round(t1 - t0, 1),
-            "build_seconds": round(seconds, 1), "jobs": jobs,
-            "generator": "ninja" if generator else "make", "cmake_flags": CMAKE_FLAGS,
-            "machine": platform.machine(), "cpu_flags": sorted(cpu_flags()),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    info = {
+        "ggml_version": version,
+        "source": SDIST,
+        "fetch_seconds": round(t1 - t0, 1),
+        "build_seconds": round(seconds, 1),
+        "jobs": jobs,
+        "generator": "ninja" if generator else "make",
+        "cmake_flags": CMAKE_FLAGS,
+        "machine": platform.machine(),
+        "cpu_flags": sorted(cpu_flags()),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
     (dest / "build.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
@@ -104,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     dest = args.dest or native_dir()
     info = build(dest, args.jobs)
-    print(f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "
-          f"{info['build_seconds']} s ({info['jobs']} jobs, {info['generator']}) into {dest}")
+    print(
+        f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "
+        f"{info['build_seconds']} s ({info['jobs']} jobs, {info['generator']}) into {dest}"
+    )
 
 
 if __name__ == "__main__":

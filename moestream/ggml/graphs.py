@@ -10,6 +10,7 @@ paused and paused again after every compute (ggml_graph_compute resumes a paused
 workers sleep on a condition variable instead of spinning while torch computes; `hold()` keeps it
 awake across a burst of computes (one MoE layer's experts) and pauses it at the end.
 """
+
 from __future__ import annotations
 
 import ctypes as C
@@ -32,8 +33,8 @@ class Builder:
 
     def __init__(self, lib: Library, ctx: int) -> None:
         self.lib, self.ctx = lib, ctx
-        self.inputs: dict[str, int] = {}     # name -> ggml_tensor*, data supplied at each run
-        self.scratch: list[int] = []         # intermediates, data in the graph's own buffer
+        self.inputs: dict[str, int] = {}  # name -> ggml_tensor*, data supplied at each run
+        self.scratch: list[int] = []  # intermediates, data in the graph's own buffer
 
     def input(self, name: str, type_id: int, ne0: int, ne1: int) -> int:
         """A 2-D input: ne0 is the contiguous dimension (torch shape [ne1, ne0])."""
@@ -52,11 +53,18 @@ class Builder:
 class Graph:
     """One planned ggml graph; `run(**addresses)` sets the inputs' and the output's data and computes."""
 
-    def __init__(self, lib: Library, pool: int, n_threads: int, build: Callable[[Builder], int],
-                 solo_pool: int | None = None) -> None:
+    def __init__(
+        self,
+        lib: Library,
+        pool: int,
+        n_threads: int,
+        build: Callable[[Builder], int],
+        solo_pool: int | None = None,
+    ) -> None:
         self.lib = lib
-        mem = (4 * GRAPH_NODES * lib.base.ggml_tensor_overhead()
-               + lib.base.ggml_graph_overhead_custom(GRAPH_NODES, False))
+        mem = 4 * GRAPH_NODES * lib.base.ggml_tensor_overhead() + lib.base.ggml_graph_overhead_custom(
+            GRAPH_NODES, False
+        )
         self.ctx = lib.base.ggml_init(InitParams(mem, None, True))
         b = Builder(lib, self.ctx)
         out = build(b)

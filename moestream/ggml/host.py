@@ -1,4 +1,5 @@
 """What choosing a ggml library needs to know of this machine: where `make native` builds, the CPU flags."""
+
 from __future__ import annotations
 
 import os

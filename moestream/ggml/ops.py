@@ -6,6 +6,7 @@ address must be 32-byte aligned (GGUF aligns tensor data to 32 bytes and moestre
 file offset modulo 4096); an unaligned one is refused with ValueError, never copied. Activations are
 float32 [M, K] (ggml quantizes them to the weight type's `vec_dot_type` inside the product).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,10 @@ def _weight_address(w: Weight, t: GgmlType, rows: int, k: int, what: str) -> int
             raise ValueError(f"{what} must be a contiguous CPU tensor")
         need = t.nbytes(rows, k)
         if w.numel() * w.element_size() < need:
-            raise ValueError(f"{what} holds {w.numel() * w.element_size()} bytes; a {t.name} [{rows}, {k}] "
-                             f"matrix needs {need}")
+            raise ValueError(
+                f"{what} holds {w.numel() * w.element_size()} bytes; a {t.name} [{rows}, {k}] "
+                f"matrix needs {need}"
+            )
         address = w.data_ptr()
     else:
         t.row_bytes(k)
@@ -45,8 +48,10 @@ def _weight_address(w: Weight, t: GgmlType, rows: int, k: int, what: str) -> int
 
 def _activations(x: torch.Tensor, k: int, what: str = "x") -> int:
     if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous float32 CPU tensor [M, K]; got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"{what} must be a contiguous float32 CPU tensor [M, K]; got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
     if x.shape[1] != k:
         raise ValueError(f"{what} has {x.shape[1]} columns; the weight has K = {k}")
     return x.data_ptr()
@@ -55,15 +60,21 @@ def _activations(x: torch.Tensor, k: int, what: str = "x") -> int:
 def _out(out: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32)
-    if (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()
-            or out.device.type != "cpu"):
-        raise ValueError(f"out must be a contiguous float32 tensor {list(shape)}; got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    if (
+        out.dtype != torch.float32
+        or tuple(out.shape) != shape
+        or not out.is_contiguous()
+        or out.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"out must be a contiguous float32 tensor {list(shape)}; got {out.dtype} {tuple(out.shape)}"
+        )
     return out
 
 
-def linear(x: torch.Tensor, weight: Weight, type: TypeLike, rows: int,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: Weight, type: TypeLike, rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [M, K] f32 @ W.T for W the [rows, K] matrix of GGML `type` at `weight`: returns [M, rows] f32.
 
     One ggml mul_mat, graph cached per (type, rows, K, M); runs on the shared threadpool (torch's thread
@@ -94,9 +105,15 @@ def _three(types: TypeLike | Sequence[TypeLike]) -> tuple[GgmlType, GgmlType, Gg
     return t, t, t
 
 
-def swiglu_expert(x: torch.Tensor, gate: Weight, up: Weight, down: Weight,
-                  types: TypeLike | Sequence[TypeLike], intermediate: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_expert(
+    x: torch.Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+    types: TypeLike | Sequence[TypeLike],
+    intermediate: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) in one ggml compute: x [M, H] f32 -> [M, H] f32.
 
     gate and up are [intermediate, H] matrices, down is [H, intermediate]; `types` is one type or a
@@ -106,9 +123,11 @@ def swiglu_expert(x: torch.Tensor, gate: Weight, up: Weight, down: Weight,
     tg, tu, td = _three(types)
     m, h = x.shape if x.dim() == 2 else (0, 0)
     xa = _activations(x, h)
-    addresses = dict(gate=_weight_address(gate, tg, intermediate, h, "gate"),
-                     up=_weight_address(up, tu, intermediate, h, "up"),
-                     down=_weight_address(down, td, h, intermediate, "down"))
+    addresses = dict(
+        gate=_weight_address(gate, tg, intermediate, h, "gate"),
+        up=_weight_address(up, tu, intermediate, h, "up"),
+        down=_weight_address(down, td, h, intermediate, "down"),
+    )
     y = _out(out, (m, h))
     if m == 0:
         return y
@@ -143,8 +162,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
     return y
 
 
-def get_rows(weight: Weight, type: TypeLike, rows: int, k: int, ids: torch.Tensor,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def get_rows(
+    weight: Weight, type: TypeLike, rows: int, k: int, ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows `ids` (int32 [n], each in [0, rows)) of a [rows, k] matrix of GGML `type`, as f32 [n, k].
 
     ggml's get_rows: each row is decoded by the type's to_float, rows split over the pool's threads;
@@ -158,8 +178,9 @@ def get_rows(weight: Weight, type: TypeLike, rows: int, k: int, ids: torch.Tenso
     return _get_rows(t, weight, rows, k, ids, out)
 
 
-def _get_rows(t: GgmlType, weight: Weight, rows: int, k: int, ids: torch.Tensor,
-              out: torch.Tensor | None) -> torch.Tensor:
+def _get_rows(
+    t: GgmlType, weight: Weight, rows: int, k: int, ids: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor:
     wa = _weight_address(weight, t, rows, k, "weight")
     n = ids.numel()
     y = _out(out, (n, k))
@@ -177,8 +198,9 @@ def _get_rows(t: GgmlType, weight: Weight, rows: int, k: int, ids: torch.Tensor,
 _ARANGE: dict[int, torch.Tensor] = {}
 
 
-def dequantize(weight: Weight, type: TypeLike, rows: int, k: int,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    weight: Weight, type: TypeLike, rows: int, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The [rows, k] f32 values of a matrix of GGML `type` (get_rows of every row: ggml's to_float)."""
     ids = _ARANGE.get(rows)
     if ids is None:
@@ -186,8 +208,9 @@ def dequantize(weight: Weight, type: TypeLike, rows: int, k: int,
     return _get_rows(ggml_type(type), weight, rows, k, ids, out)
 
 
-def quantize(w: torch.Tensor, type: TypeLike, imatrix: torch.Tensor | None = None,
-             threads: int | None = None) -> torch.Tensor:
+def quantize(
+    w: torch.Tensor, type: TypeLike, imatrix: torch.Tensor | None = None, threads: int | None = None
+) -> torch.Tensor:
     """Quantize f32 w [N, K] to GGML `type` with ggml_quantize_chunk: uint8 [N * row_bytes(K)], GGUF layout.
 
     Runs ggml's reference quantizers (the ones llama-quantize uses), rows split over `threads` Python

@@ -6,6 +6,7 @@ weights read from DRAM, M on the grid 1, 4, 16, 32, 64, 128, 256. A value is the
 the dequantize route was faster at every larger M; None: ggml stayed faster up to 256 (native K-quants
 and IQ4_XS, whose VNNI/llamafile kernels batch well). Another machine should re-run the benchmark.
 """
+
 from __future__ import annotations
 
 DEQUANT_THRESHOLD: dict[str, dict[int, dict[str, int | None]]] = {
