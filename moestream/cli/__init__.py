@@ -29,8 +29,8 @@ VERBS: dict[str, str] = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moestream",
-        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk through a "
-        "bounded expert cache. Every verb has --help.",
+        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk "
+        "through a bounded expert cache. Every verb has --help.",
     )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
 
