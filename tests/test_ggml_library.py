@@ -107,11 +107,11 @@ def test_unaligned_or_short_weights_and_bad_activations_are_refused():
 
 def test_prebuilt_library_is_refused_on_a_cpu_without_avx2():
     no_avx2 = {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "fma", "f16c", "bmi2"}
-    with pytest.raises(ggml.GgmlUnavailableError, match="lacks AVX2.*run `make native`"):
+    with pytest.raises(ggml.GgmlUnavailableError, match=r"lacks AVX2.*run `make native`"):
         ggml_lib.check_cpu("prebuilt", "x86_64", no_avx2)
     ggml_lib.check_cpu("prebuilt", "x86_64", no_avx2 | {"avx2"})
     ggml_lib.check_cpu("prebuilt", "aarch64", {"fp", "asimd"})  # the aarch64 wheel is armv8.0
-    with pytest.raises(ggml.GgmlUnavailableError, match="avx512f.*`make native` again"):
+    with pytest.raises(ggml.GgmlUnavailableError, match=r"avx512f.*`make native` again"):
         ggml_lib.check_cpu(
             "native", "x86_64", no_avx2 | {"avx2"}, build_flags={"avx2", "avx512f", "hypervisor"}
         )
@@ -139,7 +139,7 @@ def test_a_library_of_another_struct_layout_is_refused():
         def ggml_tensor_overhead(self):
             return 376
 
-    with pytest.raises(ggml.GgmlUnavailableError, match="tensor struct is 344 bytes.*expects 336"):
+    with pytest.raises(ggml.GgmlUnavailableError, match=r"tensor struct is 344 bytes.*expects 336"):
         ggml_lib._check_layout(FakeBase())
 
 
@@ -159,7 +159,7 @@ def test_locate_follows_env_then_native_then_prebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("MOESTREAM_GGML_LIB", str(fake))
     assert ggml_lib.locate() == (fake / "lib", "native")
     monkeypatch.setenv("MOESTREAM_GGML_LIB", str(tmp_path / "nowhere"))
-    with pytest.raises(ggml.GgmlUnavailableError, match="holds no libggml-base.so"):
+    with pytest.raises(ggml.GgmlUnavailableError, match=r"holds no libggml-base.so"):
         ggml_lib.locate()
 
 

@@ -20,12 +20,12 @@ from moestream.ggml.thresholds import dequant_threshold
 from moestream.ggml.types import GgmlType, UnsupportedTypeError, ggml_type, row_bytes, type_table
 
 __all__ = [
+    "WEIGHT_ALIGNMENT",
     "GgmlType",
     "GgmlUnavailableError",
     "Kernels",
     "Library",
     "UnsupportedTypeError",
-    "WEIGHT_ALIGNMENT",
     "dequant_threshold",
     "dequantize",
     "describe",

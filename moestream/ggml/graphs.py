@@ -16,8 +16,8 @@ from __future__ import annotations
 import ctypes as C
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 

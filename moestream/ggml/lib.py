@@ -199,7 +199,9 @@ def locate() -> tuple[Path, str]:
     try:
         import libggml
     except ImportError:
-        raise GgmlUnavailableError("ggml is not installed: pip install libggml-python, or run `make native`.")
+        raise GgmlUnavailableError(
+            "ggml is not installed: pip install libggml-python, or run `make native`."
+        ) from None
     root = Path(libggml.__file__).parent
     for sub in ("lib64", "lib"):
         if (root / sub / "libggml-cpu.so").exists():
@@ -279,7 +281,7 @@ def load() -> Library:
         _declare(base, _BASE_API)
         _declare(cpu, _CPU_API)
     except (OSError, AttributeError) as e:
-        raise GgmlUnavailableError(f"cannot load ggml from {folder}: {e}")
+        raise GgmlUnavailableError(f"cannot load ggml from {folder}: {e}") from e
     _check_layout(base)
     cpu.ggml_cpu_init()
     isa = []

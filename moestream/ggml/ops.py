@@ -9,8 +9,8 @@ float32 [M, K] (ggml quantizes them to the weight type's `vec_dot_type` inside t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence, Union
 
 import torch
 
@@ -19,7 +19,7 @@ from moestream.ggml.lib import library
 from moestream.ggml.types import GgmlType, TypeLike, ggml_type
 
 WEIGHT_ALIGNMENT = 32
-Weight = Union[torch.Tensor, int]
+Weight = torch.Tensor | int
 
 
 def _weight_address(w: Weight, t: GgmlType, rows: int, k: int, what: str) -> int:

@@ -9,8 +9,7 @@ MXFP4, NVFP4 and Q1_0 in ggml 0.20+. Block sizes and bytes come from ggml and ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Union
+from functools import cache
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -51,10 +50,10 @@ class GgmlType:
         return 8.0 * self.block_bytes / self.block
 
 
-TypeLike = Union[int, str, GGMLQuantizationType, GgmlType]
+TypeLike = int | str | GGMLQuantizationType | GgmlType
 
 
-@lru_cache(maxsize=None)
+@cache
 def type_table() -> dict[str, GgmlType]:
     """Every type of the GGUF enum that the loaded ggml multiplies on the CPU, by GGUF name."""
     lib = library()
@@ -98,7 +97,7 @@ def ggml_type(t: TypeLike) -> GgmlType:
         try:
             name = GGMLQuantizationType(int(t)).name
         except ValueError:
-            raise UnsupportedTypeError(f"{t} is not a GGML tensor type.")
+            raise UnsupportedTypeError(f"{t} is not a GGML tensor type.") from None
     if name not in table:
         known = name in GGMLQuantizationType.__members__
         raise UnsupportedTypeError(
