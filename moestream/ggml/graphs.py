@@ -9,6 +9,11 @@ addresses into their `data` fields and computes. Nothing is allocated per call.
 paused and paused again after every compute (ggml_graph_compute resumes a paused pool itself), so its
 workers sleep on a condition variable instead of spinning while torch computes; `hold()` keeps it
 awake across a burst of computes (one MoE layer's experts) and pauses it at the end.
+
+A new kind of graph is one build function over `Builder` (see ops.py). Several experts in one call
+(ggml_mul_mat_id) would add a 3-D weight input whose `data` is the first expert and whose nb[2] is
+the distance between experts, plus an int32 ids input: it needs the experts' matrices at one stride,
+e.g. slots of one size class holding each tensor's experts at the same offset inside the slot.
 """
 
 from __future__ import annotations
