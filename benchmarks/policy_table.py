@@ -4,10 +4,11 @@ The budget is a share of the slots every expert of the trace's layers would take
 experts x slot bytes), rounded down to whole slots, so each column is the same share on every trace.
 Each trace is replayed by `moestream.trace.simulator.simulate` (the engine's own policy classes).
 
-    .venv/bin/python benchmarks/policy_table.py NAME=TRACE[+TRACE...][@UNIT_BYTES] ... [--shares 0.125,0.25,0.5]
+    .venv/bin/python benchmarks/policy_table.py NAME=TRACE[+TRACE...][@UNIT_BYTES]... [--shares 0.125,0.25]
 
 e.g. fixture=/tmp/fixture.parquet mixtral=../shared/traces/mixtral-8x7b-humaneval-routing.jsonl@352321536
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,17 +31,28 @@ def table(name: str, paths: list[str], unit: int | None, shares: list[float]) ->
     start = time.perf_counter()
     records, replay, _ = simulate(trace, POLICIES, budgets, unit)
     took = time.perf_counter() - start
-    cell = {(r["policy"], r["budget_bytes"]): r for r in records
-            if r["phase"] == "decode" and r["scope"] == "all"}
+    cell = {
+        (r["policy"], r["budget_bytes"]): r for r in records if r["phase"] == "decode" and r["scope"] == "all"
+    }
     routing = "synthetic (random-weight checkpoint)" if trace.header.synthetic else "learned"
-    out = [f"**{name}** ({routing} routing; {len(replay.layers)} layers x {trace.header.n_experts} experts, "
-           f"top-{trace.header.top_k}; {replay.tokens[1] + replay.tokens[3]} decode tokens; replayed in {took:.1f} s)",
-           "", "| policy | " + " | ".join(f"{s:.1%} ({int(all_slots * s)} slots)" for s in shares) + " |",
-           "|---|" + "---|" * len(shares)]
+    out = [
+        f"**{name}** ({routing} routing; {len(replay.layers)} layers x {trace.header.n_experts} experts, "
+        f"top-{trace.header.top_k}; {replay.tokens[1] + replay.tokens[3]} decode tokens; "
+        f"replayed in {took:.1f} s)",
+        "",
+        "| policy | " + " | ".join(f"{s:.1%} ({int(all_slots * s)} slots)" for s in shares) + " |",
+        "|---|" + "---|" * len(shares),
+    ]
     for policy in POLICIES:
         label = "opt (Belady, bound)" if policy == "opt" else policy
-        out.append(f"| {label} | " + " | ".join(
-            f"{cell[(policy, b)]['mib_per_token']:.3g} ({cell[(policy, b)]['hit_rate']:.1%})" for b in budgets) + " |")
+        out.append(
+            f"| {label} | "
+            + " | ".join(
+                f"{cell[(policy, b)]['mib_per_token']:.3g} ({cell[(policy, b)]['hit_rate']:.1%})"
+                for b in budgets
+            )
+            + " |"
+        )
     ratio = []
     for b in budgets:
         best = min(cell[("lru", b)]["bytes_read"], cell[("lfu", b)]["bytes_read"])

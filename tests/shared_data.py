@@ -5,6 +5,7 @@ next to it (`<repo>/../shared/fixtures`, `<repo>/../shared/traces`). `MOESTREAM_
 somewhere else (a worktree or a clone elsewhere), and `MOESTREAM_FIXTURES` / `MOESTREAM_TRACES` name
 either folder directly. Tests that need them skip, saying where they looked and how to point them.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,10 @@ QWEN_EXPERT = 3 * 2048 * 1408 * 2
 needs_traces = pytest.mark.skipif(
     not MIXTRAL.exists() or len(QWEN) != 5,
     reason=f"real traces not found in {TRACES} (they live beside the repository; set MOESTREAM_SHARED "
-           "or MOESTREAM_TRACES to the folder that holds them)")
+    "or MOESTREAM_TRACES to the folder that holds them)",
+)
 needs_fixture = pytest.mark.skipif(
     not (FIXTURE / "config.json").exists(),
     reason=f"the trained fixture is not in {FIXTURES} (it lives beside the repository; set MOESTREAM_SHARED "
-           "or MOESTREAM_FIXTURES to the folder that holds stdlib-moe-8x64)")
+    "or MOESTREAM_FIXTURES to the folder that holds stdlib-moe-8x64)",
+)

@@ -10,6 +10,7 @@ Access protocol for one MoE layer forward (both engine and simulator follow it):
      a victim. The engine waits if that victim is still in use by the layer being computed (it never
      evicts a pinned slot); the simulator, where compute is instantaneous, evicts it at once.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -138,7 +139,8 @@ class ResidentSet:
         return self.policy.victim()
 
     def admit(self, key: Key, protected: Container[Key] = ()) -> tuple[int, Key | None]:
-        """Give `key` a slot, evicting `next_victim(protected)` when full. Returns (slot, evicted key or None)."""
+        """Give `key` a slot, evicting `next_victim(protected)` when full. Returns (slot, evicted key or
+        None)."""
         if key in self._slot_of:
             raise KeyError(f"{key!r} is already resident")
         evicted = None
@@ -174,8 +176,9 @@ class ResidentSet:
         does, and so must any other driver of this set (the engine's cache, when it opens a layer)."""
         self.policy.on_group(keys, uses, tokens)
 
-    def access_group(self, keys: Iterable[Key], uses: Sequence[int] | None = None, tokens: int = 1
-                     ) -> tuple[list[Key], list[Key]]:
+    def access_group(
+        self, keys: Iterable[Key], uses: Sequence[int] | None = None, tokens: int = 1
+    ) -> tuple[list[Key], list[Key]]:
         """One layer forward with instantaneous compute: `begin_group`, touch hits, then admit the misses
         that `keeps` allows, never evicting one of the group's own keys while another key can go (as the
         engine, whose layer holds them pinned). Returns (hits, misses)."""
@@ -380,7 +383,7 @@ class PinnedResidentSet(ResidentSet):
         self.streaming_slots = capacity - len(pinned)
 
     def keeps(self, key: Key) -> bool:
-        """Misses are kept only while unpinned slots exist; with every slot pinned they are read and dropped."""
+        """Misses are kept while unpinned slots exist; with every slot pinned they are read and dropped."""
         return self.streaming_slots > 0
 
 

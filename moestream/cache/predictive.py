@@ -27,6 +27,7 @@ Protocol: the policy must hear of each layer forward before its hits and misses,
 `ResidentSet.begin_group(keys, uses, tokens)` (`access_group` calls it): `keys` in execution order (for
 one token, router order), `uses[i]` the number of the forward's `tokens` routed to `keys[i]`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -125,7 +126,7 @@ class PredictivePolicy(EvictionPolicy):
             tokens = 1
             used[experts] = 1.0 - RANK_WEIGHT * np.arange(len(idx)) / max(1, len(idx) - 1)
         for avg, decay in ((self._fast, FAST), (self._slow, SLOW)):
-            keep = decay ** tokens
+            keep = decay**tokens
             avg[span] = keep * avg[span] + (1.0 - keep) * used
         previous = self._previous[pos]
         if previous is not None:
@@ -145,7 +146,9 @@ class PredictivePolicy(EvictionPolicy):
         q = FORECAST_SHARE * self._forecast[keys] + (1.0 - FORECAST_SHARE) * p
         return np.maximum(q / distance, p / (distance + n_layers))
 
-    def _ranking(self, by: int, candidates: np.ndarray, first: int | None = None, cache: int = 2) -> np.ndarray:
+    def _ranking(
+        self, by: int, candidates: np.ndarray, first: int | None = None, cache: int = 2
+    ) -> np.ndarray:
         """Key indices of `candidates` (a mask) in the eviction order of ranking `by`: lowest keep value
         (PREDICTIVE; ties: least recently used, then lowest index) or fewest uses (LFU; ties: least
         recently touched in `cache`); only the `first` ones when given (a partition, then a sort)."""
@@ -172,7 +175,7 @@ class PredictivePolicy(EvictionPolicy):
                 victims = self._ranking(by, others, overflow, cache=by)
                 ghost[victims] = False
                 overflow -= len(victims)
-            ghost[missed[max(0, overflow):]] = True  # a forward larger than the cache keeps its last keys
+            ghost[missed[max(0, overflow) :]] = True  # a forward larger than the cache keeps its last keys
             self._ghost_misses[by] = self._ghost_misses[by] * DUEL_DECAY + len(missed)
             if by == LFU:
                 self._touch(LFU, idx, hit)
@@ -198,7 +201,7 @@ class PredictivePolicy(EvictionPolicy):
         order = self._order
         while self._cursor < len(order) and not resident[order[self._cursor]]:  # evicted: skip for good
             self._cursor += 1
-        for i in order[self._cursor:]:
+        for i in order[self._cursor :]:
             if resident[i]:
                 yield self._key(i)
         rest = resident.copy()  # rarely reached: every key of the first batch was protected

@@ -1,9 +1,9 @@
 """`moestream generate PATH --prompt TEXT`: one completion, with the mode line and the stats line."""
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
 
@@ -33,12 +33,29 @@ def run(args: argparse.Namespace) -> int:
             engine.start_trace(args.trace, predict=not args.no_trace_predict)
         if not args.json:
             print(engine.mode_line(), flush=True)
-        gen = engine.generate(args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        gen = engine.generate(
+            args.prompt,
+            chat=args.chat,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
         if args.json:
-            print(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
-                              "finish_reason": gen.finish_reason, "mode": engine.mode_line(),
-                              "stats": gen.stats.to_dict()}))
+            print(
+                json.dumps(
+                    {
+                        "text": gen.text,
+                        "tokens": gen.tokens,
+                        "prompt_tokens": gen.prompt_tokens,
+                        "finish_reason": gen.finish_reason,
+                        "mode": engine.mode_line(),
+                        "stats": gen.stats.to_dict(),
+                    }
+                )
+            )
         else:
             print(gen.text, flush=True)
             print(gen.stats.line())

@@ -1,4 +1,5 @@
 """Sampling parameters and the sampler: greedy at temperature 0, else temperature / top-k / top-p."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
