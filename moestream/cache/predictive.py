@@ -10,18 +10,18 @@ policy in `moestream.cache.policy`. What it knows about the workload, all measur
 - An expert a token just used is about 3x more likely than another to be used by the next token (0.32
   against 0.10 on the fixture), the more so the higher the router ranked it (0.45 for the first, 0.24
   for the eighth), and which experts follow which is partly predictable (a per-layer transition table).
-- But stationary routing (random-weight checkpoints) is served best by plain frequency (LFU), and the
-  phase of the layer cycle only misleads there.
+- But stationary routing (random-weight checkpoints) is served best by plain frequency (LFU), very
+  sticky routing by recency (LRU), and the phase of the layer cycle only misleads there.
 
 So it keeps, per key, a fast and a slow exponential average of "used at its layer's visit" (router rank
 weighted), and per layer a table of which expert follows which between consecutive visits. A key's keep
-value is `max(q / d, p / (d + L))`: `p` the averages' mean, `q` the mean of `p` and the table's forecast
-for the next visit, `d` the forwards until its layer's next visit, `L` the number of layers; the lowest
-value leaves first (ties: the least recently used, then the lowest layer and expert). Two ghost caches
-of the same capacity replay the same accesses, one with this ranking and one with LFU's (fewest uses
-since the start, ties as above); the real cache's evictions follow LFU's ranking until the predictive
-ghost has missed 5% less than the LFU ghost over the last ~1000 forwards (exponentially weighted), and
-go back once LFU's misses less by as much, so the policy falls back to LFU where frequency wins.
+value is `q / d`: `q` the mean of the two averages' mean and the table's forecast for the next visit,
+`d` the forwards until its layer's next visit (1 for the next layer, L for the current one); the lowest
+value leaves first (ties: the least recently used, then the lowest layer and expert). Three ghost
+caches of the same capacity replay the same accesses, each evicting by one ranking: this one, LFU's
+(fewest uses since the start) and LRU's. The real cache's evictions follow one of the three, LFU's at
+first; another takes over once its ghost has missed 5% less than the leader's over the last ~1000
+forwards (exponentially weighted), so the policy falls back to LFU or LRU where they win.
 
 Protocol: the policy must hear of each layer forward before its hits and misses, through
 `ResidentSet.begin_group(keys, uses, tokens)` (`access_group` calls it): `keys` in execution order (for
@@ -40,14 +40,16 @@ from moestream.cache.policy import EvictionPolicy, Key
 FAST, SLOW = 0.7, 0.95  # per-visit decay of the two averages
 FORECAST_SHARE = 0.5  # weight of the transition table's forecast in q
 RANK_WEIGHT = 0.5  # the last of a token's experts counts 1 - RANK_WEIGHT of a use, the first 1
+PRIOR = 0.125  # pseudo-count of every transition (and 1 of every visit)
 DUEL_DECAY = 0.999  # per forward: the ghosts' misses are compared over the last ~1000 forwards
 DUEL_MARGIN = 0.05  # the other ghost must miss this much less than the leader to take over
-PREDICTIVE, LFU = 0, 1  # the two rankings (ghost and leader numbers)
+PREDICTIVE, LFU, LRU = 0, 1, 2  # the rankings (ghost and leader numbers)
+REAL = 3  # the real cache's row in the touch clocks
 
 
 class PredictivePolicy(EvictionPolicy):
     """Evicts the key least likely to be used soon, by learned per-key averages and a per-layer transition
-    table, or by LFU while a ghost LFU cache misses less. See the module docstring."""
+    table, or as LFU or LRU while their ghost caches miss less. See the module docstring."""
 
     name: ClassVar[str] = "predictive"
 
@@ -59,21 +61,23 @@ class PredictivePolicy(EvictionPolicy):
         self._fast = np.zeros(n_keys)
         self._slow = np.zeros(n_keys)
         self._forecast = np.zeros(n_keys)  # the transition table's forecast for the key's next visit
-        self._follows = np.full((n_layers, n_experts, n_experts), 0.125, dtype=np.float32)  # [from, to]
-        self._seen = np.ones((n_layers, n_experts), dtype=np.float32)  # visits that followed `from`
+        # transition counts between consecutive visits of a layer: follows[from, to], and visits after `from`
+        self._follows = np.zeros((n_layers, n_experts, n_experts), dtype=np.int32)
+        self._after = np.zeros((n_layers, n_experts), dtype=np.int64)
         self._previous: list[np.ndarray | None] = [None] * n_layers
         self._uses = np.zeros(n_keys)  # forwards that used the key (LFU's count)
         self._last_use = np.zeros(n_keys)  # number of the last forward that used the key
-        # LFU breaks ties by the order of the last touch, hits of a forward before its misses (as
-        # `LFUPolicy`), which differs between caches: one clock per ghost and one for the real cache
-        self._touched = np.zeros((3, n_keys))
+        # LRU orders by, and LFU breaks ties by, the order of the last touch, a forward's hits before its
+        # misses (as `LRUPolicy`, `LFUPolicy`), which differs between caches: a row per ghost, one for the
+        # real cache
+        self._touched = np.zeros((4, n_keys))
         self._clock = 0
         self._forward = 0
         self._layer = 0  # position of the current forward's layer
         self._capacity = 0
         self._resident = np.zeros(n_keys, dtype=bool)
-        self._ghosts = np.zeros((2, n_keys), dtype=bool)  # ghost caches run by one ranking each
-        self._ghost_misses = [0.0, 0.0]  # exponentially weighted, per ghost
+        self._ghosts = np.zeros((3, n_keys), dtype=bool)  # ghost caches run by one ranking each
+        self._ghost_misses = [0.0, 0.0, 0.0]  # exponentially weighted, per ghost
         self.leader = LFU  # whose ranking the real cache's evictions follow
         self._order: list[int] | None = None  # the forward's first victims, taken at its first eviction
         self._cursor = 0  # `_order[:_cursor]` are evicted already
@@ -105,7 +109,7 @@ class PredictivePolicy(EvictionPolicy):
         self._layer = int(idx[0]) // self.n_experts
         self._learn(idx, uses, tokens)
         self._duel(idx)
-        self._touch(2, idx, self._resident[idx])
+        self._touch(REAL, idx, self._resident[idx])
         self._order, self._chunk = None, len(idx) + int((~self._resident[idx]).sum())
 
     def _touch(self, cache: int, idx: np.ndarray, hit: np.ndarray) -> None:
@@ -130,10 +134,15 @@ class PredictivePolicy(EvictionPolicy):
             avg[span] = keep * avg[span] + (1.0 - keep) * used
         previous = self._previous[pos]
         if previous is not None:
-            self._follows[pos][np.ix_(previous, experts)] += 1.0
-            self._seen[pos][previous] += 1.0
+            self._follows[pos][np.ix_(previous, experts)] += 1
+            self._after[pos][previous] += 1
         self._previous[pos] = experts
-        self._forecast[span] = self._follows[pos][experts].sum(axis=0) / self._seen[pos][experts].sum()
+        # forecast[e] = sum over this visit's experts a of (follows[a, e] + 1/8) / (after[a] + 1): a prior of
+        # 1/8 per pair so that an unseen pair is neither certain nor impossible
+        counts = self._follows[pos][experts].sum(axis=0, dtype=np.int64)
+        self._forecast[span] = (counts + PRIOR * len(experts)) / (
+            self._after[pos][experts].sum() + len(experts)
+        )
         self._uses[idx] += 1.0
         self._last_use[idx] = self._forward
 
@@ -144,23 +153,27 @@ class PredictivePolicy(EvictionPolicy):
         distance = np.where(distance == 0, n_layers, distance).astype(float)
         p = 0.5 * (self._fast[keys] + self._slow[keys])
         q = FORECAST_SHARE * self._forecast[keys] + (1.0 - FORECAST_SHARE) * p
-        return np.maximum(q / distance, p / (distance + n_layers))
+        return q / distance
 
     def _ranking(
-        self, by: int, candidates: np.ndarray, first: int | None = None, cache: int = 2
+        self, by: int, candidates: np.ndarray, first: int | None = None, cache: int = REAL
     ) -> np.ndarray:
         """Key indices of `candidates` (a mask) in the eviction order of ranking `by`: lowest keep value
-        (PREDICTIVE; ties: least recently used, then lowest index) or fewest uses (LFU; ties: least
-        recently touched in `cache`); only the `first` ones when given (a partition, then a sort)."""
+        (PREDICTIVE; ties: least recently used, then lowest index), fewest uses (LFU; ties: least recently
+        touched in `cache`) or least recently touched in `cache` (LRU); only the `first` ones when given
+        (a partition, then a sort of those)."""
         keys = np.flatnonzero(candidates)
-        value = self.keep_values(keys) if by == PREDICTIVE else self._uses[keys]
+        touched = self._touched[cache][keys]
+        value = (
+            {PREDICTIVE: self.keep_values, LFU: self._uses.__getitem__}[by](keys) if by != LRU else touched
+        )
         if first is not None and first < len(keys):
             near = value <= np.partition(value, first - 1)[first - 1]  # ties at the cut stay in
-            keys, value = keys[near], value[near]
+            keys, value, touched = keys[near], value[near], touched[near]
         if by == PREDICTIVE:
             order = keys[np.lexsort((keys, self._last_use[keys], value))]
         else:
-            order = keys[np.lexsort((self._touched[cache][keys], value))]
+            order = keys[np.lexsort((touched, value))]
         return order if first is None else order[:first]
 
     def _duel(self, idx: np.ndarray) -> None:
@@ -177,11 +190,12 @@ class PredictivePolicy(EvictionPolicy):
                 overflow -= len(victims)
             ghost[missed[max(0, overflow) :]] = True  # a forward larger than the cache keeps its last keys
             self._ghost_misses[by] = self._ghost_misses[by] * DUEL_DECAY + len(missed)
-            if by == LFU:
-                self._touch(LFU, idx, hit)
-        other = LFU if self.leader == PREDICTIVE else PREDICTIVE
-        if self._ghost_misses[other] < (1.0 - DUEL_MARGIN) * self._ghost_misses[self.leader]:
-            self.leader = other
+            if by != PREDICTIVE:
+                self._touch(by, idx, hit)
+        misses = self._ghost_misses
+        best = min(range(len(misses)), key=misses.__getitem__)  # the first of equals: PREDICTIVE, LFU, LRU
+        if misses[best] < (1.0 - DUEL_MARGIN) * misses[self.leader]:
+            self.leader = best
 
     # --- the real cache -----------------------------------------------------------------------------
 
