@@ -43,7 +43,7 @@ def slot_bytes() -> int:
         return probe.cache.slot_bytes
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "predictive"])
 def test_streamed_fixture_equals_stock_and_the_simulator_replays_its_misses(
     policy, stock, slot_bytes, tmp_path
 ) -> None:

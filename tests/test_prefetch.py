@@ -21,6 +21,8 @@ PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
         ("qwen3_5_moe", "lru"),
         ("qwen3_moe", "lfu"),
         ("gpt_oss", "lfu"),
+        ("qwen3_moe", "predictive"),
+        ("gpt_oss", "predictive"),
     ],
 )
 def test_prefetch_keeps_output_identical_to_stock(arch, policy, tiny_dir):

@@ -46,9 +46,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--policy",
         default="lru",
-        choices=["lru", "lfu"],
-        help="cache eviction: lru (default), or lfu, the expert used least often since the start "
-        "(compare them on a trace with `moestream simulate`)",
+        choices=["lru", "lfu", "predictive"],
+        help="cache eviction: lru (default); lfu, the expert used least often since the start; or "
+        "predictive, the expert least likely to be used soon, learned from the routing (falls back to "
+        "lfu or lru where they do better; compare them on a trace with `moestream simulate`)",
     )
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument(

@@ -62,8 +62,8 @@ def load(
         threads: torch compute threads (None: torch's default).
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
-            `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
-            `unified`, `experts_per_token`, `gpu_floor`.
+            `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch`,
+            `gpu_cache`, `host_cache`, `unified`, `experts_per_token`, `gpu_floor`.
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.

@@ -155,9 +155,15 @@ class ExpertRuntime:
         routes: dict[int, Route],
         predicted: tuple[int, list[int]] | None,
     ) -> dict[int, torch.Tensor]:
+        uses = [routes[e].span.stop - routes[e].span.start for e in order]  # tokens routed to each
+        self.tier.begin_group(layer, order, uses, hidden.shape[0])
         ready, rest = self.tier.split(layer, order)
         outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
-        job = self.cache.open_layer(layer, rest) if rest else None
+        if rest:
+            served = dict(zip(order, uses))
+            job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
+        else:
+            job = None
         if predicted is not None:  # read ahead into the host cache only what the tier lacks
             self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
         if job is not None:

@@ -17,6 +17,7 @@ import torch
 
 from moestream.cache.expert_cache import ExpertCache, budget_requirements
 from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
+from moestream.cache.predictive import PredictivePolicy
 from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import ExpertFamily
@@ -24,7 +25,11 @@ from moestream.runtime.tiers import DeviceTier, HostTier
 from moestream.store.experts import ExpertMap
 from moestream.units import format_size
 
-POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "predictive": PredictivePolicy,
+}
 ReaderFactory = Callable[[str, int], Reader]  # (io_mode, io_threads) -> Reader
 
 
@@ -83,7 +88,7 @@ class ExpertStreaming:
         self.runtime.prefetch = config.prefetch
 
     def _tier(self, top_k: int, family: ExpertFamily) -> tuple[ExpertCache, DeviceTier]:
-        c, policy = self.config, POLICY_CLASSES[self.config.policy]
+        c, policy = self.config, policy_factory(self.config.policy, self.emap)
         if self.device.type != "cuda":
             cache = self._cache(c.cache, top_k, policy)
             return cache, HostTier(cache)
@@ -115,7 +120,7 @@ class ExpertStreaming:
         return cache, gpu
 
     def _cache(
-        self, budget: int, top_k: int, policy: type[EvictionPolicy], warn_working_set: bool = True
+        self, budget: int, top_k: int, policy: Callable[[], EvictionPolicy], warn_working_set: bool = True
     ) -> ExpertCache:
         c = self.config
         return ExpertCache(
@@ -168,6 +173,14 @@ class ExpertStreaming:
         if self.tier is not None:
             self.tier.close()
         self.reader.close()
+
+
+def policy_factory(name: str, emap: ExpertMap) -> Callable[[], EvictionPolicy]:
+    """A new policy per resident set: the predictive one learns over this map's layers and experts."""
+    if name == "predictive":
+        layers, n_experts = sorted(emap.layers), emap.num_experts
+        return lambda: PredictivePolicy(layers, n_experts)
+    return POLICY_CLASSES[name]
 
 
 def uses_unified_memory(unified: bool | None, device: torch.device) -> bool:
