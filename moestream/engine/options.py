@@ -28,9 +28,7 @@ class EngineOptions:
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
-    policy: str = (
-        "lru"  # eviction: lru, lfu (uses counted over the whole run), predictive (cache/predictive.py)
-    )
+    policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
     prefetch: bool = False  # read the next layer's stale-gate-predicted experts while this layer computes
     experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ class ExpertRuntime:
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch = False
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
+        self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
 
     def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
         formats = layer_formats(self.emap)
@@ -109,8 +111,32 @@ class ExpertRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
+        if self.replay is not None:
+            return self._replayed(layer, hidden, top_k_index, top_k_weights)
         ahead = self._lookahead(layer, hidden)
         rows, predicted = self._readback(layer, top_k_index, ahead)
+        return self._forward(layer, hidden, rows, top_k_weights, ahead, predicted)
+
+    def _replayed(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` with the routing (and with prefetch, the stale-gate guess) of a recorded trace."""
+        rows, weights, guess = self.replay.route(layer, top_k_index.tolist(), top_k_weights.float().tolist())
+        top_k_weights = torch.tensor(weights, dtype=top_k_weights.dtype, device=top_k_weights.device)
+        ahead = self._ahead.get(layer)
+        predicted = (ahead[0], guess) if self.prefetch and ahead is not None and guess else None
+        return self._forward(layer, hidden, rows, top_k_weights, None, predicted)
+
+    def _forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rows: list[list[int]],
+        top_k_weights: torch.Tensor,
+        ahead: tuple[int, object] | None,
+        predicted: tuple[int, list[int]] | None,
+    ) -> torch.Tensor:
+        """The layer forward once the routing is on the host: `rows` per token, weights [T,K]."""
         if self.observers:
             event = LayerRouting(layer, hidden, rows, top_k_weights, ahead[1] if ahead else None)
             for observe in self.observers:
