@@ -67,8 +67,10 @@ def test_replayed_misses_equal_the_simulators(policy, recorded) -> None:
 
 
 def test_replay_prefetches_the_traces_guesses(recorded, monkeypatch) -> None:
+    import moestream.runtime.prefetch as gate
     from moestream.cache.expert_cache import ExpertCache
 
+    monkeypatch.setattr(gate, "PRECISION_MIN", 0.0)  # every guess, from the first forward on
     trace_path, target = recorded
     trace = read_trace(trace_path)
     asked = []

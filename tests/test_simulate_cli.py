@@ -35,6 +35,7 @@ def test_json_records_have_the_promised_fields(synthetic_jsonl: Path, capsys: py
         "static",
         "opt",
         "lru-prefetch",
+        "predictive-prefetch",
     }
     assert {r["budget_bytes"] for r in records} == {4 << 20, 16 << 20}
     assert {r["phase"] for r in records} == {"prefill", "decode"}

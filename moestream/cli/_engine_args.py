@@ -54,8 +54,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument(
         "--prefetch",
-        action="store_true",
-        help="while a layer computes, read the experts the next layer's router picks for its input",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "auto"],
+        help="while a layer computes, read ahead the experts the next layer's router confidently picks for "
+        "its input; --prefetch (= on) always, --prefetch auto only while the disk has idle time",
     )
     group.add_argument(
         "--experts-per-token",

@@ -184,7 +184,7 @@ class Engine:
             device=self.device,
             make_reader=self._make_reader,
         )
-        if self.options.prefetch:
+        if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)
         return streaming

@@ -72,11 +72,14 @@ def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
     return (trace.step >= cut).astype(np.int8), f"forward steps before / from step {cut} (of {len(steps)})"
 
 
-def build_replay(trace: Trace, prefetch_top: int | None = None, uses: bool = False) -> Replay:
+def build_replay(
+    trace: Trace, prefetch_top: int | None = None, uses: bool = False, min_score: float = 0.0
+) -> Replay:
     """Group a trace's rows into layer forwards in execution order (see the module docstring).
 
     Args:
         prefetch_top: how many predicted experts per token to prefetch; None skips predictions.
+        min_score: prefetch only predicted experts whose stale-gate softmax score is at least this.
         uses: also count, per forward, the rows routed to each key (`Replay.uses`).
     """
     check_ids(trace)
@@ -101,9 +104,10 @@ def build_replay(trace: Trace, prefetch_top: int | None = None, uses: bool = Fal
     cell = (2 * half[order][starts] + trace.phase[order][starts]).tolist()
     predicted = None
     if prefetch_top and trace.pred_experts is not None:
-        predicted = _predictions(
-            trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers, layer_keys, n_exp
-        )
+        pred = trace.pred_experts[order][:, :prefetch_top]
+        if min_score > 0 and trace.pred_scores is not None:
+            pred = np.where(trace.pred_scores[order][:, :prefetch_top] >= min_score, pred, -1)
+        predicted = _predictions(pred, starts, ends, step_s, layers, layer_keys, n_exp)
     return Replay(
         keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)), n_exp, counts
     )

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moestream.cache.policy import execution_order
 from moestream.trace.errors import TraceError
 from moestream.trace.table import Trace
 
@@ -84,10 +83,10 @@ class RoutingReplay:
 
     def route(
         self, layer: int, rows: list[list[int]], weights: list[list[float]]
-    ) -> tuple[list[list[int]], list[list[float]], list[int] | None]:
+    ) -> tuple[list[list[int]], list[list[float]], list[list[tuple[int, float]]] | None]:
         """The forward's routing at `layer` with the trace's rows in place of the model's where the trace
-        has them: (rows, weights, the stale-gate guess for the next layer: the union of each replayed
-        token's top-k prediction in execution order, or None when the trace has none)."""
+        has them: (rows, weights, per replayed token its stale-gate guess for the next layer, top-k
+        (expert, softmax score) pairs; None when the trace has no predictions here)."""
         t, k = self.trace, self.top_k
         rows, weights = list(rows), list(weights)
         guesses = []
@@ -100,5 +99,7 @@ class RoutingReplay:
             rows[offset] = t.experts[i].tolist()
             weights[offset] = t.weights[i].tolist()
             if t.pred_experts is not None:
-                guesses.append([e for e in t.pred_experts[i, :k].tolist() if e >= 0])
-        return rows, weights, execution_order(guesses) if any(guesses) else None
+                scores = t.pred_scores[i, :k].tolist() if t.pred_scores is not None else [1.0] * k
+                guess = t.pred_experts[i, :k].tolist()
+                guesses.append([(e, s) for e, s in zip(guess, scores) if e >= 0])
+        return rows, weights, guesses if any(guesses) else None

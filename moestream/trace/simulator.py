@@ -7,7 +7,8 @@ victim still used by the current forward is evicted at once (the engine would wa
 
 Policies: lru, lfu, predictive (learns when each expert is used next; `moestream.cache.predictive`),
 partitioned-lru (per-layer quotas), static (pinned from the first half of the trace,
-evaluated on the second), opt (Belady, the bound: needs the future) and lru-prefetch (LRU plus a
+evaluated on the second), opt (Belady, the bound: needs the future), predictive-prefetch (the same with
+the predictive policy) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
 """
 
@@ -37,8 +38,18 @@ from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
 from moestream.units import MiB, format_size
 
-POLICIES = ("lru", "lfu", "predictive", "partitioned-lru", "static", "opt", "lru-prefetch")
-LEARNING = ("predictive",)  # policies that read each forward's routing counts (`Replay.uses`)
+POLICIES = (
+    "lru",
+    "lfu",
+    "predictive",
+    "partitioned-lru",
+    "static",
+    "opt",
+    "lru-prefetch",
+    "predictive-prefetch",
+)
+LEARNING = ("predictive", "predictive-prefetch")  # they read each forward's routing counts (`Replay.uses`)
+PREFETCHING = ("lru-prefetch", "predictive-prefetch")  # they need the trace's stale-gate predictions
 ALIASES = {
     "belady": "opt",
     "plru": "partitioned-lru",
@@ -110,6 +121,11 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         )
     if policy == "lru-prefetch":
         return _run_prefetch(ResidentSet(capacity, LRUPolicy()), replay, unit)
+    if policy == "predictive-prefetch":
+        if replay.uses is None:
+            raise ValueError("the predictive policy needs a replay built with uses=True")
+        policy_ = PredictivePolicy(replay.layers, replay.n_experts)
+        return _run_prefetch(ResidentSet(capacity, policy_), replay, unit, replay.uses)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -141,10 +157,13 @@ def _run(
     return [Counters(hits[c], misses[c], nbytes[c]) for c in range(4)]
 
 
-def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> list[Counters]:
-    """LRU, and after each forward of layer L, prefetch the predicted keys of layer L+1 (same step)."""
+def _run_prefetch(
+    resident: ResidentSet, replay: Replay, unit: list[int], uses: list[tuple[list[int], int]] | None = None
+) -> list[Counters]:
+    """The resident set's policy, and after each forward of layer L, a prefetch of the predicted keys of
+    layer L+1 (same step)."""
     if replay.predicted is None:
-        raise ValueError("lru-prefetch needs a replay built with predictions")
+        raise ValueError("a prefetching policy needs a replay built with predictions")
     out = [Counters() for _ in range(4)]
     pending: tuple[set[tuple[int, int]], Counters] | None = None
     access, keys, layer, cell, predicted = (
@@ -155,7 +174,7 @@ def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> lis
         replay.predicted,
     )
     for i in range(len(keys)):
-        h, m = access(keys[i])
+        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
         counters = out[cell[i]]
         counters.hits += len(h)
         counters.misses += len(m)
@@ -215,19 +234,25 @@ def simulate(
     budgets: list[int],
     unit_bytes: int | None = None,
     prefetch_top: int | None = None,
+    prefetch_min_score: float = 0.0,
 ) -> tuple[list[dict[str, Any]], Replay, Sizes]:
     """Replay `trace` under every (budget, policy). Returns (records, the replay, the sizes used).
 
     Each record: policy, budget_bytes, capacity_slots, phase, scope ("all", or "second-half": the half
     static pinning is evaluated on), tokens, hits, misses, hit_rate, bytes_read, mib_per_token (all
     reads, prefetches included), wait_mib_per_token (demand misses only), prefetch figures, synthetic.
+    Prefetching policies read the top `prefetch_top` (default top_k) predicted experts of each token
+    whose stale-gate score is at least `prefetch_min_score`.
     """
-    if "lru-prefetch" in policies and not trace.has_predictions:
+    prefetching = [p for p in policies if p in PREFETCHING]
+    if prefetching and not trace.has_predictions:
         raise TraceError(
-            f"{trace.header.source or 'the trace'} has no stale-gate predictions, which lru-prefetch needs"
+            f"{trace.header.source or 'the trace'} has no stale-gate predictions, which "
+            f"{', '.join(prefetching)} need{'s' if len(prefetching) == 1 else ''}"
         )
-    top = (prefetch_top or trace.header.top_k) if "lru-prefetch" in policies else None
-    replay = build_replay(trace, top, uses=any(p in LEARNING for p in policies))
+    top = (prefetch_top or trace.header.top_k) if prefetching else None
+    uses = any(p in LEARNING for p in policies)
+    replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     records = []
     for budget in budgets:
