@@ -21,6 +21,11 @@ from moestream.trace.simulator import resolve_sizes, simulate
 POLICIES = ["lru", "lfu", "predictive", "opt"]
 
 
+def mib(value: float) -> str:
+    """MiB/token with three significant figures, thousands separated."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def table(name: str, paths: list[str], unit: int | None, shares: list[float]) -> str:
     """One Markdown table for one trace: a row per policy, a column per share, plus the ratios."""
     trace = load_traces(paths)
@@ -48,7 +53,7 @@ def table(name: str, paths: list[str], unit: int | None, shares: list[float]) ->
         out.append(
             f"| {label} | "
             + " | ".join(
-                f"{cell[(policy, b)]['mib_per_token']:.3g} ({cell[(policy, b)]['hit_rate']:.1%})"
+                f"{mib(cell[(policy, b)]['mib_per_token'])} ({cell[(policy, b)]['hit_rate']:.1%})"
                 for b in budgets
             )
             + " |"
@@ -57,7 +62,7 @@ def table(name: str, paths: list[str], unit: int | None, shares: list[float]) ->
     for b in budgets:
         best = min(cell[("lru", b)]["bytes_read"], cell[("lfu", b)]["bytes_read"])
         new, opt = cell[("predictive", b)]["bytes_read"], cell[("opt", b)]["bytes_read"]
-        ratio.append(f"{new / best - 1:+.1%} / {new / opt:.2f}x" if best and opt else "-")
+        ratio.append(f"{new / best - 1:+.2%} / {new / opt:.2f}x" if best and opt else "-")
     out.append("| predictive vs better of lru, lfu / vs opt | " + " | ".join(ratio) + " |")
     return "\n".join(out)
 

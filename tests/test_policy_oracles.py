@@ -6,19 +6,21 @@ import random
 
 import pytest
 
+from moestream.cache.partitions import (
+    PartitionedLRUPolicy,
+    PartitionedResidentSet,
+    PinnedResidentSet,
+    StaticPolicy,
+    split_evenly,
+)
 from moestream.cache.policy import (
     BeladyPolicy,
     LazyHeap,
     LFUPolicy,
     LRUPolicy,
-    PartitionedLRUPolicy,
-    PartitionedResidentSet,
-    PinnedResidentSet,
     ResidentSet,
-    StaticPolicy,
     prefetch,
     slots_for_budget,
-    split_evenly,
 )
 
 

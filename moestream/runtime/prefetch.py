@@ -3,12 +3,12 @@
 A prefetch pays when it reads, in time the disk would otherwise idle, experts the next layer then uses.
 So the runtime prefetches (`on`: the first two rules; `auto`: all four):
   * only confident guesses. How often a guess is right depends on its softmax score, and how depends on
-    the model (on the trained fixture, 88-100% of guesses scored above 4x a uniform router's are used,
-    15% of those below 1.3x; a random-weight checkpoint's guesses are right 99% of the time at any
-    score), so it is measured as the model runs: every guess is checked against the routing its layer
-    then gets, its hit counted in its score class (multiples of the uniform score 1/E: below 1, 1-2,
-    2-4, 4-8, 8 and more); guesses of a class whose measured precision is `PRECISION_MIN` or more are
-    read ahead;
+    the model (on the trained fixture, 90-99% of the guesses scored 4x a uniform router's or more are
+    used, 13-17% of those below 1.3x; a random-weight checkpoint's top-k guesses are right ~100% of the
+    time though scored under 2x), so it is measured as the model runs: every guess is checked against
+    the routing its layer then gets, its hit counted in its score class (multiples of the uniform score
+    1/E: below 1, 1-2, 2-4, 4-8, 8 and more); guesses of a class whose measured precision is
+    `PRECISION_MIN` or more are read ahead;
   * never by evicting an expert the current layer or another guess needs, and behind the current
     layer's demand reads in the queue (`ExpertCache.prefetch`);
   * not while the read queue already holds a layer's worth of reads (`queue_full_bytes`): the disk is

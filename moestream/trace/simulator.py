@@ -19,16 +19,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from moestream.cache.partitions import PartitionedResidentSet, PinnedResidentSet, split_evenly
 from moestream.cache.policy import (
     BeladyPolicy,
     LFUPolicy,
     LRUPolicy,
-    PartitionedResidentSet,
-    PinnedResidentSet,
     ResidentSet,
     prefetch,
     slots_for_budget,
-    split_evenly,
 )
 from moestream.cache.predictive import PredictivePolicy
 from moestream.errors import CacheBudgetError
