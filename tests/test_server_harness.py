@@ -37,11 +37,12 @@ def _die_with_parent() -> None:
 class LiveServer:
     """`python -m moestream serve PATH --port 0 ...`, with clients and readers of /metrics and RSS."""
 
-    def __init__(self, path: Path, args: list[str]) -> None:
-        self.path = path
+    def __init__(self, path: Path, args: list[str], positional: bool = True) -> None:
+        self.path = path  # `positional=False`: args name it (-m PATH)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moestream-serve-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", str(path), "--port", "0", *args],
+        where = [str(path)] if positional else []
+        self.proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", *where, "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
                                      preexec_fn=_die_with_parent)
         self.url = self._wait_for_url(timeout=120)
@@ -88,6 +89,10 @@ class LiveServer:
                 return
             time.sleep(0.01)
         raise AssertionError("the server stayed busy")
+
+    def log_text(self) -> str:
+        """What the server wrote to stderr so far (access log, warnings)."""
+        return Path(self.log.name).read_text()
 
     def rss_mib(self) -> float:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()

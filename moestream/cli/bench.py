@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark a server (ours or llama-server) on real prompts")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--target", metavar="URL", help="a running OpenAI-compatible server with llama-server timings")
-    which.add_argument("--model", metavar="PATH", help="start `moestream serve PATH` (engine options below) and bench it")
+    which.add_argument("-m", "--model", metavar="PATH", help="start `moestream serve PATH` (engine options below) and bench it")
     p.add_argument("--prompts", default="builtin", help="builtin (12: 6 Korean, 6 English), or a file: one prompt "
                                                          "per line, or a JSON list (default builtin)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request, greedy (default 256)")
