@@ -1,4 +1,5 @@
 """moestream: run Mixture-of-Experts LLMs larger than memory by streaming routed experts from disk."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

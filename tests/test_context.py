@@ -1,6 +1,7 @@
 """The context cap (--ctx-size) and the KV-cache memory of the mode line: the formula against the bytes of
 transformers' real caches for every architecture, the default cap, and requests beyond it refused with
 both numbers named, from the Python API and the CLI."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,9 @@ def test_context_cap_default_mode_line_and_refusal(tiny_dir, capsys):
         assert engine.ctx_size == 256  # the model's maximum, below 8192
         kv = kv_cache_bytes(engine.config, 256, 4)  # float32
         assert engine.mode_line().endswith(f"| context 256 tokens, KV cache {kv / 1024:.1f} KiB when full")
-        with pytest.raises(MoestreamError, match="prompt's 250 tokens plus max_tokens 7 exceed the context of 256"):
+        with pytest.raises(
+            MoestreamError, match="prompt's 250 tokens plus max_tokens 7 exceed the context of 256"
+        ):
             engine.generate([5] * 250, max_tokens=7)
         assert len(engine.generate([5] * 250, max_tokens=6, ignore_eos=True).tokens) == 6
     with moestream.load(path, cache="1MiB", ctx_size=32) as engine:
@@ -44,7 +47,11 @@ def test_context_cap_default_mode_line_and_refusal(tiny_dir, capsys):
             engine.generate([5] * 30, max_tokens=3)
     code = main(["generate", path, "-c", "16", "-p", "Hello", "-n", "40"])
     err = capsys.readouterr().err
-    assert code == 2 and "max_tokens 40 exceed the context of 16 tokens (--ctx-size)" in err and "Traceback" not in err
+    assert (
+        code == 2
+        and "max_tokens 40 exceed the context of 16 tokens (--ctx-size)" in err
+        and "Traceback" not in err
+    )
 
 
 def test_context_beyond_the_model_warns(tiny_dir):

@@ -1,4 +1,5 @@
 """Streamed vs stock transformers, fp32, every architecture: same greedy tokens, logits within 1e-5."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,10 @@ def references(tiny_dir):
             model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
             model.float()  # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
             model.eval()
-            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
-            tokens = out[0, len(PROMPT):].tolist()
+            out = model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            tokens = out[0, len(PROMPT) :].tolist()
             with torch.inference_mode():
                 logits = model(out).logits[0]
             cache[arch] = (path, tokens, out, logits)
@@ -47,7 +49,14 @@ def test_streamed_equals_stock(arch, references):
     path, ref_tokens, full_ids, ref_logits = references(arch)
     with moestream.load(str(path), cache="64MiB") as engine:
         for budget in _budgets(engine):
-            for io_mode, io_threads in (("direct", 1), ("pagecache", 4), ("mmap", 1), ("direct", 4), ("mmap", 4), ("pagecache", 1)):
+            for io_mode, io_threads in (
+                ("direct", 1),
+                ("pagecache", 4),
+                ("mmap", 1),
+                ("direct", 4),
+                ("mmap", 4),
+                ("pagecache", 1),
+            ):
                 engine.restream(cache=budget, io_mode=io_mode, io_threads=io_threads)
                 assert engine.cache.stats.misses == 0
                 gen = engine.generate(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -57,4 +66,6 @@ def test_streamed_equals_stock(arch, references):
                 diff = (logits - ref_logits).abs().max().item()
                 assert diff <= 1e-5, (arch, budget, io_mode, io_threads, diff)
                 if budget < engine.cache.slot_bytes * len(engine.emap.units):
-                    assert engine.cache.stats.misses > len(engine.emap.units), "small budgets must force re-reads"
+                    assert engine.cache.stats.misses > len(engine.emap.units), (
+                        "small budgets must force re-reads"
+                    )

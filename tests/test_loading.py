@@ -1,4 +1,5 @@
 """transformers builds the model but never reads an expert tensor; experts come only from the store."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """Read/compute overlap under hostile timing: pieces complete in random order after random delays."""
+
 from __future__ import annotations
 
 import random
@@ -77,7 +78,9 @@ def test_stalled_experts_retry_until_done(tiny_dir, monkeypatch):
             self.held.discard((job.layer, expert))
 
     path = tiny_dir("qwen3_moe", experts=16, top_k=4)
-    monkeypatch.setattr("moestream.engine.engine.Reader", lambda mode, threads: JitteryReader(mode, 8, seed=5))
+    monkeypatch.setattr(
+        "moestream.engine.engine.Reader", lambda mode, threads: JitteryReader(mode, 8, seed=5)
+    )
     engine = moestream.load(str(path), cache=8 * 36 * 1024, io_mode="direct")
     runtime = TwoSlots(engine.cache, torch.nn.functional.silu)
     sd = load_file(path / "model.safetensors")

@@ -2,6 +2,7 @@
 tokens, generates exactly what a cold run generates (itself checked against stock transformers), and
 reads fewer expert bytes; a prompt that diverges crops the cache where the architecture allows it; a
 failed request never leaves a half-updated cache behind."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,7 +24,7 @@ MIN_CACHE = {"gpt_oss": "112KiB", "gpt_oss_mxfp4": "64KiB", "mixtral": "112KiB",
 def _stock_greedy(path, ids: list[int], n: int) -> list[int]:
     ref = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,9 +51,19 @@ def test_second_turn_equals_a_cold_run_and_reads_less(tiny_dir, arch):
         assert cold.tokens == _stock_greedy(path, second_prompt, 8)
 
 
-@pytest.mark.parametrize("arch, croppable", [("qwen3_moe", True), ("mixtral", True), ("gpt_oss", True),
-                                             ("qwen3_next", False), ("qwen3_5_moe", False)])
-def test_a_diverging_prompt_reuses_the_common_prefix_where_the_cache_can_be_cropped(tiny_dir, arch, croppable):
+@pytest.mark.parametrize(
+    "arch, croppable",
+    [
+        ("qwen3_moe", True),
+        ("mixtral", True),
+        ("gpt_oss", True),
+        ("qwen3_next", False),
+        ("qwen3_5_moe", False),
+    ],
+)
+def test_a_diverging_prompt_reuses_the_common_prefix_where_the_cache_can_be_cropped(
+    tiny_dir, arch, croppable
+):
     diverging = FIRST[:6] + [77, 78, 79]
     with moestream.load(str(tiny_dir(arch, experts=16)), cache="1MiB") as engine:
         engine.generate(FIRST, max_tokens=4, ignore_eos=True, cache_prompt=True)

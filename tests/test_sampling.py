@@ -1,6 +1,7 @@
 """Logits processors of the engine against stock transformers' `generate` with the same settings
 (repetition penalty, logit bias as a sequence bias, min-p) and against an independent implementation of
 OpenAI's presence and frequency penalties; the model's generation_config.json sampling defaults."""
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,23 @@ def pair(tiny_dir):
 
 def _stock(ref, n: int, **kwargs) -> list[int]:
     out = ref.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
-    return out[0, len(PROMPT):].tolist()
+    return out[0, len(PROMPT) :].tolist()
 
 
 def test_repetition_penalty_and_logit_bias_equal_stock_generate(pair):
     engine, ref = pair
     got = engine.generate(PROMPT, max_tokens=16, ignore_eos=True, repetition_penalty=1.8).tokens
     assert got == _stock(ref, 16, repetition_penalty=1.8)
-    assert got != engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens  # the penalty changed something
+    assert (
+        got != engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens
+    )  # the penalty changed something
     bias = {7: 4.0, 40: -100.0, 41: 2.5}
     got = engine.generate(PROMPT, max_tokens=16, ignore_eos=True, logit_bias=bias).tokens
     assert got == _stock(ref, 16, sequence_bias={(t,): b for t, b in bias.items()})
-    assert 40 not in got and engine.generate(PROMPT, max_tokens=8, ignore_eos=True, logit_bias={9: 100}).tokens == [9] * 8
+    assert (
+        40 not in got
+        and engine.generate(PROMPT, max_tokens=8, ignore_eos=True, logit_bias={9: 100}).tokens == [9] * 8
+    )
 
 
 def test_presence_and_frequency_penalties_follow_openai(pair):
@@ -52,8 +58,9 @@ def test_presence_and_frequency_penalties_follow_openai(pair):
                 logits[t] -= frequency * out.count(t) + presence
             out.append(int(torch.argmax(logits)))
             ids.append(out[-1])
-    got = engine.generate(PROMPT, max_tokens=16, ignore_eos=True, presence_penalty=presence,
-                          frequency_penalty=frequency).tokens
+    got = engine.generate(
+        PROMPT, max_tokens=16, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+    ).tokens
     assert got == out
 
 
@@ -61,9 +68,15 @@ def test_min_p_and_seeded_warpers(pair):
     engine, _ = pair
     greedy = engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens
     # min_p 1 keeps only the most likely token: sampling degenerates to greedy
-    assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, min_p=1.0, seed=3).tokens == greedy
+    assert (
+        engine.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, min_p=1.0, seed=3).tokens
+        == greedy
+    )
     a = engine.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, min_p=0.05, seed=3).tokens
-    assert a == engine.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, min_p=0.05, seed=3).tokens
+    assert (
+        a
+        == engine.generate(PROMPT, max_tokens=12, ignore_eos=True, temperature=1.5, min_p=0.05, seed=3).tokens
+    )
     assert a != greedy
     for bad in ({"min_p": 1.5}, {"repetition_penalty": 0}, {"presence_penalty": 3}, {"logit_bias": {5: 101}}):
         with pytest.raises(ValueError):
@@ -74,8 +87,9 @@ def test_generation_config_defaults(tiny_dir, tmp_path):
     path = tmp_path / "m"
     shutil.copytree(tiny_dir("qwen3_moe"), path)
     config = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.6, "top_k": 20,
-                                                             "top_p": 0.95, "do_sample": True}))
+    (path / "generation_config.json").write_text(
+        json.dumps({**config, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "do_sample": True})
+    )
     assert model_sampling_defaults(path) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
     (path / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     with pytest.warns(UserWarning, match="ignoring the sampling defaults"):

@@ -1,5 +1,6 @@
 """Server parts without HTTP: llama-server timings arithmetic, the worker's queue and cancellation (with a
 real tiny engine), and `moestream serve` argument errors. (Stream pieces: test_text_stream.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,13 +28,21 @@ def test_timings_follow_llama_server_convention():
     assert t["prompt_per_second"] == pytest.approx(100)
     assert t["predicted_ms"] == pytest.approx(30) and t["predicted_per_token_ms"] == pytest.approx(7.5)
     assert t["predicted_per_second"] == pytest.approx(4 / 0.030)
-    assert 1000 * (t["predicted_n"] - 1) / t["predicted_ms"] == pytest.approx(stats.decode.tok_s)  # generate's figure
+    assert 1000 * (t["predicted_n"] - 1) / t["predicted_ms"] == pytest.approx(
+        stats.decode.tok_s
+    )  # generate's figure
     assert usage(gen) == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     one = timings(Generation("a", [1], 5, GenerationStats(PhaseStats(5, 0.05), PhaseStats()), done=True))
     assert one["predicted_ms"] == 0 and one["predicted_per_second"] == 0  # no inf or NaN in JSON
     # 12 prompt tokens of which 9 came from the prompt cache: llama-server counts prompt_n = 3 computed
-    cached = Generation("ab", [1, 2], 12, GenerationStats(PhaseStats(3, 0.030), PhaseStats(1, 0.01)), done=True,
-                        cached_tokens=9)
+    cached = Generation(
+        "ab",
+        [1, 2],
+        12,
+        GenerationStats(PhaseStats(3, 0.030), PhaseStats(1, 0.01)),
+        done=True,
+        cached_tokens=9,
+    )
     t = timings(cached)
     assert (t["cache_n"], t["prompt_n"]) == (9, 3) and t["prompt_per_second"] == pytest.approx(100)
     assert usage(cached)["prompt_tokens"] == 12
@@ -127,10 +136,16 @@ def test_serve_records_a_trace_and_closes_it_on_sigterm(tiny_dir, tmp_path):
     from moestream.trace import read_trace
 
     path = tmp_path / "serve.parquet"
-    server = LiveServer(tiny_dir("qwen3_moe"), ["--cache", "1MiB", "--trace", str(path), "--no-trace-predict"])
+    server = LiveServer(
+        tiny_dir("qwen3_moe"), ["--cache", "1MiB", "--trace", str(path), "--no-trace-predict"]
+    )
     try:
-        first = server.http.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True})
-        second = server.http.post("/v1/completions", json={"prompt": [9], "max_tokens": 2, "ignore_eos": True})
+        first = server.http.post(
+            "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True}
+        )
+        second = server.http.post(
+            "/v1/completions", json={"prompt": [9], "max_tokens": 2, "ignore_eos": True}
+        )
     finally:
         server.stop()  # SIGTERM: the engine must still close the trace
     assert server.proc.returncode == 0

@@ -2,6 +2,7 @@
 server: the prompt cache across chat turns, the context cap, nulls and stream_options as clients send
 them, the logits processors, the model's sampling defaults, chat_template_kwargs and --chat-template,
 unsupported fields refused by name, an access-log line per request, and a clean stop on SIGTERM/SIGINT."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,11 @@ from moestream.cli import main
 
 CONTEXT = 200
 # the tiny ChatML template plus Qwen3's switch: enable_thinking=False writes an empty think block
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n"
-            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 LONG_TURN = "The quick brown fox jumps over the lazy dog. Mixture of experts models route every token. " * 2
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -38,8 +41,24 @@ def server(tiny_dir, tmp_path_factory):
     config = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**config, "top_k": 1}))
     (root / "template.jinja").write_text(TEMPLATE)
-    live = LiveServer(path, ["-m", str(path), "-c", str(CONTEXT), "-t", "1", "--cache", "100KiB",
-                             "--chat-template", str(root / "template.jinja"), "--api-key", KEY], positional=False)
+    live = LiveServer(
+        path,
+        [
+            "-m",
+            str(path),
+            "-c",
+            str(CONTEXT),
+            "-t",
+            "1",
+            "--cache",
+            "100KiB",
+            "--chat-template",
+            str(root / "template.jinja"),
+            "--api-key",
+            KEY,
+        ],
+        positional=False,
+    )
     yield live
     live.stop()
 
@@ -58,10 +77,14 @@ def _chat(server, messages, **kwargs):
 def test_second_chat_turn_reuses_the_first_and_reads_less(server):
     turn = [{"role": "user", "content": LONG_TURN}]
     first = _chat(server, turn, max_tokens=6, **GREEDY)
-    turn2 = turn + [{"role": "assistant", "content": first.choices[0].message.content},
-                    {"role": "user", "content": "And then?"}]
+    turn2 = turn + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
     warm = _chat(server, turn2, max_tokens=8, **GREEDY)
-    cold = _chat(server, turn2, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "cache_prompt": False})
+    cold = _chat(
+        server, turn2, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "cache_prompt": False}
+    )
     assert warm.choices[0].message.content == cold.choices[0].message.content
     tw, tc = warm.model_extra["timings"], cold.model_extra["timings"]
     # the whole first prompt is a prefix of the second (its last token may merge with the reply's first)
@@ -77,7 +100,10 @@ def test_context_cap(server):
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=server.model, prompt=prompt, max_tokens=CONTEXT - 9)
-    assert f"max_tokens {CONTEXT - 9} plus the prompt's 10 tokens exceeds the context of {CONTEXT}" in err.value.message
+    assert (
+        f"max_tokens {CONTEXT - 9} plus the prompt's 10 tokens exceeds the context of {CONTEXT}"
+        in err.value.message
+    )
     assert err.value.code == "context_length_exceeded"
     # chat without max_tokens: the rest of the context
     out = _chat(server, [{"role": "user", "content": "Hi"}], **GREEDY)
@@ -86,18 +112,53 @@ def test_context_cap(server):
 
 def test_nulls_mean_defaults_and_stream_options_include_usage(server):
     client = server.client()
-    greedy = client.completions.create(model=server.model, prompt="Hello", max_tokens=5, **GREEDY).choices[0].text
+    greedy = (
+        client.completions.create(model=server.model, prompt="Hello", max_tokens=5, **GREEDY).choices[0].text
+    )
     # what the openai package sends when a wrapper passes None; temperature None -> 1.0 with the model's top_k 1
-    nulls = dict(temperature=None, top_p=None, stop=None, seed=None, presence_penalty=None, frequency_penalty=None,
-                 logit_bias=None, n=None, user=None, stream_options=None, logprobs=None, best_of=None)
-    out = client.completions.create(model=server.model, prompt="Hello", max_tokens=5,
-                                    extra_body={"ignore_eos": True, "min_p": None, "top_k": None}, **nulls)
+    nulls = dict(
+        temperature=None,
+        top_p=None,
+        stop=None,
+        seed=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        logit_bias=None,
+        n=None,
+        user=None,
+        stream_options=None,
+        logprobs=None,
+        best_of=None,
+    )
+    out = client.completions.create(
+        model=server.model,
+        prompt="Hello",
+        max_tokens=5,
+        extra_body={"ignore_eos": True, "min_p": None, "top_k": None},
+        **nulls,
+    )
     assert out.choices[0].text == greedy
-    raw = server.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": None,
-                                                         "temperature": None, "tools": None, "stream": None})
+    raw = server.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": None,
+            "temperature": None,
+            "tools": None,
+            "stream": None,
+        },
+    )
     assert raw.status_code == 200 and raw.json()["usage"]["completion_tokens"] >= 1
-    chunks = list(_chat(server, [{"role": "user", "content": "Hi"}], max_tokens=6, stream=True,
-                        stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        _chat(
+            server,
+            [{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].model_extra["timings"]["predicted_n"] == 6
     assert all(c.usage is None and "timings" not in c.model_extra for c in chunks[:-1])
@@ -109,18 +170,49 @@ def test_logits_processors_and_model_defaults(server, tokenizer, capsys):
 
     def complete(**kwargs) -> str:
         extra = {"ignore_eos": True, **kwargs.pop("extra", {})}
-        return client.completions.create(model=server.model, prompt="Mixture of", max_tokens=12, extra_body=extra,
-                                         **kwargs).choices[0].text
+        return (
+            client.completions.create(
+                model=server.model, prompt="Mixture of", max_tokens=12, extra_body=extra, **kwargs
+            )
+            .choices[0]
+            .text
+        )
 
     assert complete(temperature=0, logit_bias={"9": 100}) == tokenizer.decode([9] * 12)
     # the CLI (itself checked against stock transformers) is the oracle for the penalties
     capsys.readouterr()
-    assert main(["generate", str(server.path), "-p", "Mixture of", "-n", "12", "--ignore-eos", "--json",
-                 "--repeat-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(server.path),
+                "-p",
+                "Mixture of",
+                "-n",
+                "12",
+                "--ignore-eos",
+                "--json",
+                "--repeat-penalty",
+                "1.5",
+                "--presence-penalty",
+                "0.5",
+                "--frequency-penalty",
+                "0.8",
+            ]
+        )
+        == 0
+    )
     expected = json.loads(capsys.readouterr().out)["text"]
-    assert complete(temperature=0, presence_penalty=0.5, frequency_penalty=0.8,
-                    extra={"repetition_penalty": 1.5}) == expected
-    assert complete(temperature=0, presence_penalty=0.5, frequency_penalty=0.8, extra={"repeat_penalty": 1.5}) == expected
+    assert (
+        complete(
+            temperature=0, presence_penalty=0.5, frequency_penalty=0.8, extra={"repetition_penalty": 1.5}
+        )
+        == expected
+    )
+    assert (
+        complete(temperature=0, presence_penalty=0.5, frequency_penalty=0.8, extra={"repeat_penalty": 1.5})
+        == expected
+    )
     # generation_config.json says top_k 1: a hot, seeded request that names no top_k is greedy
     greedy = complete(temperature=0)
     assert complete(temperature=1.3, seed=5) == greedy
@@ -131,9 +223,16 @@ def test_logits_processors_and_model_defaults(server, tokenizer, capsys):
 def test_chat_template_file_and_kwargs(server, tokenizer):
     messages = [{"role": "user", "content": "Hi there"}]
     plain = _chat(server, messages, max_tokens=4, **GREEDY)
-    thinking_off = _chat(server, messages, max_tokens=4, temperature=0,
-                         extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, enable_thinking=False)
+    thinking_off = _chat(
+        server,
+        messages,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    rendered = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, enable_thinking=False
+    )
     ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
     assert thinking_off.usage.prompt_tokens == len(ids) > plain.usage.prompt_tokens
     # the same ids sent as a completion prompt give the same text: the template is what was rendered
@@ -144,9 +243,17 @@ def test_chat_template_file_and_kwargs(server, tokenizer):
     assert err.value.param == "chat_template_kwargs"
 
 
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("logprobs", True),
-                                          ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "required"), ("n", 2)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("n", 2),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(server, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         _chat(server, [{"role": "user", "content": "x"}], max_tokens=2, **{field: value})
@@ -164,7 +271,9 @@ def test_access_log_has_one_line_per_request(server):
     lines = server.log_text().splitlines()[before:]
     assert len(lines) == 4, lines
     chat = r'^moestream: 127\.0\.0\.1:\d+ "POST /v1/chat/completions" 200 prompt \d+'
-    assert re.match(chat + r"(?: \(cached \d+\))? predicted 3 [\d.]+ ms$", lines[0])  # the template's start may be cached
+    assert re.match(
+        chat + r"(?: \(cached \d+\))? predicted 3 [\d.]+ ms$", lines[0]
+    )  # the template's start may be cached
     assert re.match(chat + r" \(cached \d+\) predicted 3 [\d.]+ ms$", lines[1])  # the streamed repeat
     assert re.match(r'^moestream: \S+ "POST /v1/completions" 400 [\d.]+ ms$', lines[2])
     assert re.match(r'^moestream: \S+ "GET /v1/nope" 404 [\d.]+ ms$', lines[3])
@@ -172,14 +281,20 @@ def test_access_log_has_one_line_per_request(server):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_during_a_stream_ends_it_cleanly_and_exits_0(tiny_dir, sig):
-    live = LiveServer(long_context_copy(tiny_dir("qwen3_moe")), ["--cache", "1MiB", "--api-key", KEY, "-t", "1"])
+    live = LiveServer(
+        long_context_copy(tiny_dir("qwen3_moe")), ["--cache", "1MiB", "--api-key", KEY, "-t", "1"]
+    )
     queued: list[httpx.Response] = []
     try:
-        stream = live.client().completions.create(model=live.model, prompt="Hello", max_tokens=4000, stream=True,
-                                                  extra_body={"ignore_eos": True})
+        stream = live.client().completions.create(
+            model=live.model, prompt="Hello", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+        )
         pieces = [next(stream) for _ in range(3)]
-        waiter = threading.Thread(target=lambda: queued.append(
-            live.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})))
+        waiter = threading.Thread(
+            target=lambda: queued.append(
+                live.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            )
+        )
         waiter.start()
         time.sleep(0.3)  # queued behind the stream
         live.proc.send_signal(sig)

@@ -1,4 +1,5 @@
 """Store, slots, cache budget and the reader, on real files with O_DIRECT."""
+
 from __future__ import annotations
 
 import ctypes
@@ -38,7 +39,9 @@ def _cache(tmp_path, budget_slots=2, io_mode="direct", threads=4):
     ckpt = open_checkpoint(tmp_path)
     emap = build_expert_map(ckpt.tensors, "swiglu", [0], 2)
     reader = Reader(io_mode, threads)
-    slot = sum(((p.nbytes + 4095) // 4096 * 4096 + 4096) for parts in emap.units[(0, 0)].values() for p in parts)
+    slot = sum(
+        ((p.nbytes + 4095) // 4096 * 4096 + 4096) for parts in emap.units[(0, 0)].values() for p in parts
+    )
     cache = ExpertCache(emap, budget_slots * slot, reader, top_k=1, piece_bytes=4096, lock_memory=False)
     return cache, reader
 
@@ -51,7 +54,7 @@ def _read_layer(cache, experts):
         e, kind, err = job.next_event()
         assert err is None
         pending.discard((e, kind))
-        (buf, off, part), = job.tensor_parts(e, kind)
+        ((buf, off, part),) = job.tensor_parts(e, kind)
         got[(e, kind)] = views.view(buf, off, part).clone()
     for e in experts:
         job.release(e)

@@ -1,6 +1,7 @@
 """Incremental detokenisation: the pieces a stream hands out join to exactly the whole-text decode (the
 oracle: the tokenizer's own `decode` of all tokens), cut before the first stop string, and a piece is never
 taken back: an incomplete character or the start of a stop string is held until it is settled."""
+
 from __future__ import annotations
 
 import random
@@ -52,7 +53,7 @@ def _oracle(tok, tokens: list[int], stops: list[str]) -> str:
         text = tok.decode(tokens[:k], skip_special_tokens=True)
         found = [i for i in (text.find(s) for s in stops) if i >= 0]
         if found:
-            return text[:min(found)]
+            return text[: min(found)]
     return tok.decode(tokens, skip_special_tokens=True)
 
 
@@ -60,12 +61,18 @@ def _oracle(tok, tokens: list[int], stops: list[str]) -> str:
 def test_random_tokens_join_to_the_decode(tokenizer, incremental):
     rng = random.Random(5)
     vocab = len(tokenizer)
-    corpus_ids = tokenizer.encode("The quick brown fox 안녕하세요 오늘은 Hello, world! 0123456789", add_special_tokens=False)
+    corpus_ids = tokenizer.encode(
+        "The quick brown fox 안녕하세요 오늘은 Hello, world! 0123456789", add_special_tokens=False
+    )
     for case in range(60):
         # random ids (lone UTF-8 bytes, special tokens) and real text, with and without stop strings
-        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))] if case % 2 else corpus_ids[:rng.randint(1, 40)]
+        tokens = (
+            [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+            if case % 2
+            else corpus_ids[: rng.randint(1, 40)]
+        )
         whole = tokenizer.decode(tokens, skip_special_tokens=True)
-        stops = [] if case % 3 == 0 else [whole[len(whole) // 3:len(whole) // 3 + rng.randint(1, 3)]]
+        stops = [] if case % 3 == 0 else [whole[len(whole) // 3 : len(whole) // 3 + rng.randint(1, 3)]]
         stream = TextStream(tokenizer, stops)
         if not incremental:
             stream._stream = None

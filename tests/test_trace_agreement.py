@@ -1,4 +1,5 @@
 """Recording traces from the engine, and the simulator's policies reproducing the engine's misses exactly."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,16 @@ from moestream.trace.simulator import simulate
 PROMPTS = [[5, 17, 33, 2, 99], [41, 7, 250, 3, 3, 8, 12, 40, 100], [77]]
 
 
-@pytest.mark.parametrize("arch,policy", [("qwen3_moe", "lru"), ("deepseek_v3", "lru"), ("gpt_oss", "lru"),
-                                         ("qwen3_moe", "lfu"), ("gpt_oss", "lfu")])
+@pytest.mark.parametrize(
+    "arch,policy",
+    [
+        ("qwen3_moe", "lru"),
+        ("deepseek_v3", "lru"),
+        ("gpt_oss", "lru"),
+        ("qwen3_moe", "lfu"),
+        ("gpt_oss", "lfu"),
+    ],
+)
 def test_simulated_policy_equals_engine(arch, policy, tiny_dir, tmp_path):
     path = tiny_dir(arch, experts=16, top_k=4)
     trace_path = tmp_path / "run.parquet"

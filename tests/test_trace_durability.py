@@ -1,4 +1,5 @@
 """A trace whose writer is killed stays readable up to its last flushed batch, or fails saying where it was cut."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,12 @@ while True:
 
 def test_sigkilled_writer_leaves_its_flushed_rows(tmp_path: Path) -> None:
     path = tmp_path / "killed.parquet"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         for line in child.stdout:
             if int(line) >= 500:

@@ -4,6 +4,7 @@ Fitted by ordinary least squares over the requests of one or more runs (runs tha
 volumes per token, e.g. top-k 8 and a lossy top-k 4, span the line). The fixed part is what a token
 costs with nothing read, so 1000 / fixed_ms is the decode speed no read path can beat.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,13 +43,17 @@ class LineFit:
     def warning(self) -> str | None:
         """Why the line cannot give a ceiling, or None when it can."""
         if self.ms_per_mib < 0:
-            return (f"the fitted slope is negative ({self.ms_per_mib:.3f} ms/MiB: the runs that read more were "
-                    "faster), so the line does not describe the cost of reading")
+            return (
+                f"the fitted slope is negative ({self.ms_per_mib:.3f} ms/MiB: the runs that read more were "
+                "faster), so the line does not describe the cost of reading"
+            )
         if self.fixed_ms <= 0:
             return f"the fixed part is {self.fixed_ms:.1f} ms <= 0, so the line has no ceiling"
         if self.y_min is not None and self.y_min < self.fixed_ms:
-            return (f"the ceiling with no reads ({1000.0 / self.fixed_ms:.2f} tok/s) is below a measured run "
-                    f"({1000.0 / self.y_min:.2f} tok/s), so the line does not hold near zero reads")
+            return (
+                f"the ceiling with no reads ({1000.0 / self.fixed_ms:.2f} tok/s) is below a measured run "
+                f"({1000.0 / self.y_min:.2f} tok/s), so the line does not hold near zero reads"
+            )
         return None
 
     @property
@@ -63,10 +68,14 @@ class LineFit:
         return {**asdict(self), "ceiling_tok_s": self.ceiling_tok_s, "warning": self.warning}
 
     def line(self) -> str:
-        ceiling = f"{self.ceiling_tok_s:.2f} tok/s" if self.ceiling_tok_s else f"none (WARNING: {self.warning})"
-        return (f"time/token = {self.fixed_ms:.1f} ms + {self.ms_per_mib:.3f} ms/MiB x MiB/token "
-                f"(R^2 {self.r2:.3f}, {self.points} requests, {self.x_min:.0f}-{self.x_max:.0f} MiB/token); "
-                f"ceiling with no reads {ceiling}")
+        ceiling = (
+            f"{self.ceiling_tok_s:.2f} tok/s" if self.ceiling_tok_s else f"none (WARNING: {self.warning})"
+        )
+        return (
+            f"time/token = {self.fixed_ms:.1f} ms + {self.ms_per_mib:.3f} ms/MiB x MiB/token "
+            f"(R^2 {self.r2:.3f}, {self.points} requests, {self.x_min:.0f}-{self.x_max:.0f} MiB/token); "
+            f"ceiling with no reads {ceiling}"
+        )
 
 
 def fit_line(xs: list[float], ys: list[float]) -> LineFit | None:

@@ -4,6 +4,7 @@ Each figure is titled with the model and the configuration (`report.run_title`),
 legend entry per run label, the axes always contain every point, and prompts are coloured by language
 only where the language is known.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,10 +39,14 @@ def decode_figure(results: dict[str, Any]) -> Any:
     colours = [LANGUAGES[lang][0] if lang else UNKNOWN_COLOUR for lang in langs]
     speeds = [r["decode_tok_s"] for r in requests]
     ax.bar([r["index"] + 1 for r in requests], speeds, color=colours)
-    handles = [Patch(color=LANGUAGES[lang][0], label=LANGUAGES[lang][1]) for lang in LANGUAGES if lang in langs]
+    handles = [
+        Patch(color=LANGUAGES[lang][0], label=LANGUAGES[lang][1]) for lang in LANGUAGES if lang in langs
+    ]
     mean = results["summary"]["decode_tok_s_mean"]
     if mean is not None:
-        handles.append(ax.axhline(mean, color="k", linestyle="--", linewidth=1, label=f"mean {mean:.2f} tok/s"))
+        handles.append(
+            ax.axhline(mean, color="k", linestyle="--", linewidth=1, label=f"mean {mean:.2f} tok/s")
+        )
     if handles:
         ax.legend(handles=handles, fontsize=8)
     ax.set_xlabel("request")
@@ -75,8 +80,13 @@ def fit_figure(points: list[tuple[str, float, float]], fit: LineFit | None, titl
     if fit is not None:
         line = [fit.fixed_ms, fit.predict(x_end)]
         note = "" if fit.warning is None else " (no ceiling: see the report)"
-        ax.plot([0, x_end], line, "k--", linewidth=1,
-                label=f"{fit.fixed_ms:.0f} ms + {fit.ms_per_mib:.3f} ms/MiB (R^2 {fit.r2:.3f}){note}")
+        ax.plot(
+            [0, x_end],
+            line,
+            "k--",
+            linewidth=1,
+            label=f"{fit.fixed_ms:.0f} ms + {fit.ms_per_mib:.3f} ms/MiB (R^2 {fit.r2:.3f}){note}",
+        )
         ys += line
     low, high = min(0.0, min(ys)), max(ys)
     pad = MARGIN * (high - low or 1.0)
@@ -91,7 +101,9 @@ def fit_figure(points: list[tuple[str, float, float]], fit: LineFit | None, titl
     return fig
 
 
-def plot_fit(points: list[tuple[str, float, float]], fit: LineFit | None, out: str | Path, title: str) -> None:
+def plot_fit(
+    points: list[tuple[str, float, float]], fit: LineFit | None, out: str | Path, title: str
+) -> None:
     """Write `fit_figure(...)` to `out`."""
     fig = fit_figure(points, fit, title)
     fig.savefig(out, dpi=110)

@@ -4,6 +4,7 @@ One owner: this object owns slot memory and decides (through `ResidentSet`) whic
 Compute asks for one layer at a time with `open_layer`, which returns a `LayerJob` that delivers one
 readiness event per (expert, kind): at once for cached experts, when the last piece lands for misses.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -106,7 +107,9 @@ class ExpertCache:
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         self._prefetching = 0  # prefetched experts whose reads are still in flight (each holds a pin)
-        self._open_job: LayerJob | None = None  # the last opened layer job (its experts are never its victims)
+        self._open_job: LayerJob | None = (
+            None  # the last opened layer job (its experts are never its victims)
+        )
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -139,7 +142,9 @@ class ExpertCache:
         for size, keys in sorted(by_size.items()):
             share = budget * size * len(keys) // total if len(by_size) > 1 else budget
             capacity = min(len(keys), max(top_k, share // size))
-            cls = SizeClass(size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory()))
+            cls = SizeClass(
+                size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
+            )
             classes.append(cls)
             class_of.update((key, cls) for key in keys)
         return classes, class_of
@@ -182,8 +187,11 @@ class ExpertCache:
                     continue
                 if self._blocked(key, protected):
                     break
-                reads.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds)),
-                                              protected=protected))
+                reads.extend(
+                    self._admit_miss(
+                        key, None, queued, priority=(after_job, len(self.emap.kinds)), protected=protected
+                    )
+                )
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
@@ -225,8 +233,14 @@ class ExpertCache:
         victim = self._class_of[key].residents.next_victim(_Unavailable(protected, self._states))
         return victim is not None and self._states[victim].pins > 0
 
-    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None,
-                    protected: set[Key] = frozenset()) -> list[Request]:
+    def _admit_miss(
+        self,
+        key: Key,
+        job: "LayerJob | None",
+        rank: int,
+        priority: tuple | None = None,
+        protected: set[Key] = frozenset(),
+    ) -> list[Request]:
         cls = self._class_of[key]
         slot, evicted = cls.residents.admit(key, _Unavailable(protected, self._states))
         if evicted is not None:
@@ -237,8 +251,16 @@ class ExpertCache:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
-        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1,
-                          listeners=[job] if job is not None else [])
+        state = SlotState(
+            key,
+            cls,
+            slot,
+            plan,
+            {},
+            {k: None for k in self.emap.kinds},
+            pins=1,
+            listeners=[job] if job is not None else [],
+        )
         self._states[key] = state
         reads = []
         for kind_rank, kind in enumerate(self.emap.kinds):
@@ -253,12 +275,20 @@ class ExpertCache:
         requests = []
         for part_rank, part in enumerate(state.plan[kind]):
             dest = state.base + part.region_offset
-            requests.append(Request(
-                priority=(*priority, part_rank), seq=self.reader.next_seq(), file=self.reader.open(part.ref.file),
-                offset=part.file_offset, length=part.length, needed=part.head + part.ref.nbytes,
-                dest=state.cls.buffer.view[dest:dest + part.length], dest_address=state.cls.buffer.address + dest,
-                piece=self.piece_bytes, on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
-            ))
+            requests.append(
+                Request(
+                    priority=(*priority, part_rank),
+                    seq=self.reader.next_seq(),
+                    file=self.reader.open(part.ref.file),
+                    offset=part.file_offset,
+                    length=part.length,
+                    needed=part.head + part.ref.nbytes,
+                    dest=state.cls.buffer.view[dest : dest + part.length],
+                    dest_address=state.cls.buffer.address + dest,
+                    piece=self.piece_bytes,
+                    on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
+                )
+            )
         return requests
 
     def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
@@ -339,7 +369,9 @@ class LayerJob:
         reads: list[Request] = []
         while self._pending and not self.cache._blocked((self.layer, self._pending[0]), self.keys):
             expert = self._pending.pop(0)
-            reads.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted, protected=self.keys))
+            reads.extend(
+                self.cache._admit_miss((self.layer, expert), self, self._admitted, protected=self.keys)
+            )
             self._admitted += 1
             self._active += 1
         return reads

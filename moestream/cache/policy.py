@@ -10,6 +10,7 @@ Access protocol for one MoE layer forward (both engine and simulator follow it):
      a victim. The engine waits if that victim is still in use by the layer being computed (it never
      evicts a pinned slot); the simulator, where compute is instantaneous, evicts it at once.
 """
+
 from __future__ import annotations
 
 import heapq

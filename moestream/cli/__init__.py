@@ -1,4 +1,5 @@
 """`moestream <verb>`: one module per verb, each with `add_parser(subparsers)` that sets `func`."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,15 +26,23 @@ VERBS: dict[str, str] = {
     "perplexity": "moestream.cli.perplexity",
 }
 # modules of the optional extras (pyproject.toml), and the extra that installs each
-EXTRA_OF_MODULE = {"fastapi": "server", "uvicorn": "server", "starlette": "server", "prometheus_client": "server",
-                   "pyarrow": "trace", "matplotlib": "trace", "httpx": "bench"}
+EXTRA_OF_MODULE = {
+    "fastapi": "server",
+    "uvicorn": "server",
+    "starlette": "server",
+    "prometheus_client": "server",
+    "pyarrow": "trace",
+    "matplotlib": "trace",
+    "httpx": "bench",
+}
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk through a "
-                    "bounded expert cache. Every verb has --help.")
+        "bounded expert cache. Every verb has --help.",
+    )
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
@@ -68,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         extra = EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
-        print(f"moestream: error: `moestream {verb}` needs the '{extra}' extra ({exc.name} is not installed): "
-              f"pip install 'moestream[{extra}]'", file=sys.stderr)
+        print(
+            f"moestream: error: `moestream {verb}` needs the '{extra}' extra ({exc.name} is not installed): "
+            f"pip install 'moestream[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)

@@ -1,5 +1,6 @@
 """`moestream demo`: synthesise a small MoE once, stream it through a cache much smaller than its experts,
 run the same prompt with every expert resident, and show both runs side by side."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,12 @@ def default_dir() -> Path:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="stream a synthetic MoE (made on first use) through a 128 MiB cache")
-    p.add_argument("--dir", type=Path, default=None, help="where the synthetic checkpoint lives (default ~/.cache/moestream)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the synthetic checkpoint lives (default ~/.cache/moestream)",
+    )
     p.add_argument("--cache", default="128MiB", help="expert cache budget (default 128MiB)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"])
@@ -39,16 +45,20 @@ def ensure_checkpoint(path: Path) -> Path:
 def intro(engine: Any) -> str:
     """What the demo is and what it shows, before any number."""
     share = 100 * engine.cache.capacity / len(engine.emap.units)
-    return (f"moestream demo: a synthetic {engine.config.model_type} with {len(engine.emap.units)} routed experts "
-            f"({engine.emap.expert_bytes / MiB:.0f} MiB) and RANDOM weights, so the text is noise by design.\n"
-            f"What it shows: the experts stream from disk through a cache that holds {share:.0f}% of them, and "
-            f"the tokens are exactly those of the run with every expert resident in memory.")
+    return (
+        f"moestream demo: a synthetic {engine.config.model_type} with {len(engine.emap.units)} routed experts "
+        f"({engine.emap.expert_bytes / MiB:.0f} MiB) and RANDOM weights, so the text is noise by design.\n"
+        f"What it shows: the experts stream from disk through a cache that holds {share:.0f}% of them, and "
+        f"the tokens are exactly those of the run with every expert resident in memory."
+    )
 
 
 def row(label: str, cache: str, gen: Any) -> str:
     s = gen.stats
-    return (f"{label:<10} {cache:<34} {s.decode.tok_s:>12.2f} {s.prefill.tok_s:>13.2f} "
-            f"{s.bytes_read / MiB:>15.1f} {100 * s.hit_rate:>8.1f}%")
+    return (
+        f"{label:<10} {cache:<34} {s.decode.tok_s:>12.2f} {s.prefill.tok_s:>13.2f} "
+        f"{s.bytes_read / MiB:>15.1f} {100 * s.hit_rate:>8.1f}%"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         resident = engine.generate(DEMO_PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"prompt: {DEMO_PROMPT!r}")
     print(f"text:   {streamed.text!r}")
-    print(f"{'':<10} {'expert cache':<34} {'decode tok/s':>12} {'prefill tok/s':>13} {'MiB read':>15} {'hit rate':>9}")
+    print(
+        f"{'':<10} {'expert cache':<34} {'decode tok/s':>12} {'prefill tok/s':>13} {'MiB read':>15} {'hit rate':>9}"
+    )
     print(row("streamed", streamed_cache, streamed))
     print(row("resident", f"every expert ({experts} slots), warmed", resident))
     same = resident.tokens == streamed.tokens

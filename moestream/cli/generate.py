@@ -1,5 +1,6 @@
 """`moestream generate PATH --prompt TEXT`: one completion. The text goes to stdout as it is generated;
 the mode line and the stats line go to stderr, so the output can be piped."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repeat-penalty", "--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
-                   help="transformers' repetition penalty over prompt and output (1 = off)")
+    p.add_argument(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        dest="repetition_penalty",
+        type=float,
+        default=1.0,
+        help="transformers' repetition penalty over prompt and output (1 = off)",
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
     p.add_argument("--seed", type=int, default=None)
@@ -51,17 +58,35 @@ def run(args: argparse.Namespace) -> int:
             engine.start_trace(args.trace, predict=not args.no_trace_predict)
         print(engine.mode_line(), file=sys.stderr, flush=True)
         gen = None
-        for gen in engine.stream(args.prompt, chat=args.chat, max_tokens=args.max_tokens,
-                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                 seed=args.seed, ignore_eos=args.ignore_eos):
+        for gen in engine.stream(
+            args.prompt,
+            chat=args.chat,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        ):
             if not args.json:
                 print(gen.piece, end="", flush=True)
         if args.json:
-            print(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
-                              "finish_reason": gen.finish_reason, "mode": engine.mode_line(),
-                              "stats": gen.stats.to_dict()}))
+            print(
+                json.dumps(
+                    {
+                        "text": gen.text,
+                        "tokens": gen.tokens,
+                        "prompt_tokens": gen.prompt_tokens,
+                        "finish_reason": gen.finish_reason,
+                        "mode": engine.mode_line(),
+                        "stats": gen.stats.to_dict(),
+                    }
+                )
+            )
         else:
             print(flush=True)
         print(gen.stats.line(), file=sys.stderr)

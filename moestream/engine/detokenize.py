@@ -6,6 +6,7 @@ text grows by appending. Two things may still change at the end of the text and 
 pieces handed out: an incomplete character (U+FFFD in a whole-text decode) and a proper prefix of a stop
 string, which is cut off once it completes. The pieces therefore join to exactly the final text.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -62,7 +63,7 @@ class TextStream:
         found = [i for i in (self.text.find(s, max(0, settled - len(s) + 1)) for s in self.stops) if i >= 0]
         if not found:
             return False
-        self.text, self.stopped = self.text[:min(found)], True
+        self.text, self.stopped = self.text[: min(found)], True
         return True
 
     def _held(self) -> int:
@@ -81,7 +82,7 @@ class TextStream:
         end = len(self.text) - (0 if self.stopped else self._held())
         if end <= self.sent:
             return ""
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out
 
     def finish(self) -> str:
@@ -92,9 +93,9 @@ class TextStream:
         """
         if self.tokenizer is not None and not self.stopped and self.tokens:
             whole = self._decode()
-            if whole.startswith(self.text[:self.sent]):
+            if whole.startswith(self.text[: self.sent]):
                 # no stop string starts before `sent` (a possible start is always held back)
                 self.text = whole
                 self._cut(self.sent)
-        out, self.sent = self.text[self.sent:], len(self.text)
+        out, self.sent = self.text[self.sent :], len(self.text)
         return out

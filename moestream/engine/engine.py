@@ -1,4 +1,5 @@
 """`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+
 from __future__ import annotations
 
 import time
@@ -45,8 +46,16 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: str = "direct",
-         io_threads: int = 4, piece: int | str = "128KiB", threads: int | None = None, **extra: Any) -> "Engine":
+def load(
+    path: str,
+    cache: int | str = "512MiB",
+    device: str = "cpu",
+    io_mode: str = "direct",
+    io_threads: int = 4,
+    piece: int | str = "128KiB",
+    threads: int | None = None,
+    **extra: Any,
+) -> "Engine":
     """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
 
     Args:
@@ -66,8 +75,15 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
     """
     try:
-        options = EngineOptions(cache=cache, device=device, io_mode=io_mode, io_threads=io_threads,
-                                piece=piece, threads=threads, **extra)
+        options = EngineOptions(
+            cache=cache,
+            device=device,
+            io_mode=io_mode,
+            io_threads=io_threads,
+            piece=piece,
+            threads=threads,
+            **extra,
+        )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
     return Engine(resolve_path(path), options)
@@ -93,8 +109,9 @@ class Engine:
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
         modules = streaming_modules(self.model)
         self.top_k = top_k(self.config)
-        self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
-                                     num_experts(self.config))
+        self.emap = build_expert_map(
+            checkpoint.tensors, self.arch.family, [i for i, _ in modules], num_experts(self.config)
+        )
         self._stream_experts(modules)
         self.tokenizer = _load_tokenizer(path)
         self._step = ForwardStep(self.model)
@@ -122,24 +139,41 @@ class Engine:
         options = self.options
         self.reader = Reader(options.io_mode, options.io_threads)
         try:
-            for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
+            for name in sorted(
+                {ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}
+            ):
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
-            self.cache, self.runtime = build_runtime(self.emap, self.reader, options, self.config, self.top_k,
-                                                     self.device, self.dtype)
+            self.cache, self.runtime = build_runtime(
+                self.emap, self.reader, options, self.config, self.top_k, self.device, self.dtype
+            )
         except BaseException:
             self.reader.close()
             raise
         if options.prefetch:
-            self.runtime.enable_prefetch({layer: router for layer, router in router_modules(self.model).items()
-                                          if layer in set(self.emap.layers)})
+            self.runtime.enable_prefetch(
+                {
+                    layer: router
+                    for layer, router in router_modules(self.model).items()
+                    if layer in set(self.emap.layers)
+                }
+            )
         for layer, module in modules:
             module.bind(layer, self.runtime)
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
         `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
-                                  "prefetch", "policy"}
+        unknown = set(changes) - {
+            "cache",
+            "io_mode",
+            "io_threads",
+            "piece",
+            "lock_memory",
+            "gpu_cache",
+            "host_cache",
+            "prefetch",
+            "policy",
+        }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
@@ -154,8 +188,11 @@ class Engine:
         from moestream.power.floor import make_engine_floor
 
         try:
-            return make_engine_floor(self.options.gpu_floor, sysfs_root=self.options.sysfs_root,
-                                     experts_off_gpu=self.options.device == "cpu")
+            return make_engine_floor(
+                self.options.gpu_floor,
+                sysfs_root=self.options.sysfs_root,
+                experts_off_gpu=self.options.device == "cpu",
+            )
         except BaseException:
             self.reader.close()
             raise
@@ -170,16 +207,24 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         o, c = self.options, self.cache
         if self.device.type == "cuda" and not hasattr(self.runtime, "gpu"):
-            memory = (f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
-                      f"(pinned, device-mapped, no staging copy)")
+            memory = (
+                f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
+                f"(pinned, device-mapped, no staging copy)"
+            )
         elif self.device.type == "cuda":
             gpu = self.runtime.gpu
-            memory = (f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
-                      f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots")
+            memory = (
+                f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
+                f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots"
+            )
         else:
-            memory = (f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
-                      f"({'locked' if c.locked else 'unlocked'})")
-        io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
+            memory = (
+                f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
+                f"({'locked' if c.locked else 'unlocked'})"
+            )
+        io = self.reader.io_mode + (
+            f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else ""
+        )
         return (
             f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
             f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory}"
@@ -187,8 +232,11 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
-            + (f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
-               if self.top_k != self.model_top_k else "")
+            + (
+                f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
+                if self.top_k != self.model_top_k
+                else ""
+            )
             + f" | {self.context_line()}"
         )
 
@@ -196,8 +244,9 @@ class Engine:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         s = self.cache.stats
         gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
-        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches,
-                        s.prefetch_used)
+        return Counters(
+            self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches, s.prefetch_used
+        )
 
     # --- generation --------------------------------------------------------------------------
 
@@ -209,8 +258,10 @@ class Engine:
             self.ctx_size = min(self.model_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
         else:
             if self.model_context is not None and requested > self.model_context:
-                warnings.warn(f"--ctx-size {requested} is beyond the model's trained context of "
-                              f"{self.model_context} tokens; output may degrade past it")
+                warnings.warn(
+                    f"--ctx-size {requested} is beyond the model's trained context of "
+                    f"{self.model_context} tokens; output may degrade past it"
+                )
             self.ctx_size = requested
         self.prompt_cache = PromptCache()
         self.sampling_defaults = model_sampling_defaults(self.path)
@@ -228,7 +279,9 @@ class Engine:
             raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
 
-    def encode_messages(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """Chat messages -> token ids through the chat template, the assistant turn opened."""
         return render_chat(self.tokenizer, messages, template_kwargs)
 
@@ -239,19 +292,35 @@ class Engine:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
 
-    def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-                 messages: list[dict[str, Any]] | None = None, chat: bool = False, **options: Any) -> Generation:
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        chat: bool = False,
+        **options: Any,
+    ) -> Generation:
         """Generate a completion (greedy unless temperature > 0). Takes what `stream` takes."""
         result = None
         for result in self.stream(prompt, params, messages=messages, chat=chat, **options):
             pass
         return result
 
-    def stream(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-               messages: list[dict[str, Any]] | None = None, chat: bool = False,
-               chat_template_kwargs: dict[str, Any] | None = None, cache_prompt: bool = False,
-               keep_cache: bool | None = None, cancelled: Callable[[], bool] | None = None,
-               request_id: str | None = None, **sampling: Any) -> Iterator[Generation]:
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        chat: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        cache_prompt: bool = False,
+        keep_cache: bool | None = None,
+        cancelled: Callable[[], bool] | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token, its `piece` the new text; the last one is final.
 
         `prompt` is text or token ids; `messages` (chat messages) go through the chat template instead,
@@ -271,11 +340,22 @@ class Engine:
         ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
         self.check_context(len(ids), params.max_tokens)
         self._requests += 1
-        yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}",
-                             cache_prompt, cache_prompt if keep_cache is None else keep_cache)
+        yield from self._run(
+            ids,
+            params,
+            cancelled or (lambda: False),
+            request_id or f"req-{self._requests}",
+            cache_prompt,
+            cache_prompt if keep_cache is None else keep_cache,
+        )
 
-    def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, chat: bool,
-                    template_kwargs: dict[str, Any] | None) -> list[int]:
+    def _prompt_ids(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, Any]] | None,
+        chat: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
         if (prompt is None) == (messages is None):
             raise MoestreamError("give either a prompt or messages")
         if messages is not None:
@@ -289,11 +369,20 @@ class Engine:
     def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise MoestreamError unless the prompt and max_tokens fit in the context (--ctx-size)."""
         if prompt_tokens + max_tokens > self.ctx_size:
-            raise MoestreamError(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                                 f"context of {self.ctx_size} tokens (--ctx-size)")
+            raise MoestreamError(
+                f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
+                f"context of {self.ctx_size} tokens (--ctx-size)"
+            )
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str,
-             cache_prompt: bool, keep: bool) -> Iterator[Generation]:
+    def _run(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        request_id: str,
+        cache_prompt: bool,
+        keep: bool,
+    ) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
         # the held cache is taken out for the run: a request that fails never leaves a half-updated one
@@ -302,7 +391,9 @@ class Engine:
             self.prompt_cache.clear()
         try:
             try:
-                yield from self._tokens(ids, params, cancelled, self._stepper(request_id, len(state.ids)), state)
+                yield from self._tokens(
+                    ids, params, cancelled, self._stepper(request_id, len(state.ids)), state
+                )
             except ContinuationError as exc:  # raised before the first token: run the request cold instead
                 self.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
                 warnings.warn(f"the prompt cache is off for this model: {self.prompt_cache.disabled}")
@@ -314,7 +405,9 @@ class Engine:
             if self.floor is not None:
                 self.floor.end()
 
-    def _stepper(self, request_id: str, position: int) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
+    def _stepper(
+        self, request_id: str, position: int
+    ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
         """The forward step, telling the trace recorder (if any) what each forward covers."""
         if self.recorder is None:
             return self._step
@@ -328,14 +421,22 @@ class Engine:
 
         return step
 
-    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-                step: Callable[[list[int], Any], tuple[torch.Tensor, Any]], state: KVState) -> Iterator[Generation]:
+    def _tokens(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+        state: KVState,
+    ) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         cached = len(state.ids)
         tokens: list[int] = []
         text = TextStream(self.tokenizer, params.stop)
-        gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached)
+        gen = Generation(
+            "", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached
+        )
         prefill_end, after_prefill = start, before
         for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
             now = time.perf_counter()
@@ -360,7 +461,9 @@ class Engine:
             yield gen
         gen.piece = text.finish()
         gen.text, gen.done = text.text, True
-        gen.stats.gpu_floor = "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        gen.stats.gpu_floor = (
+            "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        )
         yield gen
 
     def close(self) -> None:
@@ -387,12 +490,16 @@ def _override_top_k(config: Any, k: int) -> None:
     """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
     cfg = text_config(config)
     if k > num_experts(config):
-        raise MoestreamError(f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts")
+        raise MoestreamError(
+            f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
+        )
     cfg.num_experts_per_tok = k
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
+        model.config, "eos_token_id", None
+    )
     found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
@@ -400,7 +507,9 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 
 
 def _load_tokenizer(path: Path) -> Any:
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 

@@ -10,6 +10,7 @@ every supported architecture):
   [value heads, key head dim, value head dim] (kept in float32 whatever the model's dtype), whatever the
   context.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,7 +32,10 @@ def _linear_state(cfg: Any, element_bytes: int) -> int:
     key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
     conv = (2 * key_dim + value_dim) * cfg.linear_conv_kernel_dim
-    return conv * element_bytes + 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return (
+        conv * element_bytes
+        + 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    )
 
 
 def kv_cache_bytes(config: Any, tokens: int, element_bytes: int) -> int:

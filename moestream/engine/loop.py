@@ -1,4 +1,5 @@
 """The token loop: prefill, then one forward per token through the model's own KV cache."""
+
 from __future__ import annotations
 
 import inspect
@@ -36,8 +37,13 @@ class ForwardStep:
         return out.logits[0, -1].float().cpu(), new_cache  # sampling runs on the host
 
 
-def token_stream(step: ForwardStep, prompt: list[int], sample: Callable[[torch.Tensor, list[int]], int],
-                 max_tokens: int, state: KVState) -> Iterator[tuple[int, torch.Tensor]]:
+def token_stream(
+    step: ForwardStep,
+    prompt: list[int],
+    sample: Callable[[torch.Tensor, list[int]], int],
+    max_tokens: int,
+    state: KVState,
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Yields (token, logits it was sampled from) up to `max_tokens`; the caller decides when to stop.
 
     `state` holds what is already cached (a reused prompt prefix, or nothing) and `prompt` the prompt

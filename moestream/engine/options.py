@@ -1,4 +1,5 @@
 """Engine options, validated once at the edge; sizes accepted as "512MiB"-style strings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class EngineOptions:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(f"device {self.device!r} was asked for, but this torch build sees no CUDA device")
+                raise ValueError(
+                    f"device {self.device!r} was asked for, but this torch build sees no CUDA device"
+                )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
         if self.io_threads < 1:

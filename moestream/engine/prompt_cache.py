@@ -9,6 +9,7 @@ layers always; sliding-window layers while they still hold every token; linear-a
 layers never, as their state folds in all past tokens. Otherwise only an exact continuation (the new
 prompt extends everything the cache holds) reuses it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -103,7 +104,15 @@ def cache_bytes(kv: Any) -> int:
     total = 0
     for layer in getattr(kv, "layers", None) or []:
         for value in vars(layer).values():
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            items = (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, (list, tuple))
+                else [value]
+            )
             # 0-d tensors are bookkeeping (a sliding window's size), not cached states
-            total += sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor) and t.dim())
+            total += sum(
+                t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor) and t.dim()
+            )
     return total

@@ -5,6 +5,7 @@ then temperature, top-k, top-p, min-p), so a request behaves as the same setting
 `model.generate`. OpenAI's presence and frequency penalties have no transformers processor; they are the
 small `PresenceFrequencyPenalty` below.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,7 @@ class PresenceFrequencyPenalty:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         # input_ids [1, L] (prompt then generated), scores [1, V]
-        generated = input_ids[0, self.prompt_len:]
+        generated = input_ids[0, self.prompt_len :]
         if generated.numel() == 0:
             return scores
         counts = torch.bincount(generated, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)
@@ -82,11 +83,15 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
 
     processors: list = []
     if params.logit_bias:
-        processors.append(lp.SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in params.logit_bias.items()]))
+        processors.append(
+            lp.SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in params.logit_bias.items()])
+        )
     if params.repetition_penalty != 1.0:
         processors.append(lp.RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.presence_penalty or params.frequency_penalty:
-        processors.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_len))
+        processors.append(
+            PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_len)
+        )
     if params.temperature > 0:  # the warpers only shape a distribution that is sampled from
         if params.temperature != 1.0:
             processors.append(lp.TemperatureLogitsWarper(params.temperature))

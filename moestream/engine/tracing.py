@@ -3,6 +3,7 @@
 Optionally with the stale-gate prediction of the seed's mechanism 3: layer L+1's (and L+2's) router
 applied to layer L's router input, top-2k experts with their softmax scores.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,6 @@ import torch
 from moestream.cache.slots import slot_bytes as slot_size
 from moestream.model.loader import router_modules
 from moestream.trace import TraceHeader, TraceWriter
-
 
 
 class TraceRecorder:
@@ -40,8 +40,16 @@ class TraceRecorder:
             if router is not None:
                 experts, scores = self._predict(router, hidden)
                 extra[f"{prefix}_experts"], extra[f"{prefix}_scores"] = experts, scores
-        self.writer.append_forward(self.request, list(tokens), self.phase, layer, rows,
-                                   weights.float().tolist(), step=self.step, **extra)
+        self.writer.append_forward(
+            self.request,
+            list(tokens),
+            self.phase,
+            layer,
+            rows,
+            weights.float().tolist(),
+            step=self.step,
+            **extra,
+        )
 
     def _predict(self, router: torch.nn.Module, hidden: torch.Tensor) -> tuple[list, list]:
         out = router(hidden)
@@ -56,7 +64,9 @@ class TraceRecorder:
 
 def _header(engine: Any) -> TraceHeader:
     emap, config = engine.emap, engine.config
-    n_layers = int(getattr(config, "num_hidden_layers", None) or getattr(config.get_text_config(), "num_hidden_layers"))
+    n_layers = int(
+        getattr(config, "num_hidden_layers", None) or getattr(config.get_text_config(), "num_hidden_layers")
+    )
     per_layer_unit, per_layer_slot = {}, {}
     for (layer, expert), parts in emap.units.items():
         per_layer_unit[layer] = max(per_layer_unit.get(layer, 0), emap.unit_bytes(layer, expert))
@@ -64,9 +74,14 @@ def _header(engine: Any) -> TraceHeader:
     first = min(per_layer_unit)
     dtype = "mxfp4" if emap.quant == "mxfp4" else str(engine.dtype).removeprefix("torch.")
     return TraceHeader(
-        model_id=str(engine.path), n_layers=n_layers, n_experts=emap.num_experts, top_k=engine.top_k, dtype=dtype,
+        model_id=str(engine.path),
+        n_layers=n_layers,
+        n_experts=emap.num_experts,
+        top_k=engine.top_k,
+        dtype=dtype,
         # dense layers get the first MoE layer's size: the lists are indexed by layer and never read there
         expert_bytes=[per_layer_unit.get(i, per_layer_unit[first]) for i in range(n_layers)],
         slot_bytes=[per_layer_slot.get(i, per_layer_slot[first]) for i in range(n_layers)],
-        synthetic=(Path(engine.path) / "moestream_synth.json").exists(), source="moestream recorder",
+        synthetic=(Path(engine.path) / "moestream_synth.json").exists(),
+        source="moestream recorder",
     )

@@ -11,6 +11,7 @@ the I/O thread with None or the first error that failed one of its pieces.
 Requests rather than pre-built pieces: building one Python object per 128 KiB piece cost the compute
 thread about 3 ms per layer of a Qwen3-30B-shaped model (72 pieces per expert) with the disk idle.
 """
+
 from __future__ import annotations
 
 import errno
@@ -116,7 +117,9 @@ class Reader:
 
     def _fall_back_to_pagecache(self, path: str) -> int:
         self.fallback_reason = f"the file system holding {path} refuses O_DIRECT"
-        warnings.warn(f"{self.fallback_reason}; reading it through the page cache instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{self.fallback_reason}; reading it through the page cache instead", RuntimeWarning, stacklevel=3
+        )
         self.io_mode = "pagecache"
         return os.open(path, os.O_RDONLY)
 
@@ -168,10 +171,12 @@ class Reader:
                 error = exc
             except OSError as exc:
                 error = ExpertReadError(
-                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc.strerror}")
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc.strerror}"
+                )
             except Exception as exc:  # never let a bug kill the thread: the layer would wait forever
                 error = ExpertReadError(
-                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}")
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}"
+                )
             with self._cond:
                 self.bytes_read += got
                 request.in_flight -= 1
@@ -193,7 +198,7 @@ class Reader:
             got = 0
             while got < length:
                 want = length - got
-                n = os.preadv(handle.fd, [request.dest[start + got:start + length]], offset + got)
+                n = os.preadv(handle.fd, [request.dest[start + got : start + length]], offset + got)
                 got += n
                 # a short O_DIRECT read means end of file; retrying would use an unaligned offset
                 if n == 0 or (handle.direct and n < want):

@@ -5,6 +5,7 @@ buffers, tied weights, checkpoint renames); only the experts class is swapped fo
 call, through `transformers.monkey_patching.register_patch_mapping`. Since `StreamingExperts` has no
 parameters, transformers finds no target for the expert tensors and never reads them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,11 +59,18 @@ def _quiet_transformers():
 def build_model(path: Path, config: Any, arch: Arch, dtype: str | torch.dtype) -> torch.nn.Module:
     """from_pretrained with the experts class patched; checks that nothing but experts went unloaded."""
     if getattr(config, "quantization_config", None) is not None:
-        method = dict(config.quantization_config).get("quant_method") if isinstance(config.quantization_config, dict) \
+        method = (
+            dict(config.quantization_config).get("quant_method")
+            if isinstance(config.quantization_config, dict)
             else getattr(config.quantization_config, "quant_method", None)
+        )
         if method != "mxfp4":
-            raise UnsupportedModelError(f"quantization {method!r} in {path} is not supported (only MXFP4 experts)")
-        del config.quantization_config  # only the experts are MXFP4; moestream dequantizes them after each read
+            raise UnsupportedModelError(
+                f"quantization {method!r} in {path} is not supported (only MXFP4 experts)"
+            )
+        del (
+            config.quantization_config
+        )  # only the experts are MXFP4; moestream dequantizes them after each read
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:

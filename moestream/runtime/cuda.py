@@ -15,6 +15,7 @@ Reusing a pinned host slot whose copy to the GPU might still be running waits fo
 those waits are counted in `CudaStats.host_syncs` (a slot is reused long after its copy, so they are
 normally zero).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,15 +67,22 @@ def gpu_layout(emap: ExpertMap, key: tuple[int, int]) -> tuple[dict[str, list[tu
 class GpuTier:
     """GPU slots in one allocation (LRU unless told otherwise), with per-slot copy and last-use events."""
 
-    def __init__(self, emap: ExpertMap, budget_bytes: int, device: torch.device, top_k: int,
-                 policy: EvictionPolicy | None = None) -> None:
+    def __init__(
+        self,
+        emap: ExpertMap,
+        budget_bytes: int,
+        device: torch.device,
+        top_k: int,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         self.layouts = {k: gpu_layout(emap, k)[0] for k in emap.units}
         self.slot_bytes = max(gpu_layout(emap, k)[1] for k in emap.units)
         capacity = min(len(emap.units), budget_bytes // self.slot_bytes)
         if capacity < top_k:
             raise CacheBudgetError(
                 f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
-                f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}")
+                f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}"
+            )
         self.capacity, self.device = capacity, device
         self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
         self.residents = ResidentSet(capacity, policy or LRUPolicy())
@@ -99,7 +107,9 @@ class _PinnedHostRuntime(ExpertRuntime):
     """What both CUDA runtimes share: the host cache's slots page-locked (unpinned on close), routes sent
     to the GPU asynchronously, and waits on GPU events before a host slot is refilled (counted)."""
 
-    def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, mapped: bool, **kwargs: Any) -> None:
+    def __init__(
+        self, cache: ExpertCache, act_fn: Any, device: torch.device, mapped: bool, **kwargs: Any
+    ) -> None:
         super().__init__(cache, act_fn, **kwargs)
         self.device = device
         self.cuda_stats = CudaStats()
@@ -142,8 +152,14 @@ class CudaExpertRuntime(_PinnedHostRuntime):
             return [("gate", "up"), ("down",)]
         return [(kind,) for kind in self.emap.kinds]
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
-                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    def _compute(
+        self,
+        layer: int,
+        order: list[int],
+        hidden: torch.Tensor,
+        routes: dict[int, Route],
+        predicted: tuple[int, list[int]] | None = None,
+    ) -> dict[int, torch.Tensor]:
         self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)
         self._layer_keys = {(layer, e) for e in order}  # never evicted from the GPU for each other
         resident = [e for e in order if (layer, e) in self.gpu.residents]
@@ -153,7 +169,9 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         for expert in resident:  # GPU hits: computed at once
             key = (layer, expert)
             self.gpu.residents.touch(key)
-            self.cache.touch_if_resident(key)  # keep the host copy warm, so a GPU eviction can fall back to it
+            self.cache.touch_if_resident(
+                key
+            )  # keep the host copy warm, so a GPU eviction can fall back to it
             carry = None
             for index in range(len(self.stages)):
                 carry = self._stage(_GpuOnly(layer), expert, index, hidden, routes[expert], carry)
@@ -194,10 +212,12 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         if state.last_use is not None:
             self.copy_stream.wait_event(state.last_use)
         host_state = self.cache.state_of(key)
-        for (buffer, offset, part), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]):
-            src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
+        for (buffer, offset, part), (gpu_offset, ref) in zip(
+            job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]
+        ):
+            src = self._views.bytes_of(buffer)[offset : offset + ref.nbytes]
             dst_start = state.slot * self.gpu.slot_bytes + gpu_offset
-            self.gpu.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
+            self.gpu.buffer[dst_start : dst_start + ref.nbytes].copy_(src, non_blocking=True)
             self.cuda_stats.copy_bytes += ref.nbytes
         event = torch.cuda.Event()
         event.record(self.copy_stream)
@@ -226,13 +246,15 @@ class CudaExpertRuntime(_PinnedHostRuntime):
         if kind == "gate_up" and self.emap.family == "swiglu":
             (gate_off, gate), (_, up) = self.gpu.layouts[key]["gate"][0], self.gpu.layouts[key]["up"][0]
             start = self.gpu.slots[key].slot * self.gpu.slot_bytes + gate_off
-            raw = self.gpu.buffer[start:start + gate.nbytes + up.nbytes]
+            raw = self.gpu.buffer[start : start + gate.nbytes + up.nbytes]
             weight = raw.view(TORCH_DTYPES[gate.dtype]).view(gate.shape[0] + up.shape[0], gate.shape[1])
             return weight if weight.dtype == dtype else weight.to(dtype)
         parts = []
         for offset, ref in self.gpu.layouts[key][kind]:
             start = self.gpu.slots[key].slot * self.gpu.slot_bytes + offset
-            parts.append(self.gpu.buffer[start:start + ref.nbytes].view(TORCH_DTYPES[ref.dtype]).view(ref.shape))
+            parts.append(
+                self.gpu.buffer[start : start + ref.nbytes].view(TORCH_DTYPES[ref.dtype]).view(ref.shape)
+            )
         return self._assemble(parts, dtype)
 
 
@@ -248,7 +270,9 @@ def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
     for kernels to read it in place (cudaHostRegisterMapped)."""
     err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 2 if mapped else 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
+        raise RuntimeError(
+            f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}"
+        )
 
 
 class UnifiedExpertRuntime(_PinnedHostRuntime):
@@ -266,7 +290,7 @@ class UnifiedExpertRuntime(_PinnedHostRuntime):
     def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
         parts = []
         for buffer, offset, part in job.tensor_parts(expert, kind):
-            raw = self._aliases[id(buffer)][offset:offset + part.ref.nbytes]
+            raw = self._aliases[id(buffer)][offset : offset + part.ref.nbytes]
             parts.append(raw.view(TORCH_DTYPES[part.ref.dtype]).view(part.ref.shape))
         return self._assemble(parts, dtype)
 
@@ -280,8 +304,13 @@ class _CudaArray:
     """`__cuda_array_interface__` for a device-visible byte range, so torch can alias it."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def device_alias(buffer: AlignedBuffer, device: torch.device) -> torch.Tensor:

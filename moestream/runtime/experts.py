@@ -11,6 +11,7 @@ Schedule per layer forward:
     the order reads complete in.
 Subclasses (the CUDA runtime) change where weights come from through `_prepare`, `_weight`, `_finish`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -81,7 +82,9 @@ class ExpertRuntime:
         self._views = SlotTensors()
         # called as observe(layer, hidden [T,H], rows (experts per token, router order), weights [T,K])
         self.observers: list[Callable[[int, torch.Tensor, list[list[int]], torch.Tensor], None]] = []
-        self._prefetch_routers: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next layer, its router)
+        self._prefetch_routers: dict[
+            int, tuple[int, torch.nn.Module]
+        ] = {}  # layer -> (next layer, its router)
 
     def enable_prefetch(self, routers: dict[int, torch.nn.Module]) -> None:
         """Read ahead, while layer L computes, the experts that layer L+1's router picks for L's input
@@ -93,7 +96,9 @@ class ExpertRuntime:
         """The kinds each compute stage needs, in order."""
         return [(kind,) for kind in self.emap.kinds]
 
-    def forward(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
         rows, predicted = self._readback(layer, hidden, top_k_index)
         for observe in self.observers:
@@ -109,8 +114,9 @@ class ExpertRuntime:
             out.index_add_(0, route.tokens, weighted.to(out.dtype))
         return out
 
-    def _readback(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor
-                  ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
+    def _readback(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor
+    ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
         """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
         ahead = self._prefetch_routers.get(layer)
         if ahead is None:
@@ -123,8 +129,14 @@ class ExpertRuntime:
         both = torch.cat([top_k_index, guess.to(top_k_index.dtype)], dim=1).tolist()  # still one readback
         return [row[:k] for row in both], (next_layer, execution_order(row[k:] for row in both))
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
-                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    def _compute(
+        self,
+        layer: int,
+        order: list[int],
+        hidden: torch.Tensor,
+        routes: dict[int, Route],
+        predicted: tuple[int, list[int]] | None = None,
+    ) -> dict[int, torch.Tensor]:
         job = self.cache.open_layer(layer, order)
         self._prefetch(predicted)
         return self._run(job, hidden, routes, order)
@@ -133,8 +145,12 @@ class ExpertRuntime:
         if predicted is not None:
             self.cache.prefetch(*predicted)
 
-    def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]) -> dict[int, torch.Tensor]:
-        p = _Progress(stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts))
+    def _run(
+        self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]
+    ) -> dict[int, torch.Tensor]:
+        p = _Progress(
+            stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts)
+        )
         while p.remaining:
             expert, kind, failure = job.next_event()
             if failure is not None and p.error is None:
@@ -151,7 +167,9 @@ class ExpertRuntime:
             raise p.error
         return p.carry
 
-    def _advance(self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress) -> bool:
+    def _advance(
+        self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress
+    ) -> bool:
         """Run every stage of `expert` whose kinds are in. Returns True when the expert finished."""
         if expert in p.finished or expert in p.stalled:
             return False  # already done, or queued for a retry when a slot frees
@@ -160,7 +178,9 @@ class ExpertRuntime:
                 if not self._prepare(job, expert, p.stage[expert]):
                     p.stalled.append(expert)
                     return False
-                p.carry[expert] = self._stage(job, expert, p.stage[expert], hidden, routes[expert], p.carry.get(expert))
+                p.carry[expert] = self._stage(
+                    job, expert, p.stage[expert], hidden, routes[expert], p.carry.get(expert)
+                )
             p.stage[expert] += 1
         if p.stage[expert] < len(self.stages):
             return False
@@ -197,20 +217,41 @@ class ExpertRuntime:
             both = both.pin_memory().to(device, non_blocking=True)
         tokens, positions = both[0], both[1]
         whole = len(rows)
-        return Routing(tokens, positions, {
-            e: Route(tokens[span], positions[span], span, span.stop - span.start == whole) for e, span in spans.items()
-        })
+        return Routing(
+            tokens,
+            positions,
+            {
+                e: Route(tokens[span], positions[span], span, span.stop - span.start == whole)
+                for e, span in spans.items()
+            },
+        )
 
     # --- the math ------------------------------------------------------------------------------
 
-    def _stage(self, job: LayerJob, expert: int, index: int, hidden: torch.Tensor, route: Route,
-               carry: torch.Tensor | None) -> torch.Tensor:
+    def _stage(
+        self,
+        job: LayerJob,
+        expert: int,
+        index: int,
+        hidden: torch.Tensor,
+        route: Route,
+        carry: torch.Tensor | None,
+    ) -> torch.Tensor:
         kinds = self.stages[index]
         if self.gpt_oss is not None:
-            return self._gpt_oss_stage(job.layer, expert, index, hidden, route, carry,
-                                       self._weight(job, expert, kinds[0], hidden.dtype))
+            return self._gpt_oss_stage(
+                job.layer,
+                expert,
+                index,
+                hidden,
+                route,
+                carry,
+                self._weight(job, expert, kinds[0], hidden.dtype),
+            )
         if kinds == ("gate", "up"):  # fused [2I,H], gate rows first: one matmul, like transformers
-            gate, up = F.linear(route.rows(hidden), self._weight(job, expert, "gate_up", hidden.dtype)).chunk(2, dim=-1)
+            gate, up = F.linear(route.rows(hidden), self._weight(job, expert, "gate_up", hidden.dtype)).chunk(
+                2, dim=-1
+            )
             return self.act_fn(gate) * up
         weight = self._weight(job, expert, kinds[0], hidden.dtype)
         if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
@@ -219,8 +260,16 @@ class ExpertRuntime:
             return self.act_fn(carry) * F.linear(route.rows(hidden), weight)
         return F.linear(carry, weight)  # down [H,I]: [t,I] -> [t,H]
 
-    def _gpt_oss_stage(self, layer: int, expert: int, index: int, hidden: torch.Tensor, route: Route,
-                       carry: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+    def _gpt_oss_stage(
+        self,
+        layer: int,
+        expert: int,
+        index: int,
+        hidden: torch.Tensor,
+        route: Route,
+        carry: torch.Tensor | None,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
         if index == 0:  # gate_up [H,2I], columns interleaved gate/up
             gate_up = route.rows(hidden) @ weight + self.biases[(layer, "gate_up_proj_bias")][expert]
             gate = gate_up[..., ::2].clamp(max=self.gpt_oss.limit)

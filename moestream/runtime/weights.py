@@ -1,4 +1,5 @@
 """Turning slot bytes into weight tensors: zero-copy views, or MXFP4 dequantization after the read."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,14 @@ from moestream.cache.slots import PartRead
 from moestream.io.memory import AlignedBuffer
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
 }
 # E2M1 values indexed by a 4-bit code (sign bit 3)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -30,7 +37,7 @@ class SlotTensors:
 
     def view(self, buffer: AlignedBuffer, offset: int, part: PartRead) -> torch.Tensor:
         """A tensor of the part's dtype and shape over its bytes in the slot (no copy when aligned)."""
-        raw = self.bytes_of(buffer)[offset:offset + part.ref.nbytes]
+        raw = self.bytes_of(buffer)[offset : offset + part.ref.nbytes]
         dtype = TORCH_DTYPES[part.ref.dtype]
         if offset % dtype.itemsize:
             raw = raw.clone()  # misaligned for the element type (odd header padding): copy once

@@ -6,6 +6,7 @@ An ASGI middleware wraps the app, so every request is logged once, errors and un
 when its response has been sent to the end (a stream: after `[DONE]`). The generation routes fill in
 the token counts and, when the client left mid-stream, the status 499.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,9 @@ class AccessLog:
             await self.app(scope, receive, sending)
         finally:
             if log.isEnabledFor(logging.INFO):
-                log.info("%s", line(scope, record.status or status, record, 1000 * (time.perf_counter() - start)))
+                log.info(
+                    "%s", line(scope, record.status or status, record, 1000 * (time.perf_counter() - start))
+                )
 
 
 def line(scope: Scope, status: int, record: AccessRecord, ms: float) -> str:

@@ -1,4 +1,5 @@
 """One generation request end to end: validate, tokenize, queue, then stream SSE or answer once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,9 @@ class Pending:
     access: AccessRecord
 
 
-async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: float,
-                 access: AccessRecord) -> tuple[Pending, bool]:
+async def submit(
+    state: ServerState, body: dict[str, Any], chat: bool, started: float, access: AccessRecord
+) -> tuple[Pending, bool]:
     """Validate `body`, build the prompt and queue it; returns the pending job and whether to stream.
 
     Raises:
@@ -58,9 +60,13 @@ async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: 
     try:
         state.worker.submit(job)
     except Busy as exc:
-        raise APIError(503, f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
-                            f"retry after {exc.retry_after} s", code="server_busy",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        raise APIError(
+            503,
+            f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
+            f"retry after {exc.retry_after} s",
+            code="server_busy",
+            headers={"Retry-After": str(exc.retry_after)},
+        ) from None
     except ShuttingDown as exc:
         raise APIError(503, str(exc), code="server_shutting_down") from None
     endpoint = "chat" if chat else "completions"
@@ -73,15 +79,21 @@ def _validate(state: ServerState, body: dict[str, Any], chat: bool) -> ChatReque
     except ValidationError as exc:
         raise from_validation(exc) from None
     if req.model is not None and req.model not in state.model_names:
-        raise APIError(404, f"the model {req.model[:200]!r} is not served here; this server serves "
-                            f"{state.model_id!r}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {req.model[:200]!r} is not served here; this server serves {state.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     refusal = req.refusal()
     if refusal is not None:
         raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
     return req
 
 
-def _params(req: ChatRequest | CompletionRequest, max_tokens: int, model_defaults: dict[str, Any]) -> SamplingParams:
+def _params(
+    req: ChatRequest | CompletionRequest, max_tokens: int, model_defaults: dict[str, Any]
+) -> SamplingParams:
     try:
         return req.sampling(max_tokens, model_defaults)
     except ValueError as exc:  # SamplingParams has the last word on values
@@ -91,9 +103,12 @@ def _params(req: ChatRequest | CompletionRequest, max_tokens: int, model_default
 def stream(state: ServerState, pending: Pending) -> StreamingResponse:
     """The SSE response: text deltas, then a last chunk with usage, timings and moe, then [DONE]."""
     # the background task also cancels a job whose client left before the first chunk was even asked for
-    return StreamingResponse(_sse(state, pending), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(pending.job.cancel))
+    return StreamingResponse(
+        _sse(state, pending),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(pending.job.cancel),
+    )
 
 
 async def answer(state: ServerState, pending: Pending, request: Request) -> Response:

@@ -5,6 +5,7 @@ that change nothing here (user, metadata, store, ...) are accepted and ignored; 
 cannot honour (n > 1, logprobs, tools, response_format, ...) are refused with a message naming the
 field, so a client never silently gets something other than what it asked for.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -21,9 +22,17 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "
 # fields of OpenAI's API that ask for something this server does not do: refused when set to anything
 # but their "off" values
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
-    "functions": (), "function_call": ("none",), "audio": (), "prediction": (), "web_search_options": (),
-    "modalities": (["text"],), "tool_choice": ("none", "auto"), "tools": ([],),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "functions": (),
+    "function_call": ("none",),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "modalities": (["text"],),
+    "tool_choice": ("none", "auto"),
+    "tools": ([],),
 }
 
 
@@ -111,11 +120,22 @@ class _Sampling(BaseModel):
         Raises:
             ValueError: a value SamplingParams refuses.
         """
-        chosen = {name: getattr(self, name) if getattr(self, name) is not None
-                  else model_defaults.get(name, default) for name, default in OPENAI_DEFAULTS.items()}
-        return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              logit_bias={int(k): v for k, v in self.logit_bias.items()}, **chosen)
+        chosen = {
+            name: getattr(self, name)
+            if getattr(self, name) is not None
+            else model_defaults.get(name, default)
+            for name, default in OPENAI_DEFAULTS.items()
+        }
+        return SamplingParams(
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()},
+            **chosen,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -165,8 +185,12 @@ class ChatMessage(BaseModel):
         if isinstance(value, list):
             parts = []
             for part in value:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise ValueError('only text content parts ({"type": "text", "text": ...}) are supported')
                 parts.append(part["text"])
             return "".join(parts)
         raise ValueError("must be a string or a list of text parts")

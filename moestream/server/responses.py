@@ -5,6 +5,7 @@ Every non-streamed response, and the last chunk of a stream (the one with `finis
 `stream_options.include_usage` they move to one more chunk with `choices: []`, as OpenAI, vLLM and
 llama-server send it, and every other chunk has `"usage": null`.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,13 @@ class Shape:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
@@ -68,8 +75,12 @@ class Shape:
     def whole(self, gen: Generation) -> dict[str, Any]:
         """The non-streamed response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
-                      "finish_reason": gen.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+            }
             return {**self._envelope("chat.completion", [choice]), **_extras(gen)}
         choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
         return {**self._envelope("text_completion", [choice]), **_extras(gen)}

@@ -5,6 +5,7 @@ the worker runs jobs one at a time and hands each token back to the event loop t
 whose client has gone is skipped if still queued and stopped within one token if running (the engine
 polls `cancelled()` once per token).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -89,8 +90,9 @@ class Job:
 class Worker:
     """Runs jobs one at a time on a dedicated thread; at most `queue_size` jobs wait."""
 
-    def __init__(self, engine: Engine, queue_size: int = 16,
-                 on_done: Callable[[Generation], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, queue_size: int = 16, on_done: Callable[[Generation], None] | None = None
+    ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue size must be at least 1, got {queue_size}")
         self.engine = engine
@@ -170,8 +172,14 @@ class Worker:
 
         # every request keeps its KV cache for the next one, as llama-server's slot does; cache_prompt
         # says whether this one reuses the previous request's
-        for gen in self.engine.stream(job.ids, job.params, cache_prompt=job.cache_prompt, keep_cache=True,
-                                      cancelled=cancelled, request_id=job.request_id):
+        for gen in self.engine.stream(
+            job.ids,
+            job.params,
+            cache_prompt=job.cache_prompt,
+            keep_cache=True,
+            cancelled=cancelled,
+            request_id=job.request_id,
+        ):
             # the same Generation object grows: read what we need now, before the next token changes it
             if not gen.done:
                 job.emit(Token(gen.piece, len(gen.tokens)))
@@ -179,7 +187,13 @@ class Worker:
             if self.on_done is not None:
                 self.on_done(gen)
             if gen.finish_reason == "cancelled" and self.closing:
-                job.emit(Failed(ShuttingDown(f"the server is shutting down; the generation was stopped after "
-                                             f"{len(gen.tokens)} tokens")))
+                job.emit(
+                    Failed(
+                        ShuttingDown(
+                            f"the server is shutting down; the generation was stopped after "
+                            f"{len(gen.tokens)} tokens"
+                        )
+                    )
+                )
             else:
                 job.emit(Done(gen))

@@ -1,4 +1,5 @@
 """A checkpoint directory: its config, its safetensors shards and every tensor's location."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def resolve_path(path_or_id: str) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)")
+        raise CheckpointError(
+            f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)"
+        )
     if path_or_id.count("/") == 1 and not path_or_id.startswith((".", "/", "~")):
         return _from_hub(path_or_id)
     raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -48,7 +51,9 @@ def _from_hub(repo_id: str) -> Path:
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
-        raise CheckpointError(f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})") from None
+        raise CheckpointError(
+            f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})"
+        ) from None
 
 
 def shard_files(path: Path) -> list[str]:

@@ -9,6 +9,7 @@ Two families of expert math are known:
     per-expert biases are kept resident.
 Expert e of a fused tensor is one contiguous byte range because E is the outermost dimension.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,7 +27,14 @@ _PER_EXPERT = re.compile(
     r"(?P<name>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 _FUSED = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<name>[a-z_]+)$")
-_PER_EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PER_EXPERT_KIND = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 _IGNORED_PREFIXES = ("mtp", "visual", "vision", "audio")
 
 Parts = tuple[TensorRef, ...]
@@ -67,7 +75,9 @@ def moe_layers(tensors: dict[str, TensorRef]) -> list[int]:
     return sorted(layers)
 
 
-def build_expert_map(tensors: dict[str, TensorRef], family: str, layers: list[int], num_experts: int) -> ExpertMap:
+def build_expert_map(
+    tensors: dict[str, TensorRef], family: str, layers: list[int], num_experts: int
+) -> ExpertMap:
     """Locate every (layer, expert, kind) of the given MoE layers among the checkpoint's tensors.
 
     Raises:

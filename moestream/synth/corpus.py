@@ -4,6 +4,7 @@ It is kept in a module rather than a data file so that it ships with the package
 package-data configuration. The text only has to give the BPE trainer common English and Korean
 byte pairs to merge; nothing depends on its meaning.
 """
+
 from __future__ import annotations
 
 ENGLISH = """\

@@ -3,6 +3,7 @@
 Byte-level means every UTF-8 byte has a token, so any text round-trips exactly, whatever the corpus
 covered. Training is deterministic: the same corpus and vocabulary size give the same tokenizer.json.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

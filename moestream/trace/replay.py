@@ -5,6 +5,7 @@ order), and the keys are `[(layer, e) for e in execution_order(rows)]`, the dist
 appearance order, exactly what the engine hands `ResidentSet.access_group`. So a prefill forward
 touches each distinct expert of its layer once, and decode goes token by token, layer by layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
         rank = np.empty(n_req, dtype=np.int64)
         rank[np.argsort(first_row, kind="stable")] = np.arange(n_req)
         cut = n_req // 2
-        return (rank[trace.request] >= cut).astype(np.int8), f"requests 1-{cut} / {cut + 1}-{n_req} (of {n_req})"
+        return (rank[trace.request] >= cut).astype(
+            np.int8
+        ), f"requests 1-{cut} / {cut + 1}-{n_req} (of {n_req})"
     steps = np.unique(trace.step)
     cut = steps[len(steps) // 2]
     return (trace.step >= cut).astype(np.int8), f"forward steps before / from step {cut} (of {len(steps)})"
@@ -87,8 +90,9 @@ def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
     cell = (2 * half[order][starts] + trace.phase[order][starts]).tolist()
     predicted = None
     if prefetch_top and trace.pred_experts is not None:
-        predicted = _predictions(trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers,
-                                 layer_keys, n_exp)
+        predicted = _predictions(
+            trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers, layer_keys, n_exp
+        )
     return Replay(keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)))
 
 
@@ -100,12 +104,21 @@ def check_ids(trace: Trace) -> None:
     h = trace.header
     for what, ids, bound in (("expert", trace.experts, h.n_experts), ("layer", trace.layer, h.n_layers)):
         if int(ids.min()) < 0 or int(ids.max()) >= bound:
-            raise TraceError(f"the trace {name} has {what} id {int(ids.max())} or {int(ids.min())}, outside "
-                             f"the header's {bound} {what}s")
+            raise TraceError(
+                f"the trace {name} has {what} id {int(ids.max())} or {int(ids.min())}, outside "
+                f"the header's {bound} {what}s"
+            )
 
 
-def _predictions(pred: np.ndarray, starts: list[int], ends: list[int], step_s: np.ndarray, layers: list[int],
-                 layer_keys: dict[int, list[Key]], n_exp: int) -> list[list[Key] | None]:
+def _predictions(
+    pred: np.ndarray,
+    starts: list[int],
+    ends: list[int],
+    step_s: np.ndarray,
+    layers: list[int],
+    layer_keys: dict[int, list[Key]],
+    n_exp: int,
+) -> list[list[Key] | None]:
     """Keys of layer+1 named by each forward's predictions, where the next forward is that layer."""
     rows = np.where(pred < n_exp, pred, -1).tolist()
     out: list[list[Key] | None] = []

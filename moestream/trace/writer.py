@@ -9,6 +9,7 @@ torn by the kill is detected by its length prefix when read (`read_trace` says w
 deletes the stream, so a reader sees either the finished Parquet file or the partial stream, never a
 half-written Parquet file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ class TraceWriter:
         fsync: also fsync after every batch (survives power loss, not only a killed process).
     """
 
-    def __init__(self, path: str | os.PathLike[str], header: TraceHeader, flush_rows: int = 4096,
-                 fsync: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], header: TraceHeader, flush_rows: int = 4096, fsync: bool = False
+    ) -> None:
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.path = Path(path)
@@ -74,14 +76,25 @@ class TraceWriter:
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()  # the rows appended before an exception are still valid
 
-    def append(self, request: str, token: int, phase: str, layer: int, experts: Sequence[int],
-               weights: Sequence[float], step: int | None = None, pred_experts: Sequence[int] | None = None,
-               pred_scores: Sequence[float] | None = None, pred2_experts: Sequence[int] | None = None,
-               pred2_scores: Sequence[float] | None = None) -> None:
+    def append(
+        self,
+        request: str,
+        token: int,
+        phase: str,
+        layer: int,
+        experts: Sequence[int],
+        weights: Sequence[float],
+        step: int | None = None,
+        pred_experts: Sequence[int] | None = None,
+        pred_scores: Sequence[float] | None = None,
+        pred2_experts: Sequence[int] | None = None,
+        pred2_scores: Sequence[float] | None = None,
+    ) -> None:
         """Add one (request, token, phase, layer) row.
 
         Args:
@@ -95,31 +108,59 @@ class TraceWriter:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         if len(experts) != self.header.top_k or len(weights) != len(experts):
-            raise ValueError(f"a row needs top_k={self.header.top_k} experts and as many weights, "
-                             f"got {len(experts)} and {len(weights)}")
+            raise ValueError(
+                f"a row needs top_k={self.header.top_k} experts and as many weights, "
+                f"got {len(experts)} and {len(weights)}"
+            )
         if step is None:
             step = self._derive_step(request, phase, token)
-        values = (str(request), int(token), phase, int(layer), int(step), [int(e) for e in experts],
-                  [float(w) for w in weights], _ints(pred_experts), _floats(pred_scores),
-                  _ints(pred2_experts), _floats(pred2_scores))
+        values = (
+            str(request),
+            int(token),
+            phase,
+            int(layer),
+            int(step),
+            [int(e) for e in experts],
+            [float(w) for w in weights],
+            _ints(pred_experts),
+            _floats(pred_scores),
+            _ints(pred2_experts),
+            _floats(pred2_scores),
+        )
         for name, value in zip(_COLUMNS, values):
             self._buffer[name].append(value)
         if len(self._buffer["layer"]) >= self.flush_rows:
             self.flush()
 
-    def append_forward(self, request: str, tokens: Sequence[int], phase: str, layer: int,
-                       experts: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
-                       step: int | None = None, pred_experts: Sequence[Sequence[int]] | None = None,
-                       pred_scores: Sequence[Sequence[float]] | None = None,
-                       pred2_experts: Sequence[Sequence[int]] | None = None,
-                       pred2_scores: Sequence[Sequence[float]] | None = None) -> None:
+    def append_forward(
+        self,
+        request: str,
+        tokens: Sequence[int],
+        phase: str,
+        layer: int,
+        experts: Sequence[Sequence[int]],
+        weights: Sequence[Sequence[float]],
+        step: int | None = None,
+        pred_experts: Sequence[Sequence[int]] | None = None,
+        pred_scores: Sequence[Sequence[float]] | None = None,
+        pred2_experts: Sequence[Sequence[int]] | None = None,
+        pred2_scores: Sequence[Sequence[float]] | None = None,
+    ) -> None:
         """Add the rows of one layer forward of one request: T tokens, experts/weights shaped [T, top_k],
         predictions [T, 2k] (numpy arrays work; pass `tensor.tolist()` for torch tensors)."""
         experts, weights = _rows(experts), _rows(weights)
         extra = [_rows(v) for v in (pred_experts, pred_scores, pred2_experts, pred2_scores)]
         for i, token in enumerate(tokens):
-            self.append(request, int(token), phase, layer, experts[i], weights[i], step,
-                        *(None if column is None else column[i] for column in extra))
+            self.append(
+                request,
+                int(token),
+                phase,
+                layer,
+                experts[i],
+                weights[i],
+                step,
+                *(None if column is None else column[i] for column in extra),
+            )
 
     def flush(self) -> None:
         """Write the buffered rows as one record batch and hand it to the kernel."""
