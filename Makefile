@@ -1,6 +1,6 @@
 # Two entry points, both doing their own set-up on a fresh machine:
 #   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
-#   make test   same set-up, then the test suite
+#   make test   same set-up, then ruff (lint + format check) and the test suite
 #
 # Which torch: pyproject.toml leaves torch unpinned, so that GPU users keep their own build. `make setup`
 # installs torch only into a .venv that has none: TORCH_SPEC (the CPU build) from a local wheel if pip is
@@ -37,6 +37,8 @@ demo: $(STAMP)
 	$(VENV)/bin/moestream demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check moestream tests benchmarks
+	$(VENV)/bin/ruff format --check moestream tests benchmarks
 	$(PY) -m pytest -q
 
 clean:

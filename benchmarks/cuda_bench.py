@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from io_ceiling import expert_ranges, measure  # noqa: E402
+from io_ceiling import expert_ranges, measure
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 
@@ -35,7 +35,7 @@ with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=ho
     for _ in range(passes):
         out = e.generate(sys.argv[6], max_tokens=tokens, ignore_eos=True)
     s = out.stats.to_dict()
-    s["host_syncs"] = e.runtime.cuda_stats.host_syncs
+    s["host_syncs"] = e.runtime.tier.stats.host_syncs
     print(json.dumps({"mode": mode, "stats": s, "tokens": out.tokens}))
 """
 
@@ -106,7 +106,8 @@ def table(runs: dict) -> str:
         if ceiling
         else "no ceiling measured",
         "",
-        "| run | decode tok/s | prefill tok/s | MiB read/token (decode) | read GiB/s while decoding | % of ceiling "
+        "| run | decode tok/s | prefill tok/s | MiB read/token (decode) | read GiB/s while decoding | % of "
+        "ceiling "
         "| not read from disk | host syncs | decode vs accelerate |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from io_ceiling import expert_ranges, measure  # noqa: E402
+from io_ceiling import expert_ranges, measure
 
-from moestream.bench.system import MemoryCgroup, device_for_path, drop_caches, make_memory_cgroup  # noqa: E402
-from moestream.units import GiB, MiB, parse_size  # noqa: E402
+from moestream.bench.system import MemoryCgroup, device_for_path, drop_caches, make_memory_cgroup
+from moestream.units import GiB, MiB, parse_size
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 RESIDENT_PROBE = """
@@ -164,14 +164,17 @@ def report(results: dict) -> None:
         f"{results['device']}, cache {results['cache']}, memory limit {results['memory_limit']}"
     )
     print(
-        "| run | decode tok/s (repeats) | prefill tok/s | MiB/token | hit rate | read GiB/s while decoding | % of ceiling | ms/token | read wait ms/token | device GiB read (whole run) |"
+        "| run | decode tok/s (repeats) | prefill tok/s | MiB/token | hit rate | read GiB/s while decoding | "
+        "% of ceiling | ms/token | read wait ms/token | device GiB read (whole run) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     runs = results["runs"] + ([results["resident"]] if "resident" in results else [])
     for r in runs:
         print(
-            f"| {r['run']} | {r['decode_tok_s']:.2f} {r.get('repeats_decode_tok_s', '')} | {r['prefill_tok_s']:.2f} | {r['mib_per_token']:.1f} | "
-            f"{100 * r['hit_rate']:.1f}% | {r['decode_read_gib_s']:.3f} | {100 * r['decode_read_gib_s'] / ceiling:.0f}% | "
+            f"| {r['run']} | {r['decode_tok_s']:.2f} {r.get('repeats_decode_tok_s', '')} | "
+            f"{r['prefill_tok_s']:.2f} | {r['mib_per_token']:.1f} | "
+            f"{100 * r['hit_rate']:.1f}% | {r['decode_read_gib_s']:.3f} | "
+            f"{100 * r['decode_read_gib_s'] / ceiling:.0f}% | "
             f"{r['ms_per_token']:.0f} | {r['read_wait_ms_per_token']:.0f} | "
             f"{r.get('device_bytes_read', 0) / GiB:.1f} |"
         )

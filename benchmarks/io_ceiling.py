@@ -18,26 +18,15 @@ import threading
 import time
 
 from moestream.model.arch import arch_for, num_experts
-from moestream.model.loader import load_config
-from moestream.store.checkpoint import open_checkpoint, resolve_path
-from moestream.store.experts import build_expert_map
+from moestream.store.source import open_source
 from moestream.units import parse_size
 
 
 def expert_ranges(path: str) -> list[tuple[str, int, int]]:
     """(file, aligned offset, aligned length) of every part of every routed expert."""
-    ckpt_path = resolve_path(path)
-    config = load_config(ckpt_path)
-    layers = sorted(
-        {
-            int(k.split("layers.")[1].split(".")[0])
-            for k in open_checkpoint(ckpt_path).tensors
-            if ".experts." in k and "layers." in k
-        }
-    )
-    emap = build_expert_map(
-        open_checkpoint(ckpt_path).tensors, arch_for(config).family, layers, num_experts(config)
-    )
+    source = open_source(path)
+    config = source.config()
+    emap = source.expert_map(arch_for(config).family, num_experts(config))
     ranges = []
     for parts in emap.units.values():
         for refs in parts.values():

@@ -10,7 +10,8 @@ after the first token; from the server's llama-server timings the same figure is
 too, as llama.cpp does). Also reported: the request time the client saw, against generate's engine time
 (prefill + decode), which is what HTTP, SSE and the worker hand-off add.
 
-    python benchmarks/server_vs_generate.py CHECKPOINT [--cache 128MiB] [--tokens 32] [--rounds 2] [--json OUT]
+    python benchmarks/server_vs_generate.py CHECKPOINT [--cache 128MiB] [--tokens 32] [--rounds 2] \
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def main() -> None:
     args = p.parse_args()
     print(
         f"date {datetime.now().isoformat(timespec='seconds')}; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores; Python {platform.python_version()}; cache {args.cache}, {args.tokens} tokens"
+        f"{os.cpu_count()} cores; Python {platform.python_version()}; cache {args.cache}, {args.tokens} "
+        "tokens"
     )
     rows = []
     for round_ in range(args.rounds):
@@ -157,7 +159,8 @@ def main() -> None:
 
 def report(rows: list[dict]) -> None:
     print(
-        "\n| round | prompt | generate decode tok/s | server decode tok/s | ratio | server predicted_per_second "
+        "\n| round | prompt | generate decode tok/s | server decode tok/s | ratio | server "
+        "predicted_per_second "
         "| generate engine s | server request s (client) | same text |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
@@ -165,7 +168,8 @@ def report(rows: list[dict]) -> None:
         g, s = r["generate"], r["server"]
         print(
             f"| {r['round']} | {r['prompt']} | {g['decode_tok_s']:.2f} | {s['decode_tok_s']:.2f} | "
-            f"{s['decode_tok_s'] / g['decode_tok_s']:.3f} | {s['predicted_per_second']:.2f} | {g['engine_s']:.2f} | "
+            f"{s['decode_tok_s'] / g['decode_tok_s']:.3f} | {s['predicted_per_second']:.2f} | "
+            f"{g['engine_s']:.2f} | "
             f"{s['client_s']:.2f} | {'yes' if g['text'] == s['text'] else 'NO'} |"
         )
     g_mean = statistics.mean(r["generate"]["decode_tok_s"] for r in rows)
@@ -173,11 +177,13 @@ def report(rows: list[dict]) -> None:
     ratios = [r["server"]["decode_tok_s"] / r["generate"]["decode_tok_s"] for r in rows]
     overhead = [r["server"]["client_s"] - r["server"]["engine_s"] for r in rows]
     print(
-        f"\nmean decode tok/s: generate {g_mean:.2f}, server {s_mean:.2f}; server/generate {s_mean / g_mean:.3f} "
+        f"\nmean decode tok/s: generate {g_mean:.2f}, server {s_mean:.2f}; server/generate "
+        f"{s_mean / g_mean:.3f} "
         f"(per-pair median {statistics.median(ratios):.3f}; target >= 0.95)"
     )
     print(
-        f"client-seen request time minus the server's engine time: median {1000 * statistics.median(overhead):.1f} ms"
+        "client-seen request time minus the server's engine time: median "
+        f"{1000 * statistics.median(overhead):.1f} ms"
     )
 
 

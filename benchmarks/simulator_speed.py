@@ -4,7 +4,8 @@ The trace is synthetic but shaped like the seed's model (Qwen3.6-35B-A3B: 40 MoE
 top-8, ~2 MiB per expert), 12 requests of 30 prompt tokens and ~2,050 decode tokens each, so about 1M
 rows, with stale-gate predictions for lru-prefetch. Each policy replays the whole trace at one budget.
 
-    .venv/bin/python benchmarks/simulator_speed.py [--requests 12] [--decode 2054] [--budget 2GiB] [--save T.parquet]
+    .venv/bin/python benchmarks/simulator_speed.py [--requests 12] [--decode 2054] [--budget 2GiB] \
+        [--save T.parquet]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"date {datetime.datetime.now().isoformat(timespec='seconds')}; {cpu_name()}, {os.cpu_count()} cores; "
+        f"date {datetime.datetime.now().isoformat(timespec='seconds')}; {cpu_name()}, {os.cpu_count()} "
+        "cores; "
         f"Python {platform.python_version()}"
     )
     t0 = time.perf_counter()

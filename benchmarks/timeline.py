@@ -25,11 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import moestream  # noqa: E402
-from moestream.cache import expert_cache  # noqa: E402
-from moestream.cli._engine_args import add_engine_arguments, engine_kwargs  # noqa: E402
-from moestream.io import reader as reader_mod  # noqa: E402
-from moestream.runtime import experts as experts_mod  # noqa: E402
+import itertools
+
+import moestream
+from moestream.cache import expert_cache
+from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+from moestream.io import reader as reader_mod
+from moestream.runtime import experts as experts_mod
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 
@@ -45,7 +47,7 @@ class Timeline:
         tl = self
         read = reader_mod.Reader._read
 
-        def timed_read(self, request, offset):  # noqa: ANN001
+        def timed_read(self, request, offset):
             start = time.perf_counter()
             got = read(self, request, offset)
             end = time.perf_counter()
@@ -57,7 +59,7 @@ class Timeline:
 
         forward = experts_mod.ExpertRuntime.forward
 
-        def timed_forward(self, layer, hidden, top_k_index, top_k_weights):  # noqa: ANN001
+        def timed_forward(self, layer, hidden, top_k_index, top_k_weights):
             if hidden.shape[0] != 1:
                 tl.current = None
                 return forward(self, layer, hidden, top_k_index, top_k_weights)
@@ -72,7 +74,7 @@ class Timeline:
 
         readback = experts_mod.ExpertRuntime._readback
 
-        def timed_readback(self, *args):  # noqa: ANN001
+        def timed_readback(self, *args):
             out = readback(self, *args)
             if tl.current is not None:
                 tl.current["routed"] = time.perf_counter()
@@ -82,7 +84,7 @@ class Timeline:
 
         init = expert_cache.LayerJob.__init__
 
-        def timed_init(self, *args, **kwargs):  # noqa: ANN001
+        def timed_init(self, *args, **kwargs):
             init(self, *args, **kwargs)
             if tl.current is not None:
                 tl.current["queued"] = time.perf_counter()
@@ -155,7 +157,7 @@ class Timeline:
                 / len(layers),
                 "whole": 1e3 * sum(lay["exit"] - lay["enter"] for lay in layers) / len(layers),
                 "between": 1e3
-                * sum(b["enter"] - a["exit"] for a, b in zip(layers, layers[1:]))
+                * sum(b["enter"] - a["exit"] for a, b in itertools.pairwise(layers))
                 / max(1, len(layers) - 1),
             },
         }

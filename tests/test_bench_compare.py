@@ -51,7 +51,7 @@ def test_baseline_that_is_not_a_results_file(tmp_path):
     with pytest.raises(MoestreamError, match="cannot read the baseline"):
         load_baseline(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text('{"text": "no requests"}')
-    with pytest.raises(MoestreamError, match="not a `moestream bench` results.json"):
+    with pytest.raises(MoestreamError, match=r"not a `moestream bench` results\.json"):
         load_baseline(tmp_path / "x.json")
 
 

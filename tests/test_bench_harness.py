@@ -10,13 +10,13 @@ import subprocess
 import sys
 
 import pytest
+from test_server_harness import KEY, shared_server
 
 import moestream
 from moestream.bench.harness import BenchConfig, run_bench
 from moestream.bench.system import device_for_path
 from moestream.cli import build_parser, main
 from moestream.cli.bench import engine_argv
-from test_server_harness import KEY, shared_server
 
 PROMPTS = [
     {"prompt": "The quick brown fox jumps", "lang": "en"},

@@ -41,7 +41,7 @@ def test_negative_slope_and_low_ceiling_give_no_ceiling():
         "fit": falling.to_dict(),
         "fit_runs": ["a"],
     }
-    fit_line_text = [line for line in summary_lines(results) if line.startswith("fit:")][0]
+    fit_line_text = next(line for line in summary_lines(results) if line.startswith("fit:"))
     assert "WARNING" in fit_line_text and "tok/s" not in fit_line_text.split("ceiling")[1]
 
 

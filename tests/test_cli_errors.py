@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 

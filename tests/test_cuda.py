@@ -42,10 +42,10 @@ def test_cuda_streamed_equals_stock(arch, tiny_dir):
     path = tiny_dir(arch)
     ids, ref_logits = _bf16_reference(path, arch)
     with moestream.load(str(path), device="cuda", cache="64MiB", dtype="bfloat16") as engine:
-        minimum, _ = budget_requirements(engine.emap, engine.top_k)
-        everything = engine.runtime.gpu.slot_bytes * len(engine.emap.units)
+        _minimum, _ = budget_requirements(engine.emap, engine.top_k)
+        everything = engine.runtime.tier.slot_bytes * len(engine.emap.units)
         for gpu_cache, host_cache in (
-            (engine.runtime.gpu.slot_bytes * engine.top_k, 0),
+            (engine.runtime.tier.slot_bytes * engine.top_k, 0),
             (everything // 2, 0),
             (everything // 2, "64MiB"),
             (everything, "64MiB"),
@@ -77,7 +77,7 @@ def test_one_host_sync_per_layer(tiny_dir):
         layers = len(engine.emap.layers)
         assert len(ours) == layers, [(w.filename, w.lineno) for w in ours]
         assert all(w.filename.endswith("runtime/experts.py") for w in ours)
-        assert engine.runtime.cuda_stats.host_syncs == 0
+        assert engine.runtime.tier.stats.host_syncs == 0
 
 
 def test_gpu_eviction_falls_back_to_the_host_tier(tiny_dir):
@@ -90,7 +90,7 @@ def test_gpu_eviction_falls_back_to_the_host_tier(tiny_dir):
         second = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
         assert second.tokens == first.tokens
         assert engine.reader.bytes_read == read  # every expert came from pinned host memory
-        assert engine.runtime.cuda_stats.gpu_misses > 0  # while the small GPU tier kept evicting
+        assert engine.runtime.tier.stats.gpu_misses > 0  # while the small GPU tier kept evicting
 
 
 def test_unified_memory_tier_matches_stock(tiny_dir):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as T
+from tiny_models import ARCHS
 
 import moestream
 from moestream.cache.expert_cache import budget_requirements
-from tiny_models import ARCHS
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 NEW_TOKENS = 32
@@ -23,7 +23,8 @@ def references(tiny_dir):
             path = tiny_dir(arch)
             extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if arch.endswith("mxfp4") else {}
             model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
-            model.float()  # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
+            # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
+            model.float()
             model.eval()
             out = model.generate(
                 torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False

@@ -177,7 +177,7 @@ def daemon_cmd(tree: tuple[Path, Path, Path], tmp_path: Path, argv_file: Path) -
 
 
 def test_daemon_process_end_to_end_and_sigterm_restores(tree, tmp_path: Path) -> None:
-    root, node, lib = tree
+    _root, node, lib = tree
     argv_file = tmp_path / "bpftrace-argv.json"
     proc = subprocess.Popen(
         daemon_cmd(tree, tmp_path, argv_file)[:-1] + ["0.2"],

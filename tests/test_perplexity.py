@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as T
+from tiny_models import CORPUS
 
 import moestream
 from moestream.bench.perplexity import model_logits, perplexity, split_chunks
 from moestream.cache.expert_cache import budget_requirements
 from moestream.cli import main
 from moestream.errors import MoestreamError
-from tiny_models import CORPUS
 
 CTX, CHUNKS = 64, 3
 

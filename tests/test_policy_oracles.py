@@ -1,4 +1,4 @@
-"""The added eviction policies against independent brute-force re-implementations and an exhaustive optimum."""
+"""Eviction policies against independent brute-force re-implementations and an exhaustive optimum."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The Python API habits of mlx-lm and transformers users: `stream` yields each new text piece,
 `generate(messages=...)` applies the chat template, the engine is a context manager, and
-`engine.model.generate(...)` (stock transformers generation over the streamed experts) gives the engine's tokens."""
+`engine.model.generate(...)` (stock transformers generation over the streamed experts) gives the engine's
+tokens."""
 
 from __future__ import annotations
 

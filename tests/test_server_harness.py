@@ -38,7 +38,7 @@ SERVER_ARGS = [
     "--threads",
     "1",
 ]
-_servers: dict[str, "LiveServer"] = {}
+_servers: dict[str, LiveServer] = {}
 
 
 def _die_with_parent() -> None:

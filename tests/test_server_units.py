@@ -49,7 +49,8 @@ def test_timings_follow_llama_server_convention():
 
 
 class _CancelAfter(Job):
-    """Cancels itself from the worker thread right after emitting its n-th token: a deterministic disconnect."""
+    """Cancels itself from the worker thread right after emitting its n-th token: a deterministic
+    disconnect."""
 
     n: int = 3
 

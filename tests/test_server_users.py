@@ -115,7 +115,7 @@ def test_nulls_mean_defaults_and_stream_options_include_usage(server):
     greedy = (
         client.completions.create(model=server.model, prompt="Hello", max_tokens=5, **GREEDY).choices[0].text
     )
-    # what the openai package sends when a wrapper passes None; temperature None -> 1.0 with the model's top_k 1
+    # what the openai package sends when a wrapper passes None (temperature None: 1.0, the model's top_k 1)
     nulls = dict(
         temperature=None,
         top_p=None,

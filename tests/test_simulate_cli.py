@@ -1,4 +1,5 @@
-"""`moestream simulate` / `predict-eval` end to end: JSON fields, tables, plot, user errors, no torch, real traces."""
+"""`moestream simulate` / `predict-eval` end to end: JSON fields, tables, plot, user errors, no torch, real
+traces."""
 
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def test_simulate_never_imports_torch(synthetic_jsonl: Path) -> None:
         "import sys; from moestream.cli import main; "
         f"rc = main(['simulate', {str(synthetic_jsonl)!r}, '--budgets', '8MiB', '--json']); "
         "rc |= main(['predict-eval', " + repr(str(synthetic_jsonl)) + "]); "
-        "assert rc == 0 and 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)"
+        "assert rc == 0 and 'torch' not in sys.modules and 'transformers' not in sys.modules, "
+        "sorted(sys.modules)"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The simulator: hand-computed counts on a tiny trace, and an independent brute-force LRU on random traces."""
+"""The simulator: hand-computed counts on a tiny trace, an independent brute-force LRU on random traces."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def by(records, policy, phase, scope="all"):
     return next(r for r in records if r["policy"] == policy and r["phase"] == phase and r["scope"] == scope)
 
 
-# Capacity 3. Forwards: F1 prefill L0 {00,01,02}, F2 prefill L1 {13,10}, F3 decode L0 {00,01}, F4 decode L1 {13,10}.
+# Capacity 3. Forwards: F1 prefill L0 {00,01,02}, F2 prefill L1 {13,10}, F3 decode L0 {00,01}, F4 decode L1
+# {13,10}.
 EXPECTED = {  # policy: (prefill hits, misses), (decode hits, misses)   -- worked out by hand
     "lru": ((0, 5), (1, 3)),
     "lfu": ((0, 5), (1, 3)),

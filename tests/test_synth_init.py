@@ -1,4 +1,5 @@
-"""Initial values: the realistic-routing scales, transformers' own init for small tensors, and the routing they give."""
+"""Initial values: the realistic-routing scales, transformers' own init for small tensors, and the routing
+they give."""
 
 from __future__ import annotations
 

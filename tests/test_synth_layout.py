@@ -1,4 +1,4 @@
-"""synth checkpoints of every architecture: on-disk names match transformers, stock transformers loads them."""
+"""synth checkpoints of every architecture: on-disk names match transformers, which loads them."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _disk(path) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                 sl = st.get_slice(k)
                 out[k] = (tuple(sl.get_shape()), sl.get_dtype())
     return out
@@ -93,7 +93,7 @@ def test_stock_transformers_loads_and_generates(arch, synths):
 
 
 def test_loaded_experts_are_the_disk_bytes_gate_first(synths):
-    """transformers fuses gate_proj (w1) before up_proj (w3): the loaded experts are our per-expert tensors."""
+    """transformers fuses gate_proj (w1) before up_proj (w3): its experts are our per-expert tensors."""
     from transformers import AutoModelForCausalLM
 
     I = TINY["moe_intermediate"]

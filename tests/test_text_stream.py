@@ -15,7 +15,7 @@ from moestream.engine.detokenize import TextStream
 class _Pieces:
     """A decode-only tokenizer: token i decodes to PIECES[i] (no backend, so the whole-text path)."""
 
-    PIECES = ["he", "llo ", "S", "T", "O", "P", "X", "y", "\n", "#", "z"]
+    PIECES = ("he", "llo ", "S", "T", "O", "P", "X", "y", "\n", "#", "z")
 
     def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.PIECES[t] for t in tokens)

@@ -184,7 +184,7 @@ def test_ids_outside_the_header_and_empty_traces_are_refused(tmp_path: Path) -> 
 
     with TraceWriter(tmp_path / "empty.parquet", header()):
         pass
-    with pytest.raises(TraceError, match="empty.parquet holds no rows"):
+    with pytest.raises(TraceError, match=r"empty\.parquet holds no rows"):
         simulate(read_trace(tmp_path / "empty.parquet"), ["lru"], [10_000])
     with TraceWriter(tmp_path / "t.parquet", header()) as w:
         w.append("r", 0, "decode", 5, [1, 2], [0.5, 0.5])  # layer 5 of a 2-layer model

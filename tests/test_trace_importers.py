@@ -1,4 +1,4 @@
-"""Importers of others' router logs: hand-built files with known structure, then the real ones when present."""
+"""Importers of others' router logs: hand-built files of known structure, then the real ones when present."""
 
 from __future__ import annotations
 

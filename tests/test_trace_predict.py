@@ -1,4 +1,5 @@
-"""Predictor evaluation: hand-computed recall for the stale gate (one and two layers ahead) and previous token."""
+"""Predictor evaluation: hand-computed recall for the stale gate (one and two layers ahead) and previous
+token."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def three_layer_trace(synthetic: bool = False) -> Trace:
             [4, 7],
         ]
     )  # token 1
-    # found in the top-2/3/4 guess: token 0: L1 {2,3} 1/2/2, L2 {4,5} 1/1/2; token 1: L1 {2,6} 1/1/2, L2 {4,7} 1/2/2
+    # found in the top-2/3/4 guess: token 0: L1 {2,3} 1/2/2, L2 {4,5} 1/1/2; token 1: L1 {2,6} 1/1/2, L2
+    # {4,7} 1/2/2
     pred = np.array([[2, 7, 3, 0], [4, 0, 1, 5], [-1] * 4, [6, 1, 0, 2], [7, 5, 4, 1], [-1] * 4])
     pred2 = np.array([[4, 1], [-1, -1], [-1, -1], [7, 4], [-1, -1], [-1, -1]])  # L2 from L0: 1/2, 2/2
     return Trace(

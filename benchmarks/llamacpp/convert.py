@@ -40,7 +40,7 @@ def _text_model_class(converter: object) -> type:
 
         return TextModel
     except ImportError:
-        return getattr(converter, "TextModel", None) or getattr(converter, "Model")
+        return getattr(converter, "TextModel", None) or converter.Model
 
 
 def main() -> None:

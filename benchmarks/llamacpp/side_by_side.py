@@ -2,7 +2,8 @@
 run_bench): same prompts, same greedy token count, same cgroup memory limit, the page cache dropped
 before every run, the disk's readahead set per run, bytes read from the disk counted per request.
 
-    # one run per SPEC: "llama:ra=8192,t=2" or "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
+    # one run per SPEC: "llama:ra=8192,t=2" or
+    # "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
     python benchmarks/llamacpp/side_by_side.py run SPEC... --llama-server BIN --gguf FILE --model DIR \
         --memory-limit 2.6GiB --max-tokens 32 --out DIR [--baseline RUN_DIR]
     # the table of every run under DIR, speed-ups against the best llama run, texts against a reference run
@@ -119,7 +120,8 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
     s = results["summary"]
     print(
         f"{spec}: decode {s['decode_tok_s_mean']:.3f} tok/s (CV {100 * (s['decode_tok_s_cv'] or 0):.1f}%), "
-        f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read {s['device_gib']:.1f} GiB, "
+        f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read "
+        f"{s['device_gib']:.1f} GiB, "
         f"peak memory {_peak(results)}",
         flush=True,
     )
@@ -162,7 +164,8 @@ def table(out: Path, reference_dir: str | None = None) -> str:
         x = f"{s['decode_tok_s_mean'] / best:.2f}" if best else "-"
         same = _same_text(r, reference)
         lines.append(
-            f"| {r['label']} | {s['decode_tok_s_mean']:.3f} ({100 * (s['decode_tok_s_cv'] or 0):.1f}%) | {x} | "
+            f"| {r['label']} | {s['decode_tok_s_mean']:.3f} ({100 * (s['decode_tok_s_cv'] or 0):.1f}%) | {x} "
+            "| "
             f"{s['prefill_tok_s_mean']:.2f} | {s['prompt_s_total']:.1f} | {s['device_gib']:.1f} | "
             f"{s['mib_per_token_mean']:.0f} | {_peak(r)} | {same} |"
         )

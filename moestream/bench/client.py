@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -188,3 +188,13 @@ def _result(
         moe=final.get("moe"),
         finish_reason=final.get("finish_reason"),
     )
+
+
+def request_dict(r: RequestResult) -> dict[str, Any]:
+    """A request as stored in results.json, with the derived per-token figures."""
+    return {
+        **asdict(r),
+        "device_bytes": r.device_bytes,
+        "ms_per_token": r.ms_per_token,
+        "mib_per_token": r.mib_per_token,
+    }

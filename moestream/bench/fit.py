@@ -58,7 +58,7 @@ class LineFit:
 
     @property
     def ceiling_tok_s(self) -> float | None:
-        """Decode speed with zero bytes read, as the line extrapolates it (None when `warning` says why not)."""
+        """Decode speed with zero bytes read, as the line extrapolates it (None: `warning` says why)."""
         return 1000.0 / self.fixed_ms if self.warning is None else None
 
     def predict(self, mib_per_token: float) -> float:

@@ -13,7 +13,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,50 +21,12 @@ import httpx
 
 from moestream.bench import system
 from moestream.bench.client import RequestResult, run_request
+from moestream.bench.config import BenchConfig
 from moestream.bench.prompts import Prompt, load_prompts
+from moestream.bench.report import build_results, write_outputs
 from moestream.bench.server import ServerProcess
 from moestream.errors import MoestreamError
 from moestream.units import format_size
-
-
-@dataclass
-class BenchConfig:
-    """Everything one run needs. Either `target` (a running server) or `server_argv` + `port` (ours)."""
-
-    out: Path
-    prompts: str = "builtin"
-    max_tokens: int = 256
-    target: str | None = None
-    server_argv: list[str] | None = None
-    port: int | None = None
-    server_name: str = "moestream"
-    api_key: str | None = None
-    endpoint: str = "/v1/completions"  # or llama-server's native "/completion"
-    disk_of: str | None = None  # a path on the disk whose reads are counted (the model)
-    memory_limit: int | None = None
-    readahead_kb: int | None = None
-    drop_caches: bool = False
-    ignore_eos: bool = True
-    baseline: str | None = None
-    fit_with: list[str] = field(default_factory=list)
-    label: str = ""
-    ready_timeout_s: float = 900.0
-    request_timeout_s: float = 3600.0
-    server_env: dict[str, str] | None = None
-    plots: bool = True
-
-    def __post_init__(self) -> None:
-        if (self.target is None) == (self.server_argv is None):
-            raise MoestreamError("give either --target URL or --model PATH, not both and not neither")
-        if self.max_tokens < 2:
-            raise MoestreamError(
-                f"--max-tokens must be at least 2 (decode speed needs two tokens), got {self.max_tokens}"
-            )
-        if self.target is not None and self.memory_limit is not None:
-            raise MoestreamError(
-                "--memory-limit cannot limit a server this command did not start; use --model "
-                "PATH, or start the target inside a cgroup yourself"
-            )
 
 
 @dataclass
@@ -79,8 +41,6 @@ class _Machine:
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run every prompt once against the server and write results.json, report.md and plots to `out`."""
-    from moestream.bench.report import build_results, write_outputs
-
     prompts = load_prompts(config.prompts)
     config.out.mkdir(parents=True, exist_ok=True)
     with _prepared_machine(config) as machine:
@@ -229,13 +189,3 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor()
-
-
-def request_dict(r: RequestResult) -> dict[str, Any]:
-    """A request as stored in results.json, with the derived per-token figures."""
-    return {
-        **asdict(r),
-        "device_bytes": r.device_bytes,
-        "ms_per_token": r.ms_per_token,
-        "mib_per_token": r.mib_per_token,
-    }

@@ -12,7 +12,7 @@ from moestream.bench.fit import LineFit, cv, fit_line, mean
 
 if TYPE_CHECKING:
     from moestream.bench.client import RequestResult
-    from moestream.bench.harness import BenchConfig
+    from moestream.bench.config import BenchConfig
 
 GiB, MiB = 1 << 30, 1 << 20
 RESULTS_VERSION = 1
@@ -65,14 +65,14 @@ def fit_runs(runs: list[dict[str, Any]]) -> tuple[LineFit | None, list[tuple[str
 
 
 def build_results(
-    config: "BenchConfig",
-    requests: "list[RequestResult]",
+    config: BenchConfig,
+    requests: list[RequestResult],
     telemetry: dict[str, Any],
     mode_line: str | None,
     machine: dict[str, Any],
 ) -> dict[str, Any]:
     """The whole run as one JSON-able object (the format `--baseline` and `--fit-with` read back)."""
-    from moestream.bench.harness import request_dict
+    from moestream.bench.client import request_dict
 
     rows = [request_dict(r) for r in requests]
     server = "moestream" if any(r.moe is not None for r in requests) else config.server_name
@@ -121,7 +121,7 @@ def load_run(path: str | Path) -> dict[str, Any]:
     return load_baseline(path)
 
 
-def write_outputs(config: "BenchConfig", results: dict[str, Any]) -> None:
+def write_outputs(config: BenchConfig, results: dict[str, Any]) -> None:
     """results.json, report.md and (unless turned off) the two PNG plots, into `config.out`."""
     out = config.out
     (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
@@ -217,7 +217,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     )
     if t.get("power_mean_w") is not None or t.get("gpu_clock_mean_mhz") is not None:
         lines.append(
-            f"telemetry: power {_num(t.get('power_mean_w'))} W, energy {_num(t.get('energy_per_token_j'), '.3f')}"
+            f"telemetry: power {_num(t.get('power_mean_w'))} W, energy "
+            f"{_num(t.get('energy_per_token_j'), '.3f')}"
             f" J/token, GPU load {_num(t.get('gpu_load_mean_pct'), '.1f')}%, GPU clock "
             f"{_num(t.get('gpu_clock_mean_mhz'), '.0f')} MHz mean, histogram {t.get('gpu_clock_hist_mhz')}"
         )

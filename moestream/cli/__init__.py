@@ -40,8 +40,8 @@ EXTRA_OF_MODULE = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moestream",
-        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk through a "
-        "bounded expert cache. Every verb has --help.",
+        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk "
+        "through a bounded expert cache. Every verb has --help.",
     )
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")

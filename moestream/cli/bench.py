@@ -97,7 +97,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def build_config(args: argparse.Namespace) -> "BenchConfig":
+def build_config(args: argparse.Namespace) -> BenchConfig:
     from moestream.bench.harness import BenchConfig
     from moestream.bench.server import free_port, moestream_serve_argv
     from moestream.units import parse_size

@@ -46,7 +46,8 @@ def intro(engine: Any) -> str:
     """What the demo is and what it shows, before any number."""
     share = 100 * engine.cache.capacity / len(engine.emap.units)
     return (
-        f"moestream demo: a synthetic {engine.config.model_type} with {len(engine.emap.units)} routed experts "
+        f"moestream demo: a synthetic {engine.config.model_type} with {len(engine.emap.units)} routed "
+        f"experts "
         f"({engine.emap.expert_bytes / MiB:.0f} MiB) and RANDOM weights, so the text is noise by design.\n"
         f"What it shows: the experts stream from disk through a cache that holds {share:.0f}% of them, and "
         f"the tokens are exactly those of the run with every expert resident in memory."
@@ -77,9 +78,8 @@ def run(args: argparse.Namespace) -> int:
         resident = engine.generate(DEMO_PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"prompt: {DEMO_PROMPT!r}")
     print(f"text:   {streamed.text!r}")
-    print(
-        f"{'':<10} {'expert cache':<34} {'decode tok/s':>12} {'prefill tok/s':>13} {'MiB read':>15} {'hit rate':>9}"
-    )
+    header = ("", "expert cache", "decode tok/s", "prefill tok/s", "MiB read", "hit rate")
+    print("{:<10} {:<34} {:>12} {:>13} {:>15} {:>9}".format(*header))
     print(row("streamed", streamed_cache, streamed))
     print(row("resident", f"every expert ({experts} slots), warmed", resident))
     same = resident.tokens == streamed.tokens

@@ -29,24 +29,21 @@ def describe(path: str) -> dict[str, Any]:
     from moestream.cache.expert_cache import budget_requirements
     from moestream.cache.slots import slot_bytes
     from moestream.model.arch import arch_for, num_experts, top_k
-    from moestream.model.loader import load_config
-    from moestream.store.checkpoint import open_checkpoint, resolve_path
-    from moestream.store.experts import build_expert_map, moe_layers
+    from moestream.store.source import open_source
 
-    ckpt_path = resolve_path(path)
-    config = load_config(ckpt_path)
+    source = open_source(path)
+    config = source.config()
     arch = arch_for(config)
-    ckpt = open_checkpoint(ckpt_path)
-    emap = build_expert_map(ckpt.tensors, arch.family, moe_layers(ckpt.tensors), num_experts(config))
+    emap = source.expert_map(arch.family, num_experts(config))
     k = top_k(config)
     minimum, working_set = budget_requirements(emap, k)
     first = emap.units[next(iter(emap.units))]
-    synthetic = (ckpt_path / "moestream_synth.json").exists()
+    total_bytes = sum(ref.nbytes for ref in source.tensors.values())
     return {
-        "path": str(ckpt_path),
+        "path": str(source.path),
         "model_type": config.model_type,
         "family": arch.family,
-        "quant": emap.quant,
+        "formats": emap.format_names(),
         "moe_layers": len(emap.layers),
         "experts_per_layer": emap.num_experts,
         "top_k": k,
@@ -54,13 +51,11 @@ def describe(path: str) -> dict[str, Any]:
         "expert_slot_bytes": slot_bytes(first),
         "expert_bytes_per_layer": emap.num_experts * emap.unit_bytes(*next(iter(emap.units))),
         "all_expert_bytes": emap.expert_bytes,
-        "checkpoint_bytes": ckpt.total_bytes,
-        "non_expert_bytes": ckpt.total_bytes
-        - emap.expert_bytes
-        - sum(r.nbytes for r in emap.resident.values()),
+        "checkpoint_bytes": total_bytes,
+        "non_expert_bytes": total_bytes - emap.expert_bytes - sum(r.nbytes for r in emap.resident.values()),
         "working_set_bytes": working_set,
         "minimum_cache_bytes": minimum,
-        "synthetic": synthetic,
+        "synthetic": source.synthetic,
     }
 
 
@@ -86,13 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(info: dict[str, Any]) -> None:
     print(
-        f"{info['path']}: {info['model_type']} ({info['family']} experts"
-        f"{', MXFP4' if info['quant'] == 'mxfp4' else ''}){'  [synthetic]' if info['synthetic'] else ''}"
+        f"{info['path']}: {info['model_type']} ({info['family']} experts, stored as "
+        f"{', '.join(info['formats'])}){'  [synthetic]' if info['synthetic'] else ''}"
     )
     print(f"  MoE layers {info['moe_layers']} x {info['experts_per_layer']} experts, top-{info['top_k']}")
     print(
-        f"  one expert {info['expert_bytes'] / MiB:.2f} MiB on disk ({format_size(info['expert_slot_bytes'])} slot); "
-        f"per layer {format_size(info['expert_bytes_per_layer'])}; all experts {format_size(info['all_expert_bytes'])}"
+        f"  one expert {info['expert_bytes'] / MiB:.2f} MiB on disk "
+        f"({format_size(info['expert_slot_bytes'])} slot); "
+        f"per layer {format_size(info['expert_bytes_per_layer'])}; all experts "
+        f"{format_size(info['all_expert_bytes'])}"
     )
     print(f"  resident (non-expert) weights {format_size(info['non_expert_bytes'])}")
     print(f"  per-token working set {format_size(info['working_set_bytes'])} (top-k x every MoE layer)")

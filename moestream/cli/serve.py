@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             aliases=[path],
         )
         app = create_app(engine, options)
-        # uvicorn's own INFO lines (startup, shutdown) would only repeat ours: it logs warnings unless debugging
+        # uvicorn's own INFO lines (startup, shutdown) only repeat ours: it logs warnings unless debugging
         uvicorn_level = args.log_level if args.log_level in ("debug", "error") else "warning"
         config = uvicorn.Config(
             app, log_level=uvicorn_level, access_log=False, timeout_graceful_shutdown=5, log_config=None

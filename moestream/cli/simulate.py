@@ -20,8 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "simulate",
         help="replay a router trace through the cache policies at several budgets",
-        description="Replay a router trace (moestream Parquet/JSONL, speculative-moe JSONL, or vLLM-MoE-Logger "
-        "JSONL files; several of the latter are merged as layers of one model) through the "
+        description="Replay a router trace (moestream Parquet/JSONL, speculative-moe JSONL, or "
+        "vLLM-MoE-Logger JSONL files; several of the latter are merged as layers of one model) through the "
         "engine's eviction policies and report MiB read per token and hit rate.",
     )
     p.add_argument("trace", nargs="+", help="trace file(s); the format is detected from the content")

@@ -92,7 +92,8 @@ def summary(out: Path, marker: dict, seconds: float) -> str:
     what = f"{marker['arch']}" + (f" (preset {marker['preset']})" if marker.get("preset") else "")
     shape = (
         f"{marker['layers']} layers, {marker['moe_layers']} MoE x {marker['experts']} experts, "
-        f"top-{marker['top_k']}, hidden {marker['hidden']}, expert intermediate {marker['moe_intermediate']}, "
+        f"top-{marker['top_k']}, hidden {marker['hidden']}, expert intermediate "
+        f"{marker['moe_intermediate']}, "
         f"{'mxfp4' if marker['mxfp4'] else marker['dtype']}"
     )
     total = marker["total_bytes"]

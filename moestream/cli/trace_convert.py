@@ -1,4 +1,5 @@
-"""`moestream trace-convert IN... OUT`: any supported trace (or several vLLM-logger files) to Parquet or JSONL."""
+"""`moestream trace-convert IN... OUT`: any supported trace (or several vLLM-logger files) to Parquet or
+JSONL."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from moestream.cache.expert_cache import ExpertCache
 from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
-from moestream.engine.device import build_runtime
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
 from moestream.engine.options import EngineOptions
@@ -23,9 +23,11 @@ from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, load_config, router_modules, streaming_modules
-from moestream.store.checkpoint import open_checkpoint, resolve_path
-from moestream.store.experts import ExpertMap, build_expert_map
+from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.runtime.experts import ExpertRuntime
+from moestream.runtime.families import make_family
+from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
+from moestream.store.source import open_source
 from moestream.units import format_size
 
 DEFAULT_CONTEXT = 8192  # --ctx-size when not given: the smaller of this and the model's maximum
@@ -54,8 +56,9 @@ def load(
     io_threads: int = 4,
     piece: int | str = "128KiB",
     threads: int | None = None,
+    make_reader: ReaderFactory | None = None,
     **extra: Any,
-) -> "Engine":
+) -> Engine:
     """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
 
     Args:
@@ -66,6 +69,7 @@ def load(
         io_threads: dedicated I/O threads.
         piece: read size of one I/O, a multiple of 4 KiB.
         threads: torch compute threads (None: torch's default).
+        make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
             `unified`, `experts_per_token`, `gpu_floor`, `ctx_size` (tokens of prompt plus generation a
@@ -86,42 +90,58 @@ def load(
         )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
-    return Engine(resolve_path(path), options)
+    return Engine(path, options, make_reader=make_reader)
 
 
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
-    def __init__(self, path: Path, options: EngineOptions) -> None:
-        self.path, self.options = path, options
+    def __init__(
+        self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None
+    ) -> None:
+        self.options = options
+        self._make_reader = make_reader or Reader
         if options.threads is not None:
             torch.set_num_threads(options.threads)
-        self.config = load_config(path)
+        self.source = open_source(path)
+        self.path = self.source.path
+        self.config = self.source.config()
         self.arch = arch_for(self.config)
         self.model_top_k = top_k(self.config)
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
-        checkpoint = open_checkpoint(path)
+        self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
-        self.model = build_model(path, self.config, self.arch, dtype)
+        self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
         self.device = torch.device(options.device)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
-        modules = streaming_modules(self.model)
+        self._modules = streaming_modules(self.model)
+        self.emap.restrict([layer for layer, _ in self._modules])
         self.top_k = top_k(self.config)
-        self.emap = build_expert_map(
-            checkpoint.tensors, self.arch.family, [i for i, _ in modules], num_experts(self.config)
-        )
-        self._stream_experts(modules)
-        self.tokenizer = _load_tokenizer(path)
+        self.family = make_family(self.config, self.emap, self.device, self.dtype)
+        self.streaming = self._stream()
+        self.tokenizer = self.source.tokenizer()
         self._step = ForwardStep(self.model)
         self._init_generation()
         self.floor = self._make_floor()
         self.recorder: Any = None
         self._requests = 0
 
+    @property
+    def cache(self) -> ExpertCache:
+        return self.streaming.cache
+
+    @property
+    def runtime(self) -> ExpertRuntime:
+        return self.streaming.runtime
+
+    @property
+    def reader(self) -> Reader:
+        return self.streaming.reader
+
     def start_trace(self, path: str | Path, predict: bool = True) -> None:
-        """Record every layer's routing (and the stale-gate prediction) of the following requests to `path`."""
+        """Record every layer's routing (and the stale-gate prediction) of the next requests to `path`."""
         from moestream.engine.tracing import TraceRecorder
 
         if self.recorder is not None:
@@ -130,39 +150,29 @@ class Engine:
 
     def stop_trace(self) -> None:
         if self.recorder is not None:
-            self.runtime.observers.remove(self.recorder.observe)
+            self.recorder.detach(self.runtime)
             self.recorder.close()
             self.recorder = None
 
-    def _stream_experts(self, modules: list[tuple[int, Any]]) -> None:
-        """Open the shards, carve the cache, bind every StreamingExperts module to a fresh runtime."""
-        options = self.options
-        self.reader = Reader(options.io_mode, options.io_threads)
-        try:
-            for name in sorted(
-                {ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}
-            ):
-                self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
-            self.cache, self.runtime = build_runtime(
-                self.emap, self.reader, options, self.config, self.top_k, self.device, self.dtype
-            )
-        except BaseException:
-            self.reader.close()
-            raise
-        if options.prefetch:
-            self.runtime.enable_prefetch(
-                {
-                    layer: router
-                    for layer, router in router_modules(self.model).items()
-                    if layer in set(self.emap.layers)
-                }
-            )
-        for layer, module in modules:
-            module.bind(layer, self.runtime)
+    def _stream(self) -> ExpertStreaming:
+        """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
+        streaming = ExpertStreaming(
+            self.emap,
+            self.family,
+            self.options.stream_config(),
+            top_k=self.top_k,
+            device=self.device,
+            make_reader=self._make_reader,
+        )
+        if self.options.prefetch:
+            streaming.enable_lookahead(router_modules(self.model))
+        streaming.bind(self._modules)
+        return streaming
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
-        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side comparisons without reloading."""
+        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side
+        comparisons without reloading."""
         unknown = set(changes) - {
             "cache",
             "io_mode",
@@ -180,9 +190,14 @@ class Engine:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
-        self._close_streaming()
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.detach(self.runtime)
+        self.streaming.close()
         self.options = options
-        self._stream_experts(streaming_modules(self.model))
+        self.streaming = self._stream()
+        if recorder is not None:
+            recorder.attach(self)
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
@@ -194,7 +209,7 @@ class Engine:
                 experts_off_gpu=self.options.device == "cpu",
             )
         except BaseException:
-            self.reader.close()
+            self.streaming.close()
             raise
 
     # --- description -------------------------------------------------------------------------
@@ -205,30 +220,8 @@ class Engine:
 
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
-        o, c = self.options, self.cache
-        if self.device.type == "cuda" and not hasattr(self.runtime, "gpu"):
-            memory = (
-                f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
-                f"(pinned, device-mapped, no staging copy)"
-            )
-        elif self.device.type == "cuda":
-            gpu = self.runtime.gpu
-            memory = (
-                f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
-                f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots"
-            )
-        else:
-            memory = (
-                f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
-                f"({'locked' if c.locked else 'unlocked'})"
-            )
-        io = self.reader.io_mode + (
-            f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else ""
-        )
         return (
-            f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
-            f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory}"
-            f"{'' if o.policy == 'lru' else ', ' + o.policy.upper() + ' eviction'} of "
+            f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
@@ -242,11 +235,8 @@ class Engine:
 
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
-        s = self.cache.stats
-        gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
-        return Counters(
-            self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches, s.prefetch_used
-        )
+        c = self.streaming.counters()
+        return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -260,7 +250,8 @@ class Engine:
             if self.model_context is not None and requested > self.model_context:
                 warnings.warn(
                     f"--ctx-size {requested} is beyond the model's trained context of "
-                    f"{self.model_context} tokens; output may degrade past it"
+                    f"{self.model_context} tokens; output may degrade past it",
+                    stacklevel=2,
                 )
             self.ctx_size = requested
         self.prompt_cache = PromptCache()
@@ -396,7 +387,9 @@ class Engine:
                 )
             except ContinuationError as exc:  # raised before the first token: run the request cold instead
                 self.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
-                warnings.warn(f"the prompt cache is off for this model: {self.prompt_cache.disabled}")
+                warnings.warn(
+                    f"the prompt cache is off for this model: {self.prompt_cache.disabled}", stacklevel=2
+                )
                 state = KVState()
                 yield from self._tokens(ids, params, cancelled, self._stepper(request_id, 0), state)
         finally:
@@ -471,15 +464,9 @@ class Engine:
         self.stop_trace()
         if self.floor is not None:
             self.floor.close()
-        self._close_streaming()
+        self.streaming.close()
 
-    def _close_streaming(self) -> None:
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
-        self.reader.close()
-
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -504,13 +491,3 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
     return found
-
-
-def _load_tokenizer(path: Path) -> Any:
-    if not any(
-        (path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

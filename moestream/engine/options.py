@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from moestream.io.reader import IO_MODES
+from moestream.runtime.streaming import POLICY_CLASSES, StreamConfig
 from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-POLICIES = ("lru", "lfu")  # eviction policies a live engine can run (the simulator has more)
+POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 
 
 @dataclass
@@ -64,3 +65,7 @@ class EngineOptions:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def stream_config(self) -> StreamConfig:
+        """The fields that decide how experts are streamed."""
+        return StreamConfig(**{f.name: getattr(self, f.name) for f in fields(StreamConfig)})

@@ -25,7 +25,8 @@ LOGIT_BIAS_RANGE = 100.0
 
 @dataclass
 class SamplingParams:
-    """What to generate. temperature 0 means greedy; top_k 0, top_p 1, min_p 0 and penalties 1/0 disable them."""
+    """What to generate. temperature 0 means greedy; top_k 0, top_p 1, min_p 0 and the penalties at 1 and 0
+    disable those."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -136,6 +137,6 @@ def model_sampling_defaults(path: Path) -> dict[str, Any]:
         found = {k: data[k] for k in MODEL_DEFAULT_KEYS if isinstance(data, dict) and data.get(k) is not None}
         SamplingParams(**found)
     except (OSError, ValueError, TypeError) as exc:
-        warnings.warn(f"ignoring the sampling defaults of {file}: {exc}")
+        warnings.warn(f"ignoring the sampling defaults of {file}: {exc}", stacklevel=2)
         return {}
     return found

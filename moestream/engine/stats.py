@@ -36,7 +36,7 @@ class Counters:
     prefetches: int = 0
     prefetch_used: int = 0
 
-    def since(self, earlier: "Counters", tokens: int, seconds: float) -> PhaseStats:
+    def since(self, earlier: Counters, tokens: int, seconds: float) -> PhaseStats:
         return PhaseStats(
             tokens,
             seconds,

@@ -205,7 +205,8 @@ class Reader:
                     break
         if got < min(length, request.needed - start):
             raise ExpertReadError(
-                f"short read from {handle.path} at offset {offset}: got {got} of {min(length, request.needed - start)} "
+                f"short read from {handle.path} at offset {offset}: got {got} of "
+                f"{min(length, request.needed - start)} "
                 "bytes (the file is truncated or changed since it was opened)"
             )
         return got

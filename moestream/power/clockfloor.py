@@ -114,10 +114,13 @@ class ClockFloor:
     def close(self) -> None:
         """Put back the `min_freq` found at start, unless another writer has taken over."""
         try:
-            if not (self.yielded or self.disabled) and self._owned():
-                if self.node.min_hz() != self.original_hz:
-                    self.node.write_min_hz(self.original_hz)
-                    log.info("floor %d MHz (restored)", mhz(self.original_hz))
+            if (
+                not (self.yielded or self.disabled)
+                and self._owned()
+                and self.node.min_hz() != self.original_hz
+            ):
+                self.node.write_min_hz(self.original_hz)
+                log.info("floor %d MHz (restored)", mhz(self.original_hz))
         except OSError as exc:
             log.warning(
                 "could not restore %s min_freq to %d MHz: %s", self.node.name, mhz(self.original_hz), exc

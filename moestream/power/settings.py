@@ -140,7 +140,8 @@ def render_defaults_file(settings: DaemonSettings) -> str:
     return "\n".join(
         [
             "# moestream gpu-floor settings (KEY=VALUE; read by the daemon itself, never by a shell).",
-            "# GPU_FLOOR_MHZ: floor while llama.cpp computes MoE experts on the CPU; max = highest available.",
+            "# GPU_FLOOR_MHZ: floor while llama.cpp computes MoE experts on the CPU; max = highest "
+            "available.",
             f"GPU_FLOOR_MHZ={floor}",
             "# HOLD_SECONDS: keep the floor this long after the last call returned.",
             f"HOLD_SECONDS={settings.hold_s:g}",

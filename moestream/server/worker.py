@@ -101,7 +101,8 @@ class Worker:
         self.running: Job | None = None
         self.closing = False  # set by `shutdown`: no new job is taken, the running one is stopped
         self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
-        # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded with
+        # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded
+        # with
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="moestream-worker", daemon=True)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "synthesize",
-    "routing_stats",
-    "routing_measures",
-    "SAMPLE_TEXT",
-    "PRESETS",
     "ARCHS",
+    "PRESETS",
+    "SAMPLE_TEXT",
     "SYNTH_MARKER",
+    "routing_measures",
+    "routing_stats",
+    "synthesize",
 ]
 
 _LAZY = {

@@ -7,7 +7,8 @@ family. Only the routed experts must match the spec exactly: they are what moest
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from moestream.synth.shapes import SynthSpec, with_attention_shape
 
@@ -20,7 +21,7 @@ _N_SHARED = {"deepseek_v2": 2, "deepseek_v3": 1, "glm4_moe": 1}
 _VLM_ARCHITECTURE = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
-def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int) -> "PretrainedConfig":
+def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int) -> PretrainedConfig:
     """The transformers config object for `spec` (dtype set), ready for `save_pretrained`."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -60,7 +61,7 @@ def mxfp4_quantization_config() -> dict[str, Any]:
     return Mxfp4Config(modules_to_not_convert=keep).to_dict()
 
 
-def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec) -> "PretrainedConfig":
+def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec) -> PretrainedConfig:
     """Qwen3.5-MoE ships a composite (vision + text) config; its text model loads as a CausalLM."""
     text = transformers.Qwen3_5MoeTextConfig(**text_kwargs)
     cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), dtype=spec.torch_dtype_name)

@@ -74,5 +74,5 @@ KOREAN = """\
 
 
 def corpus_lines() -> list[str]:
-    """The corpus as a list of non-empty lines, English first, in a fixed order (training is deterministic)."""
+    """The corpus as a list of non-empty lines, English first, in a fixed order (deterministic training)."""
     return [line for line in (ENGLISH + KOREAN).splitlines() if line.strip()]

@@ -21,7 +21,7 @@ import torch
 
 from moestream.synth.sample_text import SAMPLE_TEXT
 
-__all__ = ["routing_stats", "routing_measures", "hot_share", "adjacent_overlap", "SAMPLE_TEXT"]
+__all__ = ["SAMPLE_TEXT", "adjacent_overlap", "hot_share", "routing_measures", "routing_stats"]
 
 # router modules of every supported family, e.g. "model.layers.3.mlp.gate", "model.layers.0.mlp.router"
 _ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)$")

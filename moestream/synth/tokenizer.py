@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB) -> "PreTrainedTokenizerFast":
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on the embedded corpus and wrap it as a transformers fast tokenizer.
 
     The result has at most `vocab_size` tokens (fewer if the corpus runs out of pairs to merge),

@@ -41,7 +41,7 @@ class InitScheme:
     out_scale: float = 0.02
 
     @classmethod
-    def plain(cls) -> "InitScheme":
+    def plain(cls) -> InitScheme:
         """transformers' own init: every matrix N(0, 0.02)."""
         return cls(embed_scale=1.0, out_scale=1.0)
 

@@ -1,4 +1,5 @@
-"""Router traces: the format (`TraceWriter`, `read_trace`), importers, the cache simulator, predictor evaluation.
+"""Router traces: the format (`TraceWriter`, `read_trace`), importers, the cache simulator, predictor
+evaluation.
 
 Nothing here imports torch, so `moestream simulate` runs on any machine with pyarrow.
 

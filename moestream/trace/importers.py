@@ -73,7 +73,8 @@ def import_speculative_moe(path: Path, records: list[dict[str, Any]]) -> Trace:
         f"{stats['prefill_rows']} rows, one forward per layer); the rest is decode",
         f"decode tokens are numbered after the prompt in file order, a new token starting wherever the layer "
         f"number does not increase ({stats['decode_tokens']} tokens)" + _pos_note(stats),
-        f"{stats['missing_prefill']} prefill and {stats['missing_decode']} decode (token, layer) rows are absent "
+        f"{stats['missing_prefill']} prefill and {stats['missing_decode']} decode (token, layer) rows are "
+        "absent "
         "from the file; the replay treats those as not routed (no expert access)",
     ]
     header = _header(

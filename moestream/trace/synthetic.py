@@ -47,7 +47,8 @@ def random_trace(
     expert_bytes: int = 1 << 20,
     synthetic: bool = True,
 ) -> Trace:
-    """A trace of `n_requests` requests, each a prefill of `prompt_len` tokens then `decode_len` decode tokens.
+    """A trace of `n_requests` requests, each a prefill of `prompt_len` tokens then `decode_len` decode
+    tokens.
 
     Rows are in recording order: a request's prefill layer by layer (all tokens of a layer together),
     then its decode token by token; one step per prefill and per decode token.

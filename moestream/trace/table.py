@@ -150,7 +150,8 @@ def array_to_lists(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | No
 def trace_from_pylists(
     header: TraceHeader, columns: dict[str, list], notes: list[str] | None = None
 ) -> Trace:
-    """A Trace from plain Python column lists (as importers collect them); absent prediction columns are null."""
+    """A Trace from plain Python column lists (as importers collect them); absent prediction columns are
+    null."""
     schema = arrow_schema(header)
     n = len(columns["layer"])
     data = {f.name: columns.get(f.name, [None] * n) for f in schema}

@@ -65,7 +65,7 @@ class TraceWriter:
         self._buffer: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         self._step = -1
         self._step_key: tuple[Any, ...] | None = None
-        self._file = open(self.partial, "wb")  # noqa: SIM115 - lives until close()
+        self._file = open(self.partial, "wb")
         self._stream = pa.ipc.new_stream(self._file, self._schema)
         # pyarrow writes the schema lazily; an empty batch forces it out now, so a writer killed before
         # its first flush leaves a file that says "a trace with no rows yet" rather than an empty file
