@@ -14,12 +14,12 @@ from moestream.engine.loop import ForwardStep, token_stream
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler, SamplingParams
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
-from moestream.errors import MoestreamError
+from moestream.errors import CheckpointError, MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, load_config, router_modules, streaming_modules
 from moestream.store.checkpoint import open_checkpoint, resolve_path
-from moestream.store.experts import ExpertMap, build_expert_map
+from moestream.store.experts import ExpertMap, build_expert_map, check_expert_shapes
 from moestream.units import format_size
 
 
@@ -76,6 +76,8 @@ class Engine:
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
         checkpoint = open_checkpoint(path)
+        self.checkpoint_files = checkpoint.files
+        self.tokenizer = _load_tokenizer(path)  # before the model: a broken tokenizer fails in a second
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(path, self.config, self.arch, dtype)
         self.device = torch.device(options.device)
@@ -85,8 +87,8 @@ class Engine:
         self.top_k = top_k(self.config)
         self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
                                      num_experts(self.config))
+        check_expert_shapes(self.emap, self.config)
         self._stream_experts(modules)
-        self.tokenizer = _load_tokenizer(path)
         self._step = ForwardStep(self.model)
         self.floor = self._make_floor()
         self.recorder: Any = None
@@ -101,17 +103,25 @@ class Engine:
         self.recorder = TraceRecorder(self, path, predict=predict)
 
     def stop_trace(self) -> None:
-        if self.recorder is not None:
-            self.runtime.observers.remove(self.recorder.observe)
-            self.recorder.close()
-            self.recorder = None
+        """Finish the trace file.
+
+        Raises:
+            TraceError: writing the trace failed (during the run or now); the message says what was kept.
+        """
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            self.runtime.observers.remove(recorder.observe)
+            recorder.close()
 
     def _stream_experts(self, modules: list[tuple[int, Any]]) -> None:
         """Open the shards, carve the cache, bind every StreamingExperts module to a fresh runtime."""
         options = self.options
         self.reader = Reader(options.io_mode, options.io_threads)
         try:
-            for name in sorted({ref.file for parts in self.emap.units.values() for refs in parts.values() for ref in refs}):
+            # every shard, trunk-only ones too, so that check_files sees any of them change
+            experts = {ref.file for kinds in self.emap.units.values() for parts in kinds.values()
+                       for ref in parts}
+            for name in sorted(experts | set(self.checkpoint_files)):
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
             self.cache, self.runtime = build_runtime(self.emap, self.reader, options, self.config, self.top_k,
                                                      self.device, self.dtype)
@@ -225,8 +235,28 @@ class Engine:
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
+        self._check_context(len(ids), params.max_tokens)
+        self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
         self._requests += 1
         yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
+        value = getattr(text_config(self.config), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def _check_context(self, prompt_n: int, max_tokens: int) -> None:
+        """Positions past the trained context give text that looks like output but is not: refuse them."""
+        context = self.context_length
+        if context is None:
+            return
+        if prompt_n >= context:
+            raise MoestreamError(f"the prompt has {prompt_n} tokens, more than the model's context of "
+                                 f"{context} tokens leaves room for (at most {context - 1})")
+        if prompt_n + max_tokens > context:
+            raise MoestreamError(f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds the "
+                                 f"model's context of {context} tokens (at most {context - prompt_n} here)")
 
     def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
              request_id: str) -> Iterator[Generation]:
@@ -235,6 +265,8 @@ class Engine:
         try:
             yield from self._tokens(ids, params, cancelled, self._stepper(request_id))
         finally:
+            if self.recorder is not None:
+                self.recorder.flush()  # a process killed later loses none of this request's rows
             if self.floor is not None:
                 self.floor.end()
 
@@ -283,10 +315,14 @@ class Engine:
 
     def close(self) -> None:
         """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
-        self.stop_trace()
-        if self.floor is not None:
-            self.floor.close()
-        self._close_streaming()
+        try:
+            self.stop_trace()
+        finally:
+            try:
+                if self.floor is not None:
+                    self.floor.close()
+            finally:
+                self._close_streaming()
 
     def _close_streaming(self) -> None:
         close = getattr(self.runtime, "close", None)
@@ -330,4 +366,8 @@ def _load_tokenizer(path: Path) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # a malformed tokenizer file raises whatever its parser raises
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise CheckpointError(f"the tokenizer files in {path} cannot be loaded ({reason})") from None

@@ -12,8 +12,7 @@ import torch
 
 from moestream.cache.slots import slot_bytes as slot_size
 from moestream.model.loader import router_modules
-from moestream.trace import TraceHeader, TraceWriter
-
+from moestream.trace import TraceError, TraceHeader, TraceWriter
 
 
 class TraceRecorder:
@@ -21,6 +20,7 @@ class TraceRecorder:
 
     def __init__(self, engine: Any, path: str | Path, predict: bool = True, flush_rows: int = 4096) -> None:
         self.writer = TraceWriter(path, _header(engine), flush_rows=flush_rows)
+        self.error: TraceError | None = None  # the write that failed; recording stopped there
         self.top_k = engine.top_k
         self.routers = router_modules(engine.model) if predict else {}
         self.request, self.phase, self.first_position, self.step = "", "prefill", 0, 0
@@ -33,6 +33,14 @@ class TraceRecorder:
 
     @torch.inference_mode()
     def observe(self, layer: int, hidden: torch.Tensor, rows: list[list[int]], weights: torch.Tensor) -> None:
+        if self.error is not None:
+            return  # a failed trace (a full disk) must not stop the generation; close() reports it
+        try:
+            self._append(layer, hidden, rows, weights)
+        except TraceError as exc:
+            self.error = exc
+
+    def _append(self, layer: int, hidden: torch.Tensor, rows: list[list[int]], weights: torch.Tensor) -> None:
         tokens = range(self.first_position, self.first_position + len(rows))
         extra: dict[str, Any] = {}
         for ahead, prefix in ((1, "pred"), (2, "pred2")):
@@ -50,7 +58,16 @@ class TraceRecorder:
         top = torch.topk(scores, min(2 * self.top_k, scores.shape[-1]), dim=-1)
         return top.indices.tolist(), top.values.tolist()
 
+    def flush(self) -> None:
+        """Hand the rows recorded so far to the kernel (a failure is kept for close(), as in observe)."""
+        if self.error is None:
+            try:
+                self.writer.flush()
+            except TraceError as exc:
+                self.error = exc
+
     def close(self) -> None:
+        """Finish the file. Raises TraceError when recording failed (now or during the run)."""
         self.writer.close()
 
 

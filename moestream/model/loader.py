@@ -8,6 +8,7 @@ parameters, transformers finds no target for the expert tensors and never reads 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -29,13 +30,23 @@ _EXPERT_KEY = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
 
 
 def load_config(path: Path) -> Any:
-    """The checkpoint's transformers config, with a clear error when there is none."""
-    if not (path / "config.json").exists():
+    """The checkpoint's transformers config, with a clear error when there is none or it is malformed."""
+    config_file = path / "config.json"
+    if not config_file.exists():
         raise CheckpointError(f"{path} has no config.json, so it is not a HF checkpoint directory")
+    try:
+        json.loads(config_file.read_bytes())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {config_file}: {exc.strerror}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from None
     try:
         return AutoConfig.from_pretrained(str(path))
     except ValueError as exc:
         raise UnsupportedModelError(f"transformers cannot read the config in {path} ({exc})") from None
+    except Exception as exc:  # a field of the wrong type (huggingface_hub's strict dataclass validation)
+        reason = " ".join(str(exc).split())
+        raise CheckpointError(f"transformers cannot read the config in {path} ({reason})") from None
 
 
 @contextlib.contextmanager
@@ -66,11 +77,20 @@ def build_model(path: Path, config: Any, arch: Arch, dtype: str | torch.dtype) -
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
+            # mismatched sizes are reported by us, naming the tensor, instead of transformers' RuntimeError
             model, info = AutoModelForCausalLM.from_pretrained(
-                str(path), config=config, dtype=dtype, output_loading_info=True
+                str(path), config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
             )
+        except OSError as exc:  # e.g. shards without model.safetensors or an index naming them
+            reason = " ".join(str(exc).split())
+            raise CheckpointError(f"transformers cannot load the weights in {path} ({reason})") from None
         finally:
             unregister_patch_mapping([arch.experts_class])
+    mismatched = sorted(info.get("mismatched_keys", []))
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        raise CheckpointError(f"tensor {name} in {path} has shape {list(stored)}, but config.json implies "
+                              f"{list(expected)} ({len(mismatched)} tensors disagree with the config)")
     missing = [k for k in info.get("missing_keys", []) if not _EXPERT_KEY.search(k)]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from moestream.errors import CheckpointError
 from moestream.store.safetensors_file import TensorRef
@@ -131,6 +132,10 @@ def _split_swiglu(emap: ExpertMap, layer: int, fused: dict[tuple[int, str], Tens
 
 def _row(ref: TensorRef, e: int) -> TensorRef:
     """Expert e's slice of a fused [E, ...] tensor: one contiguous byte range."""
+    if not ref.shape or e >= ref.shape[0]:
+        # a shorter E would make the last experts' rows point past the tensor, into its neighbours' bytes
+        raise CheckpointError(f"tensor {ref.name} in {ref.file} has shape {list(ref.shape)}, which holds "
+                              f"no row for expert {e}")
     per = ref.nbytes // ref.shape[0]
     return TensorRef(ref.file, ref.offset + e * per, per, ref.dtype, ref.shape[1:], f"{ref.name}[{e}]")
 
@@ -144,3 +149,81 @@ def _check_complete(emap: ExpertMap, layers: set[int]) -> None:
                     raise CheckpointError(
                         f"the checkpoint has no {kind} weights for expert {e} of layer {layer}"
                     )
+
+
+# What the expert math reads each kind as, per (family, quant): (rows, cols) in units of the config's
+# hidden size H and expert intermediate size I (the logical matrix before any quantized packing).
+_LOGICAL_SHAPES: dict[tuple[str, str], dict[str, tuple[str, str]]] = {
+    ("swiglu", "none"): {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")},
+    ("gpt_oss", "none"): {"gate_up": ("H", "2I"), "down": ("I", "H")},  # x @ W, gate/up columns interleaved
+    ("gpt_oss", "mxfp4"): {"gate_up": ("2I", "H"), "down": ("H", "I")},  # dequantized [R,K], then transposed
+}
+_DENSE_DTYPES = ("BF16", "F16", "F32", "F64")  # cast to the compute dtype after the read
+_MXFP4_GROUP = 32  # elements per E8M0 scale; 16 bytes of packed E2M1 codes per group
+PartSpec = tuple[tuple[str, ...], tuple[int, ...]]  # (allowed dtypes, shape) of one part
+
+
+def expert_dims(config: Any) -> tuple[int, int]:
+    """(H, I): hidden size and routed-expert intermediate size of a transformers config (or its text
+    part): `moe_intermediate_size` where the family also has a dense MLP size, else `intermediate_size`."""
+    sub = getattr(config, "text_config", None)
+    cfg = sub if sub is not None and hasattr(sub, "num_hidden_layers") else config
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
+    if not inter or not getattr(cfg, "hidden_size", None):
+        raise CheckpointError(f"config of model_type {getattr(config, 'model_type', '?')!r} gives no hidden "
+                              "size or expert intermediate size")
+    return int(cfg.hidden_size), int(inter)
+
+
+def expected_parts(family: str, quant: str, hidden: int, inter: int) -> dict[str, list[PartSpec]]:
+    """kind -> per part, (allowed dtypes, shape) of one expert as the runtime will view its bytes."""
+    sizes = {"H": hidden, "I": inter, "2I": 2 * inter}
+    logical = _LOGICAL_SHAPES.get((family, quant))
+    if logical is None:
+        raise CheckpointError(f"no expected expert layout is known for family {family!r} with "
+                              f"quantization {quant!r}")
+    out = {}
+    for kind, (r, c) in logical.items():
+        rows, cols = sizes[r], sizes[c]
+        if quant == "mxfp4":
+            groups = cols // _MXFP4_GROUP
+            out[kind] = [(("U8",), (rows, groups, 16)), (("U8",), (rows, groups))]
+        else:
+            out[kind] = [(_DENSE_DTYPES, (rows, cols))]
+    return out
+
+
+def check_expert_shapes(emap: ExpertMap, config: Any) -> None:
+    """Check the dtype and shape of every part of every expert (and of the resident expert biases)
+    against what the config implies, so a wrongly sized, transposed or integer expert is refused at load
+    instead of computing plausible text (or failing at first use).
+
+    Raises:
+        CheckpointError: naming the first tensor whose dtype or shape disagrees, with what was expected.
+    """
+    hidden, inter = expert_dims(config)
+    expected = expected_parts(emap.family, emap.quant, hidden, inter)
+    for (layer, expert), kinds in sorted(emap.units.items()):
+        for kind, parts in kinds.items():
+            want = expected[kind]
+            if len(parts) != len(want):
+                raise CheckpointError(f"the {kind} weights of expert {expert} of layer {layer} have "
+                                      f"{len(parts)} parts, expected {len(want)}")
+            for ref, spec in zip(parts, want):
+                _check_part(ref, spec, hidden, inter)
+    biases = {"gate_up_proj_bias": 2 * inter, "down_proj_bias": hidden}
+    for (_, name), ref in sorted(emap.resident.items()):
+        if name in biases:
+            _check_part(ref, (_DENSE_DTYPES, (emap.num_experts, biases[name])), hidden, inter)
+
+
+def _check_part(ref: TensorRef, spec: PartSpec, hidden: int, inter: int) -> None:
+    dtypes, shape = spec
+    if ref.dtype not in dtypes:
+        allowed = dtypes[0] if len(dtypes) == 1 else "one of " + ", ".join(dtypes)
+        raise CheckpointError(f"tensor {ref.name} in {ref.file} has dtype {ref.dtype}; an expert weight here "
+                              f"must be {allowed}")
+    if tuple(ref.shape) != shape:
+        raise CheckpointError(f"tensor {ref.name} in {ref.file} has shape {list(ref.shape)}, but config.json "
+                              f"(hidden_size {hidden}, expert intermediate size {inter}) implies "
+                              f"{list(shape)}")
