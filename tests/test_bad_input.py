@@ -224,3 +224,37 @@ def test_shards_without_model_safetensors_or_an_index(capsys, tiny_dir, tmp_path
     (ckpt / "model.safetensors").rename(ckpt / "weights.safetensors")
     code, err = _generate(capsys, ckpt)
     assert code == 2 and f"transformers cannot load the weights in {ckpt}" in err
+
+
+def test_unit_bytes_of_zero(capsys, trace_jsonl, tmp_path):
+    """Before: simulate silently used the header's sizes; trace-convert wrote a header of 0-byte experts."""
+    code, _, err = _cli(capsys, "simulate", trace_jsonl, "--budgets", "1MiB", "--unit-bytes", "0")
+    assert code == 2 and "--unit-bytes must be a positive size" in err
+    code, _, err = _cli(capsys, "trace-convert", trace_jsonl, tmp_path / "o.jsonl", "--unit-bytes", "0")
+    assert code == 2 and "--unit-bytes must be a positive size" in err and not (tmp_path / "o.jsonl").exists()
+
+
+def test_info_checks_the_experts_too(capsys, tiny_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy(tiny_dir("qwen3_moe"), tmp_path / "ckpt")
+    sd = load_file(ckpt / "model.safetensors")
+    sd[EXPERT] = sd[EXPERT].to(torch.int32)
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = _cli(capsys, "info", ckpt, "--no-routing")
+    assert code == 2 and f"tensor {EXPERT}" in err and "has dtype I32" in err
+
+
+def test_python_api_token_ids_and_stop(tiny_dir):
+    import moestream
+    from moestream.errors import MoestreamError
+
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB") as engine:
+        for ids in ([5, 320], [-1], [1.5], [True]):
+            with pytest.raises(MoestreamError, match="is not a token of this model"):
+                engine.generate(ids, max_tokens=2)
+        text = engine.generate([5, 6, 7], max_tokens=12, ignore_eos=True).text
+        stop = text[4:6]
+        assert stop and engine.generate([5, 6, 7], max_tokens=12, ignore_eos=True, stop=stop).text == \
+            text[:text.find(stop)]  # a str is one stop string, not a list of its characters

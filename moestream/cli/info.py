@@ -25,13 +25,14 @@ def describe(path: str) -> dict[str, Any]:
     from moestream.model.arch import arch_for, num_experts, top_k
     from moestream.model.loader import load_config
     from moestream.store.checkpoint import open_checkpoint, resolve_path
-    from moestream.store.experts import build_expert_map, moe_layers
+    from moestream.store.experts import build_expert_map, check_expert_shapes, moe_layers
 
     ckpt_path = resolve_path(path)
     config = load_config(ckpt_path)
     arch = arch_for(config)
     ckpt = open_checkpoint(ckpt_path)
     emap = build_expert_map(ckpt.tensors, arch.family, moe_layers(ckpt.tensors), num_experts(config))
+    check_expert_shapes(emap, config)  # sizes printed from a malformed expert would be wrong too
     k = top_k(config)
     minimum, working_set = budget_requirements(emap, k)
     first = emap.units[next(iter(emap.units))]

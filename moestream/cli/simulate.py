@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         unit = parse_size(args.unit_bytes) if args.unit_bytes else None
     except ValueError as exc:
         raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+    if unit is not None and unit < 1:
+        raise MoestreamError(f"--unit-bytes must be a positive size, got {args.unit_bytes!r}")
     if args.prefetch_top is not None and args.prefetch_top < 1:
         raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
     if args.plot:

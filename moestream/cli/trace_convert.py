@@ -40,9 +40,12 @@ def run(args: argparse.Namespace) -> int:
         check_ids(trace)  # a converted file with ids outside its header would only fail later, elsewhere
     if args.unit_bytes:
         try:
-            trace.header.expert_bytes = [parse_size(args.unit_bytes)] * trace.header.n_layers
+            unit = parse_size(args.unit_bytes)
         except ValueError as exc:
             raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+        if unit < 1:
+            raise MoestreamError(f"--unit-bytes must be a positive size, got {args.unit_bytes!r}")
+        trace.header.expert_bytes = [unit] * trace.header.n_layers
     if args.dtype:
         trace.header.dtype = args.dtype
     trace.header.notes = trace.all_notes  # keep the reader's notes (a recovered stream, say) with the rows

@@ -1,6 +1,7 @@
 """`load` and `Engine`: a transformers model whose routed experts stream from disk."""
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -235,6 +236,7 @@ class Engine:
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
+        self._check_ids(ids)
         self._check_context(len(ids), params.max_tokens)
         self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
         self._requests += 1
@@ -245,6 +247,14 @@ class Engine:
         """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
         value = getattr(text_config(self.config), "max_position_embeddings", None)
         return int(value) if value else None
+
+    def _check_ids(self, ids: list[Any]) -> None:
+        """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise MoestreamError(f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})")
 
     def _check_context(self, prompt_n: int, max_tokens: int) -> None:
         """Positions past the trained context give text that looks like output but is not: refuse them."""

@@ -20,6 +20,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one stop string, as OpenAI's API accepts; not a list of its characters
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
