@@ -1,6 +1,6 @@
 # Two entry points, both doing their own set-up on a fresh machine:
 #   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
-#   make test   same set-up, then the test suite
+#   make test   same set-up, then ruff (lint + format check) and the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moestream-installed
@@ -22,6 +22,8 @@ demo: $(STAMP)
 	$(VENV)/bin/moestream demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check moestream tests benchmarks
+	$(VENV)/bin/ruff format --check moestream tests benchmarks
 	$(PY) -m pytest -q
 
 clean:

@@ -9,6 +9,7 @@ Each run starts from a dropped page cache. Output: one JSON line per run, then a
 
     python benchmarks/cuda_bench.py CHECKPOINT --gpu-budgets 2GiB,8GiB,24GiB --tokens 16 --out DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from io_ceiling import expert_ranges, measure  # noqa: E402
+from io_ceiling import expert_ranges, measure
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 
@@ -34,7 +35,7 @@ with moestream.load(path, device="cuda", cache=gpu, gpu_cache=gpu, host_cache=ho
     for _ in range(passes):
         out = e.generate(sys.argv[6], max_tokens=tokens, ignore_eos=True)
     s = out.stats.to_dict()
-    s["host_syncs"] = e.runtime.cuda_stats.host_syncs
+    s["host_syncs"] = e.runtime.tier.stats.host_syncs
     print(json.dumps({"mode": mode, "stats": s, "tokens": out.tokens}))
 """
 
@@ -84,7 +85,9 @@ def drop_caches() -> None:
 def child(code: str, *args: str, timeout: float) -> dict:
     drop_caches()
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:], "wall_s": time.perf_counter() - start}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -97,10 +100,17 @@ def table(runs: dict) -> str:
     ceilings = [v["gib_s"] for k, v in runs.items() if k.startswith("ceiling") and "gib_s" in v]
     ceiling = sum(ceilings) / len(ceilings) if ceilings else None
     accel = next((v for k, v in runs.items() if k.startswith("transformers") and "decode_tok_s" in v), None)
-    lines = [f"O_DIRECT ceiling (mean of {len(ceilings)}: {', '.join(f'{c:.3f}' for c in ceilings)}): "
-             f"{ceiling:.3f} GiB/s" if ceiling else "no ceiling measured", "",
-             "| run | decode tok/s | prefill tok/s | MiB read/token (decode) | read GiB/s while decoding | % of ceiling "
-             "| not read from disk | host syncs | decode vs accelerate |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"O_DIRECT ceiling (mean of {len(ceilings)}: {', '.join(f'{c:.3f}' for c in ceilings)}): "
+        f"{ceiling:.3f} GiB/s"
+        if ceiling
+        else "no ceiling measured",
+        "",
+        "| run | decode tok/s | prefill tok/s | MiB read/token (decode) | read GiB/s while decoding | % of "
+        "ceiling "
+        "| not read from disk | host syncs | decode vs accelerate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, v in runs.items():
         if "stats" not in v:
             continue
@@ -108,18 +118,24 @@ def table(runs: dict) -> str:
         gib_s = dec["bytes_read"] / dec["seconds"] / 2**30
         pct = f"{100 * gib_s / ceiling:.0f}%" if ceiling else ""
         vs = f"{st['decode_tok_s'] / accel['decode_tok_s']:.1f}x" if accel else ""
-        lines.append(f"| {name} | {st['decode_tok_s']:.2f} | {st['prefill_tok_s']:.2f} | "
-                     f"{dec['bytes_read'] / dec['tokens'] / 2**20:.0f} | {gib_s:.3f} | {pct} | "
-                     f"{st['hit_rate']:.1%} | {st.get('host_syncs', '')} | {vs} |")
+        lines.append(
+            f"| {name} | {st['decode_tok_s']:.2f} | {st['prefill_tok_s']:.2f} | "
+            f"{dec['bytes_read'] / dec['tokens'] / 2**20:.0f} | {gib_s:.3f} | {pct} | "
+            f"{st['hit_rate']:.1%} | {st.get('host_syncs', '')} | {vs} |"
+        )
     if accel:
-        lines.append(f"| transformers + accelerate, disk offload | {accel['decode_tok_s']:.3f} | "
-                     f"{accel['prefill_tok_s']:.2f} | all experts | | | | | 1.0x |")
+        lines.append(
+            f"| transformers + accelerate, disk offload | {accel['decode_tok_s']:.3f} | "
+            f"{accel['prefill_tok_s']:.2f} | all experts | | | | | 1.0x |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="the checkpoint, or with --table, results files (cuda_bench.json) to merge")
+    p.add_argument(
+        "checkpoint", help="the checkpoint, or with --table, results files (cuda_bench.json) to merge"
+    )
     p.add_argument("--table", action="store_true", help="print the Markdown table of results files and exit")
     p.add_argument("--gpu-budgets", default="2GiB,8GiB,24GiB")
     p.add_argument("--tokens", type=int, default=16)
@@ -151,25 +167,86 @@ def main() -> None:
         record("ceiling", measure(expert_ranges(args.checkpoint), 128 * 1024, args.io_threads, 10.0))
     if "moestream" not in skip:
         for budget in args.gpu_budgets.split(","):
-            record(f"moestream gpu {budget}", child(MOESTREAM, args.checkpoint, budget, "0", str(args.tokens), "1",
-                                                   PROMPT, "0", str(args.io_threads), timeout=300))
+            record(
+                f"moestream gpu {budget}",
+                child(
+                    MOESTREAM,
+                    args.checkpoint,
+                    budget,
+                    "0",
+                    str(args.tokens),
+                    "1",
+                    PROMPT,
+                    "0",
+                    str(args.io_threads),
+                    timeout=300,
+                ),
+            )
     for budget in filter(None, args.prefetch_budgets.split(",")):
-        record(f"moestream gpu {budget} --prefetch", child(MOESTREAM, args.checkpoint, budget, "0", str(args.tokens),
-                                                          "1", PROMPT, "1", str(args.io_threads), timeout=300))
+        record(
+            f"moestream gpu {budget} --prefetch",
+            child(
+                MOESTREAM,
+                args.checkpoint,
+                budget,
+                "0",
+                str(args.tokens),
+                "1",
+                PROMPT,
+                "1",
+                str(args.io_threads),
+                timeout=300,
+            ),
+        )
     if "switch" not in skip:  # A/B: CPython's default 5 ms GIL switch interval
         os.environ["MOESTREAM_SWITCH_INTERVAL"] = "0"
-        record("moestream gpu 2GiB, default GIL switch interval", child(
-            MOESTREAM, args.checkpoint, "2GiB", "0", str(args.tokens), "1", PROMPT, "0", str(args.io_threads), timeout=300))
+        record(
+            "moestream gpu 2GiB, default GIL switch interval",
+            child(
+                MOESTREAM,
+                args.checkpoint,
+                "2GiB",
+                "0",
+                str(args.tokens),
+                "1",
+                PROMPT,
+                "0",
+                str(args.io_threads),
+                timeout=300,
+            ),
+        )
         del os.environ["MOESTREAM_SWITCH_INTERVAL"]
     if "resident" not in skip:
-        record("all experts in pinned host memory", child(MOESTREAM, args.checkpoint, "2GiB", "64GiB",
-                                                          str(args.tokens), "2", PROMPT, "0", str(args.io_threads), timeout=400))
+        record(
+            "all experts in pinned host memory",
+            child(
+                MOESTREAM,
+                args.checkpoint,
+                "2GiB",
+                "64GiB",
+                str(args.tokens),
+                "2",
+                PROMPT,
+                "0",
+                str(args.io_threads),
+                timeout=400,
+            ),
+        )
     if "ceiling" not in skip:  # again at the end: the disk's drift over the run
         drop_caches()
         record("ceiling (after)", measure(expert_ranges(args.checkpoint), 128 * 1024, args.io_threads, 10.0))
     if "accelerate" not in skip:
-        record("transformers+accelerate disk offload", child(ACCELERATE, args.checkpoint, str(args.accelerate_tokens),
-                                                              str(out / "offload"), PROMPT, timeout=400))
+        record(
+            "transformers+accelerate disk offload",
+            child(
+                ACCELERATE,
+                args.checkpoint,
+                str(args.accelerate_tokens),
+                str(out / "offload"),
+                PROMPT,
+                timeout=400,
+            ),
+        )
     print(table(results["runs"]), flush=True)
 
 

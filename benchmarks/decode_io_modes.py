@@ -8,6 +8,7 @@ expert cached (a warm run over the same prompt). Needs root for dropping caches,
     python benchmarks/decode_io_modes.py CHECKPOINT --cache 1GiB --tokens 32 \
         [--modes direct,pagecache,mmap] [--readahead-kb 8192,128] [--memory-limit 3GiB] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from io_ceiling import expert_ranges, measure  # noqa: E402
+from io_ceiling import expert_ranges, measure
 
-from moestream.bench.system import MemoryCgroup, device_for_path, drop_caches, make_memory_cgroup  # noqa: E402
-from moestream.units import GiB, MiB, parse_size  # noqa: E402
+from moestream.bench.system import MemoryCgroup, device_for_path, drop_caches, make_memory_cgroup
+from moestream.units import GiB, MiB, parse_size
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 RESIDENT_PROBE = """
@@ -45,21 +46,43 @@ def run_child(argv: list[str], cgroup: MemoryCgroup | None) -> dict:
 
 def generate(ckpt: str, mode: str, args: argparse.Namespace, cgroup: MemoryCgroup | None) -> dict:
     drop_caches()
-    argv = [sys.executable, "-m", "moestream", "generate", ckpt, "--prompt", PROMPT, "--max-tokens",
-            str(args.tokens), "--ignore-eos", "--cache", args.cache, "--io-mode", mode, "--io-threads",
-            str(args.io_threads), "--json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "moestream",
+        "generate",
+        ckpt,
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        str(args.tokens),
+        "--ignore-eos",
+        "--cache",
+        args.cache,
+        "--io-mode",
+        mode,
+        "--io-threads",
+        str(args.io_threads),
+        "--json",
+    ]
     return run_child(argv, cgroup)
 
 
 def row(label: str, res: dict) -> dict:
     s = res["stats"]
     d = s["decode"]
-    return {"run": label, "decode_tok_s": s["decode_tok_s"], "prefill_tok_s": s["prefill_tok_s"],
-            "mib_per_token": d["bytes_read"] / MiB / max(1, d["tokens"]), "hit_rate": s["hit_rate"],
-            "decode_read_gib_s": d["bytes_read"] / GiB / d["seconds"] if d["seconds"] else 0.0,
-            "ms_per_token": 1000 * d["seconds"] / max(1, d["tokens"]),
-            "read_wait_ms_per_token": 1000 * d["read_wait_s"] / max(1, d["tokens"]),
-            "bytes_read": s["bytes_read"], "tokens": res["tokens"]}
+    return {
+        "run": label,
+        "decode_tok_s": s["decode_tok_s"],
+        "prefill_tok_s": s["prefill_tok_s"],
+        "mib_per_token": d["bytes_read"] / MiB / max(1, d["tokens"]),
+        "hit_rate": s["hit_rate"],
+        "decode_read_gib_s": d["bytes_read"] / GiB / d["seconds"] if d["seconds"] else 0.0,
+        "ms_per_token": 1000 * d["seconds"] / max(1, d["tokens"]),
+        "read_wait_ms_per_token": 1000 * d["read_wait_s"] / max(1, d["tokens"]),
+        "bytes_read": s["bytes_read"],
+        "tokens": res["tokens"],
+    }
 
 
 def median_row(rs: list[dict]) -> dict:
@@ -81,7 +104,9 @@ def main() -> None:
     p.add_argument("--memory-limit", default=None)
     p.add_argument("--ceiling-seconds", type=float, default=8.0)
     p.add_argument("--skip-resident", action="store_true")
-    p.add_argument("--rounds", type=int, default=2, help="repeat every run this often, interleaved; report medians")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="repeat every run this often, interleaved; report medians"
+    )
     p.add_argument("--json", default=None, help="write all results here")
     args = p.parse_args()
     device = device_for_path(args.checkpoint)
@@ -90,8 +115,14 @@ def main() -> None:
     original_ra = device.readahead_kb()
     cgroup = make_memory_cgroup(parse_size(args.memory_limit)) if args.memory_limit else None
     ranges = expert_ranges(args.checkpoint)
-    results = {"device": device.describe(), "readahead_default_kb": original_ra, "memory_limit": args.memory_limit,
-               "cache": args.cache, "tokens": args.tokens, "runs": []}
+    results = {
+        "device": device.describe(),
+        "readahead_default_kb": original_ra,
+        "memory_limit": args.memory_limit,
+        "cache": args.cache,
+        "tokens": args.tokens,
+        "runs": [],
+    }
     drop_caches()
     results["ceiling_before"] = measure(ranges, 128 * 1024, args.io_threads, args.ceiling_seconds)
     runs: dict[str, list[dict]] = {}
@@ -115,8 +146,10 @@ def main() -> None:
     results["ceiling_after"] = measure(ranges, 128 * 1024, args.io_threads, args.ceiling_seconds)
     if not args.skip_resident:
         all_bytes = sum(length for _, _, length in ranges) + len(ranges) * 8192
-        res = run_child([sys.executable, "-c", RESIDENT_PROBE, args.checkpoint, str(all_bytes), PROMPT,
-                         str(args.tokens)], None)
+        res = run_child(
+            [sys.executable, "-c", RESIDENT_PROBE, args.checkpoint, str(all_bytes), PROMPT, str(args.tokens)],
+            None,
+        )
         results["resident"] = row("every expert cached (compute only)", res)
     report(results)
     if args.json:
@@ -126,22 +159,33 @@ def main() -> None:
 def report(results: dict) -> None:
     c0, c1 = results["ceiling_before"]["gib_s"], results["ceiling_after"]["gib_s"]
     ceiling = (c0 + c1) / 2
-    print(f"\nO_DIRECT ceiling: {c0:.3f} GiB/s before, {c1:.3f} GiB/s after (mean {ceiling:.3f}); device "
-          f"{results['device']}, cache {results['cache']}, memory limit {results['memory_limit']}")
-    print("| run | decode tok/s (repeats) | prefill tok/s | MiB/token | hit rate | read GiB/s while decoding | % of ceiling | ms/token | read wait ms/token | device GiB read (whole run) |")
+    print(
+        f"\nO_DIRECT ceiling: {c0:.3f} GiB/s before, {c1:.3f} GiB/s after (mean {ceiling:.3f}); device "
+        f"{results['device']}, cache {results['cache']}, memory limit {results['memory_limit']}"
+    )
+    print(
+        "| run | decode tok/s (repeats) | prefill tok/s | MiB/token | hit rate | read GiB/s while decoding | "
+        "% of ceiling | ms/token | read wait ms/token | device GiB read (whole run) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     runs = results["runs"] + ([results["resident"]] if "resident" in results else [])
     for r in runs:
-        print(f"| {r['run']} | {r['decode_tok_s']:.2f} {r.get('repeats_decode_tok_s', '')} | {r['prefill_tok_s']:.2f} | {r['mib_per_token']:.1f} | "
-              f"{100 * r['hit_rate']:.1f}% | {r['decode_read_gib_s']:.3f} | {100 * r['decode_read_gib_s'] / ceiling:.0f}% | "
-              f"{r['ms_per_token']:.0f} | {r['read_wait_ms_per_token']:.0f} | "
-              f"{r.get('device_bytes_read', 0) / GiB:.1f} |")
+        print(
+            f"| {r['run']} | {r['decode_tok_s']:.2f} {r.get('repeats_decode_tok_s', '')} | "
+            f"{r['prefill_tok_s']:.2f} | {r['mib_per_token']:.1f} | "
+            f"{100 * r['hit_rate']:.1f}% | {r['decode_read_gib_s']:.3f} | "
+            f"{100 * r['decode_read_gib_s'] / ceiling:.0f}% | "
+            f"{r['ms_per_token']:.0f} | {r['read_wait_ms_per_token']:.0f} | "
+            f"{r.get('device_bytes_read', 0) / GiB:.1f} |"
+        )
     if "resident" in results:
         direct = next((r for r in results["runs"] if r["run"].startswith("direct")), None)
         if direct:
             bound = max(direct["mib_per_token"] / 1024 / ceiling * 1000, results["resident"]["ms_per_token"])
-            print(f"\ndirect: {direct['ms_per_token']:.0f} ms/token vs max(bytes/ceiling, compute-only) = "
-                  f"{bound:.0f} ms/token -> ratio {direct['ms_per_token'] / bound:.2f} (target <= 1.2)")
+            print(
+                f"\ndirect: {direct['ms_per_token']:.0f} ms/token vs max(bytes/ceiling, compute-only) = "
+                f"{bound:.0f} ms/token -> ratio {direct['ms_per_token'] / bound:.2f} (target <= 1.2)"
+            )
     texts = {tuple(r["tokens"]) for r in results["runs"]}
     print(f"identical tokens across runs: {'yes' if len(texts) == 1 else 'NO'}")
 

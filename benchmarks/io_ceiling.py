@@ -6,6 +6,7 @@ No cache, no compute: what the disk gives to this access pattern.
 
     python benchmarks/io_ceiling.py CHECKPOINT [--piece 128KiB] [--threads 4] [--seconds 10] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,19 +18,15 @@ import threading
 import time
 
 from moestream.model.arch import arch_for, num_experts
-from moestream.model.loader import load_config
-from moestream.store.checkpoint import open_checkpoint, resolve_path
-from moestream.store.experts import build_expert_map
+from moestream.store.source import open_source
 from moestream.units import parse_size
 
 
 def expert_ranges(path: str) -> list[tuple[str, int, int]]:
     """(file, aligned offset, aligned length) of every part of every routed expert."""
-    ckpt_path = resolve_path(path)
-    config = load_config(ckpt_path)
-    layers = sorted({int(k.split("layers.")[1].split(".")[0]) for k in open_checkpoint(ckpt_path).tensors
-                     if ".experts." in k and "layers." in k})
-    emap = build_expert_map(open_checkpoint(ckpt_path).tensors, arch_for(config).family, layers, num_experts(config))
+    source = open_source(path)
+    config = source.config()
+    emap = source.expert_map(arch_for(config).family, num_experts(config))
     ranges = []
     for parts in emap.units.values():
         for refs in parts.values():
@@ -53,7 +50,7 @@ def measure(ranges, piece: int, threads: int, seconds: float, seed: int = 0) -> 
             file, start, length = rng.choice(ranges)
             fd, length = fds[file], min(length, sizes[file] - start) // 4096 * 4096
             for off in range(0, length, piece):
-                totals[i] += os.preadv(fd, [view[:min(piece, length - off)]], start + off)
+                totals[i] += os.preadv(fd, [view[: min(piece, length - off)]], start + off)
 
     began = time.perf_counter()
     workers = [threading.Thread(target=reader, args=(i,)) for i in range(threads)]
@@ -65,7 +62,13 @@ def measure(ranges, piece: int, threads: int, seconds: float, seed: int = 0) -> 
     for fd in fds.values():
         os.close(fd)
     total = sum(totals)
-    return {"bytes": total, "seconds": elapsed, "gib_s": total / elapsed / (1 << 30), "piece": piece, "threads": threads}
+    return {
+        "bytes": total,
+        "seconds": elapsed,
+        "gib_s": total / elapsed / (1 << 30),
+        "piece": piece,
+        "threads": threads,
+    }
 
 
 def main() -> None:
@@ -80,8 +83,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"O_DIRECT ceiling: {result['gib_s']:.3f} GiB/s ({result['bytes'] / 2**30:.2f} GiB in "
-              f"{result['seconds']:.1f} s, {args.piece} pieces, {args.threads} threads)")
+        print(
+            f"O_DIRECT ceiling: {result['gib_s']:.3f} GiB/s ({result['bytes'] / 2**30:.2f} GiB in "
+            f"{result['seconds']:.1f} s, {args.piece} pieces, {args.threads} threads)"
+        )
 
 
 if __name__ == "__main__":

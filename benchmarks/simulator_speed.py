@@ -4,8 +4,10 @@ The trace is synthetic but shaped like the seed's model (Qwen3.6-35B-A3B: 40 MoE
 top-8, ~2 MiB per expert), 12 requests of 30 prompt tokens and ~2,050 decode tokens each, so about 1M
 rows, with stale-gate predictions for lru-prefetch. Each policy replays the whole trace at one budget.
 
-    .venv/bin/python benchmarks/simulator_speed.py [--requests 12] [--decode 2054] [--budget 2GiB] [--save T.parquet]
+    .venv/bin/python benchmarks/simulator_speed.py [--requests 12] [--decode 2054] [--budget 2GiB] \
+        [--save T.parquet]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +41,28 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=2054)
     parser.add_argument("--budget", default="2GiB")
     parser.add_argument("--policy", nargs="+", default=list(POLICIES))
-    parser.add_argument("--save", metavar="PARQUET", help="also write the trace, to time `moestream simulate` on it")
+    parser.add_argument(
+        "--save", metavar="PARQUET", help="also write the trace, to time `moestream simulate` on it"
+    )
     args = parser.parse_args()
 
-    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}; {cpu_name()}, {os.cpu_count()} cores; "
-          f"Python {platform.python_version()}")
+    print(
+        f"date {datetime.datetime.now().isoformat(timespec='seconds')}; {cpu_name()}, {os.cpu_count()} "
+        "cores; "
+        f"Python {platform.python_version()}"
+    )
     t0 = time.perf_counter()
-    trace = random_trace(n_layers=40, n_experts=256, top_k=8, n_requests=args.requests, prompt_len=args.prompt,
-                         decode_len=args.decode, seed=1, predictions=True, expert_bytes=2 * MiB)
+    trace = random_trace(
+        n_layers=40,
+        n_experts=256,
+        top_k=8,
+        n_requests=args.requests,
+        prompt_len=args.prompt,
+        decode_len=args.decode,
+        seed=1,
+        predictions=True,
+        expert_bytes=2 * MiB,
+    )
     t1 = time.perf_counter()
     if args.save:
         import pyarrow.parquet as pq
@@ -56,8 +72,10 @@ def main() -> None:
     replay = build_replay(trace, prefetch_top=8)
     t2 = time.perf_counter()
     rows = len(trace)
-    print(f"trace: {rows:,} (token, layer) rows, {len(replay):,} layer forwards; generated in {t1 - t0:.1f} s, "
-          f"grouped into forwards in {t2 - t1:.1f} s ({rows / (t2 - t1) * 60 / 1e6:.1f} M rows/min)")
+    print(
+        f"trace: {rows:,} (token, layer) rows, {len(replay):,} layer forwards; generated in {t1 - t0:.1f} s, "
+        f"grouped into forwards in {t2 - t1:.1f} s ({rows / (t2 - t1) * 60 / 1e6:.1f} M rows/min)"
+    )
     budget = parse_size(args.budget)
     capacity = capacity_for(budget, 2 * MiB)
     unit = [2 * MiB] * 40

@@ -10,6 +10,7 @@ them, so take the timeline's figures from a run without it.
 
     python benchmarks/timeline.py CHECKPOINT [engine options as `moestream generate`] --tokens 8 [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import moestream  # noqa: E402
-from moestream.cache import expert_cache  # noqa: E402
-from moestream.cli._engine_args import add_engine_arguments, engine_kwargs  # noqa: E402
-from moestream.io import reader as reader_mod  # noqa: E402
-from moestream.runtime import experts as experts_mod  # noqa: E402
+import itertools
+
+import moestream
+from moestream.cache import expert_cache
+from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+from moestream.io import reader as reader_mod
+from moestream.runtime import experts as experts_mod
 
 PROMPT = "The history of the printing press shows how a new machine can change the way people"
 
@@ -44,18 +47,19 @@ class Timeline:
         tl = self
         read = reader_mod.Reader._read
 
-        def timed_read(self, request, offset):  # noqa: ANN001
+        def timed_read(self, request, offset):
             start = time.perf_counter()
             got = read(self, request, offset)
             end = time.perf_counter()
             with tl.lock:
                 tl.pieces.append((start, end, got))
             return got
+
         reader_mod.Reader._read = timed_read
 
         forward = experts_mod.ExpertRuntime.forward
 
-        def timed_forward(self, layer, hidden, top_k_index, top_k_weights):  # noqa: ANN001
+        def timed_forward(self, layer, hidden, top_k_index, top_k_weights):
             if hidden.shape[0] != 1:
                 tl.current = None
                 return forward(self, layer, hidden, top_k_index, top_k_weights)
@@ -65,23 +69,26 @@ class Timeline:
             tl.layers.append(tl.current)
             tl.current = None
             return out
+
         experts_mod.ExpertRuntime.forward = timed_forward
 
         readback = experts_mod.ExpertRuntime._readback
 
-        def timed_readback(self, *args):  # noqa: ANN001
+        def timed_readback(self, *args):
             out = readback(self, *args)
             if tl.current is not None:
                 tl.current["routed"] = time.perf_counter()
             return out
+
         experts_mod.ExpertRuntime._readback = timed_readback
 
         init = expert_cache.LayerJob.__init__
 
-        def timed_init(self, *args, **kwargs):  # noqa: ANN001
+        def timed_init(self, *args, **kwargs):
             init(self, *args, **kwargs)
             if tl.current is not None:
                 tl.current["queued"] = time.perf_counter()
+
         expert_cache.LayerJob.__init__ = timed_init
 
     def report(self) -> dict:
@@ -103,12 +110,19 @@ class Timeline:
             idle.append((last, t1))
         wall = t1 - t0
         # attribute idle time to the compute thread's phase
-        phases = {"in expert compute after its reads": 0.0, "between layers (attention, router, norms)": 0.0,
-                  "routing readback": 0.0, "building and queueing reads": 0.0, "queued, first read not started": 0.0}
+        phases = {
+            "in expert compute after its reads": 0.0,
+            "between layers (attention, router, norms)": 0.0,
+            "routing readback": 0.0,
+            "building and queueing reads": 0.0,
+            "queued, first read not started": 0.0,
+        }
         marks = []
         for i, lay in enumerate(layers):
             if i:
-                marks.append((layers[i - 1]["exit"], lay["enter"], "between layers (attention, router, norms)"))
+                marks.append(
+                    (layers[i - 1]["exit"], lay["enter"], "between layers (attention, router, norms)")
+                )
             marks.append((lay["enter"], lay.get("routed", lay["enter"]), "routing readback"))
             routed = lay.get("routed", lay["enter"])
             queued = lay.get("queued", routed)
@@ -122,17 +136,29 @@ class Timeline:
         read_bytes = sum(n for s, e, n in pieces if s >= t0 and e <= t1)
         steps = len(layers) / max(1, len({lay["layer"] for lay in layers}))
         return {
-            "decode_steps": steps, "wall_s": wall, "ms_per_token": 1e3 * wall / steps,
-            "disk_busy_share": busy / wall, "mean_reads_in_flight": depth_area / wall,
+            "decode_steps": steps,
+            "wall_s": wall,
+            "ms_per_token": 1e3 * wall / steps,
+            "disk_busy_share": busy / wall,
+            "mean_reads_in_flight": depth_area / wall,
             "mean_reads_in_flight_while_busy": depth_area / busy if busy else 0.0,
             "read_GiB_s": read_bytes / wall / 2**30,
             "idle_ms_per_token": {k: 1e3 * v / steps for k, v in phases.items()},
             "layer_ms_mean": {
-                "readback": 1e3 * sum(lay.get("routed", lay["enter"]) - lay["enter"] for lay in layers) / len(layers),
-                "queue": 1e3 * sum(lay.get("queued", lay.get("routed", 0)) - lay.get("routed", 0)
-                                   for lay in layers if "queued" in lay) / len(layers),
+                "readback": 1e3
+                * sum(lay.get("routed", lay["enter"]) - lay["enter"] for lay in layers)
+                / len(layers),
+                "queue": 1e3
+                * sum(
+                    lay.get("queued", lay.get("routed", 0)) - lay.get("routed", 0)
+                    for lay in layers
+                    if "queued" in lay
+                )
+                / len(layers),
                 "whole": 1e3 * sum(lay["exit"] - lay["enter"] for lay in layers) / len(layers),
-                "between": 1e3 * sum(b["enter"] - a["exit"] for a, b in zip(layers, layers[1:])) / max(1, len(layers) - 1),
+                "between": 1e3
+                * sum(b["enter"] - a["exit"] for a, b in itertools.pairwise(layers))
+                / max(1, len(layers) - 1),
             },
         }
 
@@ -142,7 +168,11 @@ def main() -> int:
     parser.add_argument("path")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("--profile", action="store_true", help="cProfile the generation (slows the I/O threads on Python >= 3.12)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the generation (slows the I/O threads on Python >= 3.12)",
+    )
     parser.add_argument("--label", default="")
     add_engine_arguments(parser)
     args = parser.parse_args()
@@ -159,8 +189,12 @@ def main() -> int:
         out = engine.generate(args.prompt, max_tokens=args.tokens, ignore_eos=True)
         if profiler:
             profiler.disable()
-    result = {"label": args.label, "mode": mode, "decode_tok_s": out.stats.to_dict().get("decode_tok_s"),
-              **timeline.report()}
+    result = {
+        "label": args.label,
+        "mode": mode,
+        "decode_tok_s": out.stats.to_dict().get("decode_tok_s"),
+        **timeline.report(),
+    }
     print(json.dumps(result, indent=1))
     if profiler:
         text = io.StringIO()

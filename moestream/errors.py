@@ -2,6 +2,7 @@
 
 The CLI prints the message and exits non-zero; the server maps them to 4xx. Anything else is a bug.
 """
+
 from __future__ import annotations
 
 

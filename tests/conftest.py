@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # waiting for a descheduled thread turns milliseconds into seconds. Subprocesses inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
@@ -25,7 +25,9 @@ def tiny_dir(tmp_path_factory):
     def make(arch: str, experts: int = 8, top_k: int = 2):
         key = (arch, experts, top_k)
         if key not in made:
-            made[key] = write_tiny(arch, tmp_path_factory.mktemp(f"{arch}-{experts}-{top_k}"), experts=experts, top_k=top_k)
+            made[key] = write_tiny(
+                arch, tmp_path_factory.mktemp(f"{arch}-{experts}-{top_k}"), experts=experts, top_k=top_k
+            )
         return made[key]
 
     return make

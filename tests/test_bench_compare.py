@@ -1,4 +1,5 @@
 """Baseline text diff (character for character, first differing position) and the prompt sets."""
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,11 @@ def test_compare_runs_matches_prompts_not_positions(tmp_path):
     base = _results({"p1": "alpha beta", "p2": "gamma", "p3": "delta epsilon"})
     (tmp_path / "results.json").write_text(json.dumps(base))
     loaded = load_baseline(tmp_path)  # a directory works as well as the file
-    run = [{"index": 0, "prompt": "p3", "text": "delta epsilon"},
-           {"index": 1, "prompt": "p1", "text": "alpha bets"},
-           {"index": 2, "prompt": "p2", "text": "gamma and more"}]
+    run = [
+        {"index": 0, "prompt": "p3", "text": "delta epsilon"},
+        {"index": 1, "prompt": "p1", "text": "alpha bets"},
+        {"index": 2, "prompt": "p2", "text": "gamma and more"},
+    ]
     diffs = compare_runs(run, loaded)
     assert [d.identical for d in diffs] == [True, False, False]
     assert [d.first_diff for d in diffs] == [None, 9, 5]
@@ -48,7 +51,7 @@ def test_baseline_that_is_not_a_results_file(tmp_path):
     with pytest.raises(MoestreamError, match="cannot read the baseline"):
         load_baseline(tmp_path / "missing.json")
     (tmp_path / "x.json").write_text('{"text": "no requests"}')
-    with pytest.raises(MoestreamError, match="not a `moestream bench` results.json"):
+    with pytest.raises(MoestreamError, match=r"not a `moestream bench` results\.json"):
         load_baseline(tmp_path / "x.json")
 
 

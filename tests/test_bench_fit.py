@@ -1,4 +1,5 @@
 """The decode-time model on known points, summary statistics, and fits across runs."""
+
 from __future__ import annotations
 
 import math
@@ -54,18 +55,33 @@ def test_mean_and_coefficient_of_variation():
     assert mean([]) is None and cv([3.0]) is None
     assert mean([1.0, 2.0, 3.0]) == 2.0
     assert cv([1.0, 2.0, 3.0]) == pytest.approx(0.5)  # sample std 1 / mean 2
-    assert cv([2.73, 2.8, 2.61, 2.9]) == pytest.approx(np.std([2.73, 2.8, 2.61, 2.9], ddof=1) / np.mean([2.73, 2.8, 2.61, 2.9]))
+    assert cv([2.73, 2.8, 2.61, 2.9]) == pytest.approx(
+        np.std([2.73, 2.8, 2.61, 2.9], ddof=1) / np.mean([2.73, 2.8, 2.61, 2.9])
+    )
 
 
 def _request(i: int, mib: float | None, ms: float) -> dict:
-    return {"index": i, "decode_tok_s": 1000 / ms, "prefill_tok_s": 5.0, "prompt_ms": 4000.0, "predicted_n": 65,
-            "ms_per_token": ms, "mib_per_token": mib,
-            "device_bytes": None if mib is None else int(mib * 64 * (1 << 20))}
+    return {
+        "index": i,
+        "decode_tok_s": 1000 / ms,
+        "prefill_tok_s": 5.0,
+        "prompt_ms": 4000.0,
+        "predicted_n": 65,
+        "ms_per_token": ms,
+        "mib_per_token": mib,
+        "device_bytes": None if mib is None else int(mib * 64 * (1 << 20)),
+    }
 
 
 def test_fit_spans_two_runs_and_skips_uncounted_requests():
-    run8 = {"label": "top-k 8", "requests": [_request(i, 560 + 4 * i, 193 + 0.64 * (560 + 4 * i)) for i in range(12)]}
-    run4 = {"label": "top-k 4", "requests": [_request(i, 280 + 3 * i, 193 + 0.64 * (280 + 3 * i)) for i in range(12)]}
+    run8 = {
+        "label": "top-k 8",
+        "requests": [_request(i, 560 + 4 * i, 193 + 0.64 * (560 + 4 * i)) for i in range(12)],
+    }
+    run4 = {
+        "label": "top-k 4",
+        "requests": [_request(i, 280 + 3 * i, 193 + 0.64 * (280 + 3 * i)) for i in range(12)],
+    }
     run4["requests"].append(_request(12, None, 999.0))  # no disk counter: not a point
     fit, points = fit_runs([run8, run4])
     assert len(points) == 24 and {p[0] for p in points} == {"top-k 8", "top-k 4"}

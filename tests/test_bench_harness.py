@@ -1,6 +1,7 @@
 """`moestream bench` against a live tiny `moestream serve`: texts equal the engine's own greedy output,
 timings are the server's, reports and plots are written, a baseline diff finds a planted difference,
 and `--model` starts its own server (with a lossy top-k labelled as such)."""
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,19 @@ import subprocess
 import sys
 
 import pytest
+from test_server_harness import KEY, shared_server
 
 import moestream
 from moestream.bench.harness import BenchConfig, run_bench
 from moestream.bench.system import device_for_path
 from moestream.cli import build_parser, main
 from moestream.cli.bench import engine_argv
-from test_server_harness import KEY, shared_server
 
-PROMPTS = [{"prompt": "The quick brown fox jumps", "lang": "en"}, {"prompt": "안녕하세요. 오늘은", "lang": "ko"},
-           {"prompt": "Mixture of experts models route", "lang": "en"}]
+PROMPTS = [
+    {"prompt": "The quick brown fox jumps", "lang": "en"},
+    {"prompt": "안녕하세요. 오늘은", "lang": "ko"},
+    {"prompt": "Mixture of experts models route", "lang": "en"},
+]
 TOKENS = 8
 
 
@@ -28,8 +32,15 @@ def first_run(tiny_dir, tmp_path_factory):
     server.wait_idle()
     root = tmp_path_factory.mktemp("bench")
     (root / "prompts.json").write_text(json.dumps(PROMPTS, ensure_ascii=False))
-    config = BenchConfig(out=root / "run1", prompts=str(root / "prompts.json"), max_tokens=TOKENS,
-                         target=server.url + "/v1", api_key=KEY, disk_of=str(server.path), label="first")
+    config = BenchConfig(
+        out=root / "run1",
+        prompts=str(root / "prompts.json"),
+        max_tokens=TOKENS,
+        target=server.url + "/v1",
+        api_key=KEY,
+        disk_of=str(server.path),
+        label="first",
+    )
     return server, root, run_bench(config)
 
 
@@ -61,8 +72,15 @@ def test_baseline_diff_finds_a_planted_difference(first_run):
     text = planted["requests"][1]["text"]
     planted["requests"][1]["text"] = text[:2] + ("X" if text[2:3] != "X" else "Y") + text[3:]
     (root / "planted.json").write_text(json.dumps(planted))
-    config = BenchConfig(out=root / "run2", prompts=str(root / "prompts.json"), max_tokens=TOKENS,
-                         target=server.url, api_key=KEY, baseline=str(root / "planted.json"), plots=False)
+    config = BenchConfig(
+        out=root / "run2",
+        prompts=str(root / "prompts.json"),
+        max_tokens=TOKENS,
+        target=server.url,
+        api_key=KEY,
+        baseline=str(root / "planted.json"),
+        plots=False,
+    )
     baseline = run_bench(config)["baseline"]
     assert (baseline["identical"], baseline["of"]) == (2, 3)
     assert [d["first_diff"] for d in baseline["diffs"]] == [None, 2, None]
@@ -72,10 +90,34 @@ def test_baseline_diff_finds_a_planted_difference(first_run):
 def test_model_starts_its_own_server_and_labels_lossy_runs(first_run, tiny_dir, tmp_path):
     _, root, _ = first_run
     out = tmp_path / "k1"
-    argv = [sys.executable, "-m", "moestream", "bench", "--model", str(tiny_dir("qwen3_moe")), "--prompts",
-            str(root / "prompts.json"), "--max-tokens", "4", "--out", str(out), "--cache", "1MiB", "--threads", "1",
-            "--experts-per-token", "1", "--fit-with", str(root / "run1"), "--label", "k1", "--no-plots"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv = [
+        sys.executable,
+        "-m",
+        "moestream",
+        "bench",
+        "--model",
+        str(tiny_dir("qwen3_moe")),
+        "--prompts",
+        str(root / "prompts.json"),
+        "--max-tokens",
+        "4",
+        "--out",
+        str(out),
+        "--cache",
+        "1MiB",
+        "--threads",
+        "1",
+        "--experts-per-token",
+        "1",
+        "--fit-with",
+        str(root / "run1"),
+        "--label",
+        "k1",
+        "--no-plots",
+    ]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert "LOSSY: 1 experts per token" in results["mode_line"] and results["lossy"]
@@ -86,8 +128,9 @@ def test_model_starts_its_own_server_and_labels_lossy_runs(first_run, tiny_dir, 
 
 
 def test_engine_options_travel_to_the_server_and_not_to_a_target(capsys, tmp_path):
-    args = build_parser(["bench"]).parse_args(["bench", "--model", "m", "--out", "d", "--cache", "1MiB",
-                                               "--no-mlock", "--experts-per-token", "2"])
+    args = build_parser(["bench"]).parse_args(
+        ["bench", "--model", "m", "--out", "d", "--cache", "1MiB", "--no-mlock", "--experts-per-token", "2"]
+    )
     assert engine_argv(args) == ["--cache", "1MiB", "--no-mlock", "--experts-per-token", "2"]
     assert main(["bench", "--target", "http://127.0.0.1:9", "--cache", "1MiB", "--out", str(tmp_path)]) == 2
     assert "apply to --model only" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Machine helpers on fake /sys and cgroup trees: block device of a path (partitions handled), bytes
 read from its stat file, readahead, cgroup v2 / v1 memory limits, and the refusals without root."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,12 @@ from moestream.cli import main
 from moestream.errors import MoestreamError
 
 # a real /sys/block/nvme0n1/stat line: read I/Os, read merges, sectors read, read ticks, writes, ...
-NVME_STAT = "  183431     2717 30934386    61562   442851   221093 18283168   401245        0   254096   463079"
-PART_STAT = "   91022      510 12345678    30110   100000    50000  4000000   100000        0   120000   130110"
+NVME_STAT = (
+    "  183431     2717 30934386    61562   442851   221093 18283168   401245        0   254096   463079"
+)
+PART_STAT = (
+    "   91022      510 12345678    30110   100000    50000  4000000   100000        0   120000   130110"
+)
 
 
 def fake_sys(root: Path) -> Path:
@@ -146,12 +151,31 @@ def _memory_cgroup_root() -> Path | None:
     return None
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or _memory_cgroup_root() is None, reason="needs root and a memory cgroup")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or _memory_cgroup_root() is None, reason="needs root and a memory cgroup"
+)
 def test_a_killed_bench_stops_its_server_and_removes_its_cgroup(tiny_dir, tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "moestream", "bench", "--model", str(tiny_dir("qwen3_moe")),
-                             "--memory-limit", "2GiB", "--max-tokens", "400", "--no-plots", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moestream",
+            "bench",
+            "--model",
+            str(tiny_dir("qwen3_moe")),
+            "--memory-limit",
+            "2GiB",
+            "--max-tokens",
+            "400",
+            "--no-plots",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     group = _memory_cgroup_root() / f"moestream-bench-{proc.pid}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "serving" not in _read(out / "server.log"):

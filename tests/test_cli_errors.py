@@ -1,4 +1,5 @@
 """Bad input: one sentence naming the file or tensor, a non-zero exit, no traceback."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
@@ -50,7 +50,10 @@ def test_sharded_checkpoint_generates_and_missing_shard_is_named(capsys, tiny_di
     _shard(ckpt)
     assert main(["generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "3", "--json"]) == 0
     sharded = json.loads(capsys.readouterr().out)["tokens"]
-    assert main(["generate", str(tiny_dir("qwen3_moe")), "--prompt", "Hello", "--max-tokens", "3", "--json"]) == 0
+    assert (
+        main(["generate", str(tiny_dir("qwen3_moe")), "--prompt", "Hello", "--max-tokens", "3", "--json"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["tokens"] == sharded
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     code, err = _run(capsys, ckpt)
@@ -78,8 +81,14 @@ def test_corrupt_header(capsys, tiny_dir, tmp_path):
 
 
 def test_dense_model_is_refused_naming_model_type(capsys, tmp_path):
-    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1)
+    config = T.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dense")
     code, err = _run(capsys, tmp_path / "dense")
     assert code == 2 and "model_type 'llama' is not a supported Mixture-of-Experts architecture" in err

@@ -1,4 +1,5 @@
 """CUDA path (run on the GPU machine; skipped without a GPU): streamed vs stock transformers on CUDA."""
+
 from __future__ import annotations
 
 import warnings
@@ -10,7 +11,10 @@ import transformers as T
 import moestream
 from moestream.cache.expert_cache import budget_requirements
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe", "gpt_oss", "gpt_oss_mxfp4"]
@@ -18,9 +22,16 @@ ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe", "gpt_oss", "gpt_o
 
 def _bf16_reference(path, arch):
     extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if arch.endswith("mxfp4") else {}
-    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager",
-                                                   **extra).cuda().eval()
-    out = model.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    model = (
+        T.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, experts_implementation="eager", **extra
+        )
+        .cuda()
+        .eval()
+    )
+    out = model.generate(
+        torch.tensor([PROMPT], device="cuda"), max_new_tokens=32, min_new_tokens=32, do_sample=False
+    )
     with torch.inference_mode():
         logits = model(out).logits[0].float()
     return out, logits
@@ -31,13 +42,17 @@ def test_cuda_streamed_equals_stock(arch, tiny_dir):
     path = tiny_dir(arch)
     ids, ref_logits = _bf16_reference(path, arch)
     with moestream.load(str(path), device="cuda", cache="64MiB", dtype="bfloat16") as engine:
-        minimum, _ = budget_requirements(engine.emap, engine.top_k)
-        everything = engine.runtime.gpu.slot_bytes * len(engine.emap.units)
-        for gpu_cache, host_cache in ((engine.runtime.gpu.slot_bytes * engine.top_k, 0),
-                                      (everything // 2, 0), (everything // 2, "64MiB"), (everything, "64MiB")):
+        _minimum, _ = budget_requirements(engine.emap, engine.top_k)
+        everything = engine.runtime.tier.slot_bytes * len(engine.emap.units)
+        for gpu_cache, host_cache in (
+            (engine.runtime.tier.slot_bytes * engine.top_k, 0),
+            (everything // 2, 0),
+            (everything // 2, "64MiB"),
+            (everything, "64MiB"),
+        ):
             engine.restream(gpu_cache=gpu_cache, host_cache=host_cache)
             gen = engine.generate(PROMPT, max_tokens=32, ignore_eos=True)
-            assert gen.tokens == ids[0, len(PROMPT):].tolist(), (arch, gpu_cache, host_cache)
+            assert gen.tokens == ids[0, len(PROMPT) :].tolist(), (arch, gpu_cache, host_cache)
             with torch.inference_mode():
                 logits = engine.model(ids).logits[0].float()
             assert (logits - ref_logits).abs().max().item() <= 2e-2, (arch, gpu_cache, host_cache)
@@ -46,8 +61,9 @@ def test_cuda_streamed_equals_stock(arch, tiny_dir):
 def test_one_host_sync_per_layer(tiny_dir):
     """CUDA sync debug mode flags every synchronising op; in moestream code only the routing readback."""
     path = tiny_dir("qwen3_moe")
-    with moestream.load(str(path), device="cuda", cache="64MiB", gpu_cache="100KiB", host_cache="64MiB",
-                        dtype="bfloat16") as engine:
+    with moestream.load(
+        str(path), device="cuda", cache="64MiB", gpu_cache="100KiB", host_cache="64MiB", dtype="bfloat16"
+    ) as engine:
         engine.generate(PROMPT, max_tokens=4, ignore_eos=True)  # warm up
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -61,19 +77,20 @@ def test_one_host_sync_per_layer(tiny_dir):
         layers = len(engine.emap.layers)
         assert len(ours) == layers, [(w.filename, w.lineno) for w in ours]
         assert all(w.filename.endswith("runtime/experts.py") for w in ours)
-        assert engine.runtime.cuda_stats.host_syncs == 0
+        assert engine.runtime.tier.stats.host_syncs == 0
 
 
 def test_gpu_eviction_falls_back_to_the_host_tier(tiny_dir):
     path = tiny_dir("qwen3_moe")
-    with moestream.load(str(path), device="cuda", cache="64MiB", gpu_cache="100KiB", host_cache="64MiB",
-                        dtype="bfloat16") as engine:
+    with moestream.load(
+        str(path), device="cuda", cache="64MiB", gpu_cache="100KiB", host_cache="64MiB", dtype="bfloat16"
+    ) as engine:
         first = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
         read = engine.reader.bytes_read
         second = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
         assert second.tokens == first.tokens
         assert engine.reader.bytes_read == read  # every expert came from pinned host memory
-        assert engine.runtime.cuda_stats.gpu_misses > 0  # while the small GPU tier kept evicting
+        assert engine.runtime.tier.stats.gpu_misses > 0  # while the small GPU tier kept evicting
 
 
 def test_unified_memory_tier_matches_stock(tiny_dir):
@@ -83,7 +100,7 @@ def test_unified_memory_tier_matches_stock(tiny_dir):
     with moestream.load(str(path), device="cuda", cache="100KiB", unified=True, dtype="bfloat16") as engine:
         assert "unified memory" in engine.mode_line()
         gen = engine.generate(PROMPT, max_tokens=32, ignore_eos=True)
-        assert gen.tokens == ids[0, len(PROMPT):].tolist()
+        assert gen.tokens == ids[0, len(PROMPT) :].tolist()
         with torch.inference_mode():
             logits = engine.model(ids).logits[0].float()
         assert (logits - ref_logits).abs().max().item() <= 2e-2

@@ -1,4 +1,5 @@
 """The engine's GPU clock floor, on a fake Jetson sysfs tree: raised while generating, restored on close."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,9 @@ def _min_mhz(node: Path) -> int:
 def test_floor_raised_during_generation_and_restored(tiny_dir, tmp_path):
     node = make_fake_jetson(tmp_path / "root", min_mhz=408)
     seen = []
-    with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", gpu_floor="auto",
-                        sysfs_root=str(tmp_path / "root")) as engine:
+    with moestream.load(
+        str(tiny_dir("qwen3_moe")), cache="1MiB", gpu_floor="auto", sysfs_root=str(tmp_path / "root")
+    ) as engine:
         assert "gpu floor auto" in engine.mode_line()
         for gen in engine.stream([5, 6, 7], max_tokens=4, ignore_eos=True):
             seen.append(_min_mhz(node))

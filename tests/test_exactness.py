@@ -1,13 +1,14 @@
 """Streamed vs stock transformers, fp32, every architecture: same greedy tokens, logits within 1e-5."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers as T
+from tiny_models import ARCHS
 
 import moestream
 from moestream.cache.expert_cache import budget_requirements
-from tiny_models import ARCHS
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 NEW_TOKENS = 32
@@ -22,11 +23,13 @@ def references(tiny_dir):
             path = tiny_dir(arch)
             extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if arch.endswith("mxfp4") else {}
             model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
-            model.float()  # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
+            # some transformers versions keep dequantized MXFP4 experts in bf16; compute in fp32
+            model.float()
             model.eval()
-            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
-            tokens = out[0, len(PROMPT):].tolist()
+            out = model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            tokens = out[0, len(PROMPT) :].tolist()
             with torch.inference_mode():
                 logits = model(out).logits[0]
             cache[arch] = (path, tokens, out, logits)
@@ -47,7 +50,14 @@ def test_streamed_equals_stock(arch, references):
     path, ref_tokens, full_ids, ref_logits = references(arch)
     with moestream.load(str(path), cache="64MiB") as engine:
         for budget in _budgets(engine):
-            for io_mode, io_threads in (("direct", 1), ("pagecache", 4), ("mmap", 1), ("direct", 4), ("mmap", 4), ("pagecache", 1)):
+            for io_mode, io_threads in (
+                ("direct", 1),
+                ("pagecache", 4),
+                ("mmap", 1),
+                ("direct", 4),
+                ("mmap", 4),
+                ("pagecache", 1),
+            ):
                 engine.restream(cache=budget, io_mode=io_mode, io_threads=io_threads)
                 assert engine.cache.stats.misses == 0
                 gen = engine.generate(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -57,4 +67,6 @@ def test_streamed_equals_stock(arch, references):
                 diff = (logits - ref_logits).abs().max().item()
                 assert diff <= 1e-5, (arch, budget, io_mode, io_threads, diff)
                 if budget < engine.cache.slot_bytes * len(engine.emap.units):
-                    assert engine.cache.stats.misses > len(engine.emap.units), "small budgets must force re-reads"
+                    assert engine.cache.stats.misses > len(engine.emap.units), (
+                        "small budgets must force re-reads"
+                    )

@@ -1,4 +1,5 @@
 """--experts-per-token: a labelled, lossy top-k override, equal to stock transformers with that top-k."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,13 @@ def test_override_matches_stock_model_with_that_top_k(tiny_dir):
     expected = ref.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     with moestream.load(str(path), cache="1MiB", experts_per_token=1) as engine:
         assert "LOSSY: 1 experts per token instead of the model's 2" in engine.mode_line()
-        assert engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens == expected[0, len(PROMPT):].tolist()
+        assert (
+            engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens
+            == expected[0, len(PROMPT) :].tolist()
+        )
     with moestream.load(str(path), cache="1MiB") as engine:
         assert "LOSSY" not in engine.mode_line()
-        assert engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens != expected[0, len(PROMPT):].tolist()
+        assert (
+            engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens
+            != expected[0, len(PROMPT) :].tolist()
+        )

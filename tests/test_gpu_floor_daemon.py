@@ -1,4 +1,5 @@
 """The llama.cpp floor daemon, driven by fake bpftrace lines, a fake clock and a fake sysfs/procfs tree."""
+
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,9 @@ class Rig:
         self.node = make_fake_jetson(self.root)
         self.lib = tmp_path / "llama/build/bin/libllama.so"
         write_fake_elf(self.lib, ["llama_decode", "llama_process", "llama_synchronize"])
-        add_fake_process(self.root, MOE, ["/opt/llama-server", "-m", "q.gguf", "--n-cpu-moe=40", "--port", "8080"])
+        add_fake_process(
+            self.root, MOE, ["/opt/llama-server", "-m", "q.gguf", "--n-cpu-moe=40", "--port", "8080"]
+        )
         add_fake_process(self.root, DENSE, ["/opt/llama-server", "-m", "dense.gguf"])
         self.settings = DaemonSettings(libraries=(str(self.lib),))
         self.sources: list[FakeSource] = []

@@ -1,4 +1,5 @@
 """Settings validation and bpftrace program construction: only whitelisted text reaches bpftrace."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,13 +9,12 @@ import pytest
 from moestream.errors import MoestreamError
 from moestream.power.bpftrace import Event, bpftrace_argv, build_program, parse_event
 from moestream.power.library import LibraryRef, resolve_libraries
-from moestream.power.settings import (DaemonSettings, build_settings, read_defaults_file,
-                                      render_defaults_file)
+from moestream.power.settings import DaemonSettings, build_settings, read_defaults_file, render_defaults_file
 from moestream.power.testing import write_fake_elf
 
 MALICIOUS_PATHS = [
     '/usr/lib/libllama.so"; system("rm -rf /"); //',
-    "/usr/lib/libllama.so\nuprobe:/bin/bash:readline { system(\"id\") }",
+    '/usr/lib/libllama.so\nuprobe:/bin/bash:readline { system("id") }',
     "/usr/lib/libllama.so\n",  # a "$" anchor would let this through
     "/usr/lib/lib llama.so",
     "/usr/lib/libllama.so:main",
@@ -30,7 +30,9 @@ def test_bad_library_paths_are_refused(path: str) -> None:
         DaemonSettings(libraries=(path,))
 
 
-@pytest.mark.parametrize("symbol", ["llama_decode; system", "llama decode", "1llama", "llama_decode\n", "a{b}"])
+@pytest.mark.parametrize(
+    "symbol", ["llama_decode; system", "llama decode", "1llama", "llama_decode\n", "a{b}"]
+)
 def test_bad_symbols_are_refused(symbol: str) -> None:
     with pytest.raises(ValueError, match="SYMBOLS"):
         DaemonSettings(symbols=(symbol,))
@@ -42,8 +44,15 @@ def test_bad_flags_are_refused(flag: str) -> None:
         DaemonSettings(moe_flags=(flag,))
 
 
-@pytest.mark.parametrize("key,value", [("GPU_FLOOR_MHZ", "1020; reboot"), ("GPU_FLOOR_MHZ", "1e3"),
-                                       ("HOLD_SECONDS", "-1"), ("HOLD_SECONDS", "1\n2")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("GPU_FLOOR_MHZ", "1020; reboot"),
+        ("GPU_FLOOR_MHZ", "1e3"),
+        ("HOLD_SECONDS", "-1"),
+        ("HOLD_SECONDS", "1\n2"),
+    ],
+)
 def test_bad_numbers_are_refused(key: str, value: str) -> None:
     with pytest.raises(ValueError, match=key):
         build_settings({key: value})
@@ -76,20 +85,34 @@ def test_program_text_and_argv() -> None:
 
 
 def test_event_lines() -> None:
-    assert parse_event("moestream-floor enter 4242 4250 llama_decode") == Event("enter", 4242, 4250, "llama_decode")
-    assert parse_event("moestream-floor exit 1 1 llama_synchronize\n") == Event("exit", 1, 1, "llama_synchronize")
-    for other in ("Attaching 6 probes...", "moestream-floor enter x 1 llama_decode",
-                  "moestream-floor leave 1 1 llama_decode", "moestream-floor enter 1 1 a b"):
+    assert parse_event("moestream-floor enter 4242 4250 llama_decode") == Event(
+        "enter", 4242, 4250, "llama_decode"
+    )
+    assert parse_event("moestream-floor exit 1 1 llama_synchronize\n") == Event(
+        "exit", 1, 1, "llama_synchronize"
+    )
+    for other in (
+        "Attaching 6 probes...",
+        "moestream-floor enter x 1 llama_decode",
+        "moestream-floor leave 1 1 llama_decode",
+        "moestream-floor enter 1 1 a b",
+    ):
         assert parse_event(other) is None
 
 
 def test_defaults_file_round_trip_and_overrides(tmp_path: Path) -> None:
-    custom = DaemonSettings(floor_mhz=918, hold_s=2.5, libraries=("/opt/a/libllama.so", "/home/*/b/libllama.so"),
-                            moe_flags=("--cpu-moe", "-ot"))
+    custom = DaemonSettings(
+        floor_mhz=918,
+        hold_s=2.5,
+        libraries=("/opt/a/libllama.so", "/home/*/b/libllama.so"),
+        moe_flags=("--cpu-moe", "-ot"),
+    )
     path = tmp_path / "moestream-gpu-floor"
     path.write_text(render_defaults_file(custom))
     assert build_settings(read_defaults_file(path)) == custom
-    merged = build_settings(read_defaults_file(path), {"hold_s": 0.5, "moe_flags": ["-ncmoe"], "symbols": None})
+    merged = build_settings(
+        read_defaults_file(path), {"hold_s": 0.5, "moe_flags": ["-ncmoe"], "symbols": None}
+    )
     assert merged.hold_s == 0.5 and merged.moe_flags == ("-ncmoe",) and merged.floor_mhz == 918
     assert build_settings({"GPU_FLOOR_MHZ": "max"}).floor_mhz is None
     assert read_defaults_file(tmp_path / "missing") == {}
@@ -110,7 +133,9 @@ def test_resolve_libraries_keeps_exported_watched_symbols_only(tmp_path: Path) -
     write_fake_elf(tmp_path / "b/libllama.so", ["ggml_init"])  # exports none of the watched functions
     (tmp_path / "c").mkdir()
     (tmp_path / "c/libllama.so").symlink_to(tmp_path / "a/libllama.so")  # same file twice
-    refs = resolve_libraries((str(tmp_path / "*/libllama.so"),),
-                             ("llama_decode", "llama_process", "llama_synchronize"))
-    assert [(r.path, r.symbols) for r in refs] == [(str(tmp_path / "a/libllama.so"),
-                                                    ("llama_decode", "llama_synchronize"))]
+    refs = resolve_libraries(
+        (str(tmp_path / "*/libllama.so"),), ("llama_decode", "llama_process", "llama_synchronize")
+    )
+    assert [(r.path, r.symbols) for r in refs] == [
+        (str(tmp_path / "a/libllama.so"), ("llama_decode", "llama_synchronize"))
+    ]

@@ -1,4 +1,5 @@
 """Resident memory after load: non-expert bytes + cache budget + 200 MiB at most, on >= 2 GiB of experts."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def test_load_rss_stays_below_non_experts_plus_budget(tmp_path):
     info = describe(str(path))
     assert info["all_expert_bytes"] >= 2 << 30
     budget = 64 * MiB
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(path), str(budget)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(path), str(budget)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     growth = result["after"] - result["before"]

@@ -1,8 +1,10 @@
 """Read/compute overlap under hostile timing: pieces complete in random order after random delays."""
+
 from __future__ import annotations
 
 import random
 import time
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +39,14 @@ def _resident_experts(sd, layer, hidden, index, weights):
     return out
 
 
-def test_thousand_forwards_identical_under_random_completion(tiny_dir, monkeypatch):
+def test_thousand_forwards_identical_under_random_completion(tiny_dir):
     path = tiny_dir("qwen3_moe", experts=16, top_k=4)
-    monkeypatch.setattr("moestream.engine.engine.Reader", lambda mode, threads: JitteryReader(mode, 8))
-    engine = moestream.load(str(path), cache=5 * 36 * 1024, io_mode="direct")  # 5 slots: constant eviction
+    engine = moestream.load(
+        str(path),
+        cache=5 * 36 * 1024,
+        io_mode="direct",  # 5 slots: constant eviction
+        make_reader=lambda mode, threads: JitteryReader(mode, 8),
+    )
     gen = torch.Generator().manual_seed(0)
     misses_before = engine.cache.stats.misses
     sd = load_file(path / "model.safetensors")
@@ -58,28 +64,35 @@ def test_thousand_forwards_identical_under_random_completion(tiny_dir, monkeypat
     assert engine.cache.stats.misses - misses_before > 1000  # the cache really was streaming
 
 
-def test_stalled_experts_retry_until_done(tiny_dir, monkeypatch):
-    """A runtime whose device holds at most 2 experts at a time (like a tiny GPU tier) must stall and retry
-    experts without skipping or repeating any: same output as the resident computation."""
+def test_stalled_experts_retry_until_done(tiny_dir):
+    """A tier that holds at most 2 experts at a time (like a tiny GPU tier) must make the runtime stall and
+    retry experts without skipping or repeating any: same output as the resident computation."""
     from moestream.runtime.experts import ExpertRuntime
+    from moestream.runtime.families import SwiGLU
+    from moestream.runtime.tiers import HostTier
 
-    class TwoSlots(ExpertRuntime):
-        held: set = set()
+    class TwoSlots(HostTier):
+        held: ClassVar[set] = set()
 
-        def _prepare(self, job, expert, stage):
-            if stage == 0 and (job.layer, expert) not in self.held:
+        def prepare(self, job, expert, kinds):
+            if kinds == ("gate",) and (job.layer, expert) not in self.held:
                 if len(self.held) >= 2:
                     return False
                 self.held.add((job.layer, expert))
             return True
 
-        def _finish(self, job, expert, failed):
-            self.held.discard((job.layer, expert))
+        def release(self, layer, expert, job, failed):
+            self.held.discard((layer, expert))
 
     path = tiny_dir("qwen3_moe", experts=16, top_k=4)
-    monkeypatch.setattr("moestream.engine.engine.Reader", lambda mode, threads: JitteryReader(mode, 8, seed=5))
-    engine = moestream.load(str(path), cache=8 * 36 * 1024, io_mode="direct")
-    runtime = TwoSlots(engine.cache, torch.nn.functional.silu)
+    engine = moestream.load(
+        str(path),
+        cache=8 * 36 * 1024,
+        io_mode="direct",
+        make_reader=lambda mode, threads: JitteryReader(mode, 8, seed=5),
+    )
+    tier = TwoSlots(engine.cache)
+    runtime = ExpertRuntime(engine.cache, tier, SwiGLU(torch.nn.functional.silu))
     sd = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
     try:
@@ -90,6 +103,6 @@ def test_stalled_experts_retry_until_done(tiny_dir, monkeypatch):
             weights = torch.rand(tokens, 4, generator=gen)
             got = runtime.forward(i % 2, hidden, index, weights)
             assert torch.equal(got, _resident_experts(sd, i % 2, hidden, index, weights)), i
-            assert not runtime.held
+            assert not tier.held
     finally:
         engine.close()

@@ -1,5 +1,6 @@
 """Perplexity: equal across cache budgets and io modes (1e-6 relative), equal to stock transformers on the
 same chunks (an independent cross-entropy), and the CLI refuses a lossy top-k unless asked."""
+
 from __future__ import annotations
 
 import json
@@ -9,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as T
+from tiny_models import CORPUS
 
 import moestream
 from moestream.bench.perplexity import model_logits, perplexity, split_chunks
 from moestream.cache.expert_cache import budget_requirements
 from moestream.cli import main
 from moestream.errors import MoestreamError
-from tiny_models import CORPUS
 
 CTX, CHUNKS = 64, 3
 
@@ -32,11 +33,11 @@ def stock_perplexity(path, text: str, ctx: int, chunks: int) -> float:
     ids = T.AutoTokenizer.from_pretrained(path).encode(text, add_special_tokens=False)
     total, count = 0.0, 0
     for c in range(chunks):
-        chunk = torch.tensor([ids[c * ctx:(c + 1) * ctx]])
+        chunk = torch.tensor([ids[c * ctx : (c + 1) * ctx]])
         with torch.no_grad():
             logits = model(chunk).logits[0].double()
         half = ctx // 2
-        total += F.cross_entropy(logits[half:-1], chunk[0, half + 1:], reduction="sum").item()
+        total += F.cross_entropy(logits[half:-1], chunk[0, half + 1 :], reduction="sum").item()
         count += ctx - 1 - half
     return math.exp(total / count)
 
@@ -73,8 +74,19 @@ def test_equal_across_budgets_and_io_modes_and_to_stock(setup):
 
 def test_cli_prints_the_same_figure(setup, capsys):
     path, text_file, reference = setup
-    base = ["perplexity", str(path), "--text", str(text_file), "--ctx", str(CTX), "--cache", "1MiB", "--threads", "1",
-            "--json"]
+    base = [
+        "perplexity",
+        str(path),
+        "--text",
+        str(text_file),
+        "--ctx",
+        str(CTX),
+        "--cache",
+        "1MiB",
+        "--threads",
+        "1",
+        "--json",
+    ]
     assert main([*base, "--chunks", str(CHUNKS)]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
@@ -91,8 +103,20 @@ def _ids(path) -> list[int]:
 
 def test_cli_refuses_lossy_top_k_unless_allowed(setup, capsys):
     path, text_file, _ = setup
-    base = ["perplexity", str(path), "--text", str(text_file), "--ctx", str(CTX), "--chunks", "1", "--cache", "1MiB",
-            "--experts-per-token", "1"]
+    base = [
+        "perplexity",
+        str(path),
+        "--text",
+        str(text_file),
+        "--ctx",
+        str(CTX),
+        "--chunks",
+        "1",
+        "--cache",
+        "1MiB",
+        "--experts-per-token",
+        "1",
+    ]
     assert main(base) == 2
     assert "--allow-lossy" in capsys.readouterr().err
     assert main([*base, "--allow-lossy", "--json"]) == 0

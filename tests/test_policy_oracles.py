@@ -1,4 +1,5 @@
-"""The added eviction policies against independent brute-force re-implementations and an exhaustive optimum."""
+"""Eviction policies against independent brute-force re-implementations and an exhaustive optimum."""
+
 from __future__ import annotations
 
 import random
@@ -6,8 +7,16 @@ import random
 import pytest
 
 from moestream.cache.policy import (
-    BeladyPolicy, LFUPolicy, LRUPolicy, PartitionedLRUPolicy, PartitionedResidentSet, PinnedResidentSet,
-    ResidentSet, StaticPolicy, prefetch, split_evenly,
+    BeladyPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PartitionedLRUPolicy,
+    PartitionedResidentSet,
+    PinnedResidentSet,
+    ResidentSet,
+    StaticPolicy,
+    prefetch,
+    split_evenly,
 )
 
 
@@ -60,7 +69,9 @@ def opt_victim_for(groups):
     def victim(resident, counts, i):
         def next_use(key):
             return next((j for j in range(i + 1, len(groups)) if key in groups[j]), len(groups) + 1)
+
         return max(resident, key=next_use)
+
     return victim
 
 
@@ -75,9 +86,12 @@ def test_lru_lfu_opt_match_brute_force(seed: int, capacity: int) -> None:
     assert misses_of(ResidentSet(capacity, LRUPolicy()), groups) == brute(groups, capacity, lru_victim)
     # LRU never picks a key of the current group while another is resident: protection changes nothing
     assert brute(groups, capacity, lru_victim, protect=True) == brute(groups, capacity, lru_victim)
-    assert misses_of(ResidentSet(capacity, LFUPolicy()), groups) == brute(groups, capacity, lfu_victim, protect=True)
+    assert misses_of(ResidentSet(capacity, LFUPolicy()), groups) == brute(
+        groups, capacity, lfu_victim, protect=True
+    )
     assert misses_of(ResidentSet(capacity, BeladyPolicy(groups)), groups) == brute(
-        groups, capacity, opt_victim_for(groups))
+        groups, capacity, opt_victim_for(groups)
+    )
 
 
 def exhaustive_min_misses(groups, capacity: int) -> int:
@@ -106,7 +120,9 @@ def exhaustive_min_misses(groups, capacity: int) -> int:
 def test_belady_is_optimal_on_tiny_traces(seed: int) -> None:
     groups = random_groups(seed, n_groups=14, n_layers=2, n_experts=4, k=2)
     for capacity in (2, 3):
-        assert misses_of(ResidentSet(capacity, BeladyPolicy(groups)), groups) == exhaustive_min_misses(groups, capacity)
+        assert misses_of(ResidentSet(capacity, BeladyPolicy(groups)), groups) == exhaustive_min_misses(
+            groups, capacity
+        )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -114,9 +130,12 @@ def test_belady_never_loses(seed: int) -> None:
     groups = random_groups(seed, n_groups=400, n_layers=4, n_experts=8, k=3)
     for capacity in (4, 8, 16):
         best = misses_of(ResidentSet(capacity, BeladyPolicy(groups)), groups)
-        for other in (ResidentSet(capacity, LRUPolicy()), ResidentSet(capacity, LFUPolicy()),
-                      PartitionedResidentSet(split_evenly(capacity, range(4))),
-                      PinnedResidentSet(capacity, sorted({k for g in groups for k in g}))):
+        for other in (
+            ResidentSet(capacity, LRUPolicy()),
+            ResidentSet(capacity, LFUPolicy()),
+            PartitionedResidentSet(split_evenly(capacity, range(4))),
+            PinnedResidentSet(capacity, sorted({k for g in groups for k in g})),
+        ):
             assert best <= misses_of(other, groups)
 
 
@@ -131,7 +150,9 @@ def test_partitioned_lru_matches_per_layer_brute_force() -> None:
     groups = random_groups(7, n_groups=300, n_layers=3, n_experts=6, k=2)
     quotas = split_evenly(7, [0, 1, 2])
     assert quotas == {0: 3, 1: 2, 2: 2}
-    expected = sum(brute([g for g in groups if g[0][0] == layer], quotas[layer], lru_victim) for layer in quotas)
+    expected = sum(
+        brute([g for g in groups if g[0][0] == layer], quotas[layer], lru_victim) for layer in quotas
+    )
     assert misses_of(PartitionedResidentSet(quotas), groups) == expected
 
 
@@ -146,7 +167,9 @@ def test_partition_with_zero_quota_streams_that_layer() -> None:
 def test_partitioned_policy_fallback_victim_is_fullest_layers_lru() -> None:
     rs = ResidentSet(3, PartitionedLRUPolicy())
     rs.access_group([(0, 1), (1, 1), (1, 2)])
-    rs.access_group([(0, 2)])  # full: the plain ResidentSet asks victim(): layer 1 has 2 keys, its LRU is (1, 1)
+    rs.access_group(
+        [(0, 2)]
+    )  # full: the plain ResidentSet asks victim(): layer 1 has 2 keys, its LRU is (1, 1)
     assert (1, 1) not in rs and (0, 1) in rs
 
 

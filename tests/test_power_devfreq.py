@@ -1,4 +1,5 @@
 """Discovery of the Jetson GPU devfreq node and the choice of floor frequencies, on fake sysfs trees."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,8 +66,10 @@ def test_mhz_plan_rounds_up_to_an_available_frequency(tmp_path: Path) -> None:
         plan_for(node, 1300)
 
 
-@pytest.mark.parametrize("kwargs", [dict(target_hz=0, idle_hz=1), dict(target_hz=5, idle_hz=6),
-                                    dict(target_hz=6, idle_hz=5, hold_s=-1.0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(target_hz=0, idle_hz=1), dict(target_hz=5, idle_hz=6), dict(target_hz=6, idle_hz=5, hold_s=-1.0)],
+)
 def test_floor_plan_validation(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         FloorPlan(**kwargs)

@@ -1,4 +1,5 @@
 """The engine's GPU floor on a fake Jetson sysfs tree, driven by a fake clock."""
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,22 @@ def jetson(tmp_path: Path) -> Path:
 
 
 def engine_floor(tmp_path: Path, clock: FakeClock, spec: str = "auto", **kw) -> EngineFloor:
-    floor = make_engine_floor(spec, sysfs_root=str(tmp_path / "root"), state_dir=tmp_path / "state",
-                              clock=clock, background=False, handle_signals=False, **kw)
+    floor = make_engine_floor(
+        spec,
+        sysfs_root=str(tmp_path / "root"),
+        state_dir=tmp_path / "state",
+        clock=clock,
+        background=False,
+        handle_signals=False,
+        **kw,
+    )
     assert floor is not None
     return floor
 
 
-def test_raised_on_first_call_held_in_flight_released_after_hold(tmp_path: Path, jetson: Path, caplog) -> None:
+def test_raised_on_first_call_held_in_flight_released_after_hold(
+    tmp_path: Path, jetson: Path, caplog
+) -> None:
     caplog.set_level(logging.INFO, logger="moestream.power")
     clock = FakeClock()
     floor = engine_floor(tmp_path, clock)
@@ -146,11 +156,17 @@ def test_floor_resumes_once_the_other_writer_gives_min_freq_back(tmp_path: Path,
 
 
 def test_background_thread_releases_in_real_time(tmp_path: Path, jetson: Path) -> None:
-    floor = make_engine_floor("auto", sysfs_root=str(tmp_path / "root"), state_dir=tmp_path / "state",
-                              hold_s=0.05, handle_signals=False)
+    floor = make_engine_floor(
+        "auto",
+        sysfs_root=str(tmp_path / "root"),
+        state_dir=tmp_path / "state",
+        hold_s=0.05,
+        handle_signals=False,
+    )
     assert floor is not None
-    threads = [threading.Thread(target=lambda: [floor.begin() or floor.end() for _ in range(200)])
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: [floor.begin() or floor.end() for _ in range(200)]) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -188,8 +204,10 @@ def test_mhz_above_the_board_is_a_user_error(tmp_path: Path, jetson: Path) -> No
 def test_unwritable_min_freq(tmp_path: Path, jetson: Path, monkeypatch) -> None:
     real_access = os.access
     # what the kernel answers a non-root user for a root-owned 0644 sysfs file (tests may run as root)
-    monkeypatch.setattr("moestream.power.devfreq.os.access",
-                        lambda path, mode: False if mode & os.W_OK else real_access(path, mode))
+    monkeypatch.setattr(
+        "moestream.power.devfreq.os.access",
+        lambda path, mode: False if mode & os.W_OK else real_access(path, mode),
+    )
     assert make_engine_floor("auto", sysfs_root=str(tmp_path / "root")) is None
     with pytest.raises(MoestreamError, match="run as root"):
         make_engine_floor("1020", sysfs_root=str(tmp_path / "root"))
@@ -205,8 +223,11 @@ def write_state(tmp_path: Path, jetson: Path, written_mhz: int) -> Path:
     pid = dead_pid()
     path = tmp_path / "state" / f"gpu-floor.{pid}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"node": str(jetson), "original_hz": 408 * MHZ,
-                                "written_hz": written_mhz * MHZ, "pid": pid}))
+    path.write_text(
+        json.dumps(
+            {"node": str(jetson), "original_hz": 408 * MHZ, "written_hz": written_mhz * MHZ, "pid": pid}
+        )
+    )
     return path
 
 
@@ -247,8 +268,12 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "root"), str(tmp_path / "state")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "root"), str(tmp_path / "state")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "raised"
         assert min_mhz(jetson) == 1020
@@ -272,7 +297,9 @@ def test_gpu_floor_argument() -> None:
         parser.parse_args(["--gpu-floor", "turbo"])
 
 
-def test_sysfs_failure_disables_the_floor_without_breaking_inference(tmp_path: Path, jetson: Path, caplog) -> None:
+def test_sysfs_failure_disables_the_floor_without_breaking_inference(
+    tmp_path: Path, jetson: Path, caplog
+) -> None:
     floor = engine_floor(tmp_path, FakeClock())
     (jetson / "min_freq").unlink()
     (jetson / "min_freq").mkdir()  # any read or write now fails with an OSError

@@ -1,4 +1,5 @@
 """Telemetry sampler on fake Jetson sysfs, fake /proc/cpuinfo and a fake NVML module."""
+
 from __future__ import annotations
 
 import sys
@@ -47,7 +48,8 @@ def test_jetson_samples_and_summary(tmp_path: Path) -> None:
 def test_machine_without_gpu_or_power_reports_none(tmp_path: Path) -> None:
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc/cpuinfo").write_text(
-        "processor\t: 0\ncpu MHz\t\t: 2000.000\nprocessor\t: 1\ncpu MHz\t\t: 3000.0\n")
+        "processor\t: 0\ncpu MHz\t\t: 2000.000\nprocessor\t: 1\ncpu MHz\t\t: 3000.0\n"
+    )
     sampler = TelemetrySampler(sysfs_root=str(tmp_path), clock=FakeClock())
     sampler.sample()
     s = sampler.summary(tokens=10)
@@ -73,6 +75,7 @@ def fake_pynvml(shutdowns: list[int]) -> types.ModuleType:
 
     def no_power(h: object) -> int:
         raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
     nvml.nvmlDeviceGetPowerUsage = no_power
     return nvml
 

@@ -1,5 +1,6 @@
 """The server through the real openai client: output equal to `moestream generate`, streams that join to
 the whole text, llama-server timings, sampling controls, API key and metrics."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,17 @@ from test_server_harness import shared_server
 
 from moestream.cli import main
 
-TIMINGS = ["cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
-           "predicted_ms", "predicted_per_token_ms", "predicted_per_second"]
+TIMINGS = [
+    "cache_n",
+    "prompt_n",
+    "prompt_ms",
+    "prompt_per_token_ms",
+    "prompt_per_second",
+    "predicted_n",
+    "predicted_ms",
+    "predicted_per_token_ms",
+    "predicted_per_second",
+]
 IGNORE_EOS = {"ignore_eos": True}
 
 
@@ -23,29 +33,51 @@ def server(tiny_dir):
 def generate_json(capsys, server, prompt: str, tokens: int, *extra: str) -> dict:
     """The oracle: stock `moestream generate --json` on the very checkpoint the server serves."""
     capsys.readouterr()
-    assert main(["generate", str(server.path), "--prompt", prompt, "--max-tokens", str(tokens), "--ignore-eos",
-                 "--cache", "1MiB", "--json", *extra]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(server.path),
+                "--prompt",
+                prompt,
+                "--max-tokens",
+                str(tokens),
+                "--ignore-eos",
+                "--cache",
+                "1MiB",
+                "--json",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 
 def test_greedy_completion_equals_generate(server, capsys):
     expected = generate_json(capsys, server, "Hello world", 12)
     client = server.client()
-    out = client.completions.create(model=server.model, prompt="Hello world", max_tokens=12, temperature=0,
-                                    extra_body=IGNORE_EOS)
+    out = client.completions.create(
+        model=server.model, prompt="Hello world", max_tokens=12, temperature=0, extra_body=IGNORE_EOS
+    )
     assert out.choices[0].text == expected["text"] and out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens == expected["prompt_tokens"]
     assert out.usage.completion_tokens == len(expected["tokens"]) == 12
-    ids = client.completions.create(model=server.model, prompt=[1, 2, 3], max_tokens=4, temperature=0,
-                                    extra_body=IGNORE_EOS)
+    ids = client.completions.create(
+        model=server.model, prompt=[1, 2, 3], max_tokens=4, temperature=0, extra_body=IGNORE_EOS
+    )
     assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
 
 
 def test_greedy_chat_equals_generate_chat(server, capsys):
     expected = generate_json(capsys, server, "Hi there", 10, "--chat")
-    out = server.client().chat.completions.create(model=server.model, temperature=0, max_tokens=10,
-                                                  messages=[{"role": "user", "content": "Hi there"}],
-                                                  extra_body=IGNORE_EOS)
+    out = server.client().chat.completions.create(
+        model=server.model,
+        temperature=0,
+        max_tokens=10,
+        messages=[{"role": "user", "content": "Hi there"}],
+        extra_body=IGNORE_EOS,
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == expected["text"]
     assert out.usage.prompt_tokens == expected["prompt_tokens"]
@@ -53,8 +85,11 @@ def test_greedy_chat_equals_generate_chat(server, capsys):
 
 def _stream(client, chat: bool, **kwargs) -> tuple[str, list]:
     if chat:
-        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Tell me"}],
-                                                     stream=True, **kwargs))
+        chunks = list(
+            client.chat.completions.create(
+                messages=[{"role": "user", "content": "Tell me"}], stream=True, **kwargs
+            )
+        )
         return "".join(c.choices[0].delta.content or "" for c in chunks), chunks
     chunks = list(client.completions.create(prompt="The quick brown", stream=True, **kwargs))
     return "".join(c.choices[0].text for c in chunks), chunks
@@ -79,13 +114,15 @@ def test_stream_joins_to_the_whole_text(server, chat):
     assert chunks[-1].model_extra["timings"]["predicted_n"] == out.usage.completion_tokens == 40
     assert chunks[-1].choices[0].finish_reason == "length"
     # a stop string in the middle: the stream must hold back its partial prefix, never send it
-    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
     cut, _ = _whole(client, chat, stop=[stop], **greedy)
     joined_cut, cut_chunks = _stream(client, chat, stop=stop, **greedy)
-    assert cut == joined_cut == whole[:whole.find(stop)]
+    assert cut == joined_cut == whole[: whole.find(stop)]
     assert cut_chunks[-1].choices[0].finish_reason == "stop"
     # seeded sampling is reproducible across both modes
-    sampled = dict(model=server.model, max_tokens=24, temperature=1.3, top_p=0.95, seed=11, extra_body=IGNORE_EOS)
+    sampled = dict(
+        model=server.model, max_tokens=24, temperature=1.3, top_p=0.95, seed=11, extra_body=IGNORE_EOS
+    )
     assert _whole(client, chat, **sampled)[0] == _stream(client, chat, **sampled)[0]
 
 
@@ -100,15 +137,27 @@ def _check_timings(t: dict, prompt_tokens: int, completion_tokens: int) -> None:
 
 
 def test_timings_and_moe_objects(server):
-    res = server.http.post("/v1/completions", json={"prompt": "Streaming weights", "max_tokens": 9,
-                                                    "temperature": 0, "ignore_eos": True})
+    res = server.http.post(
+        "/v1/completions",
+        json={"prompt": "Streaming weights", "max_tokens": 9, "temperature": 0, "ignore_eos": True},
+    )
     body = res.json()
     _check_timings(body["timings"], body["usage"]["prompt_tokens"], 9)
     moe = body["moe"]
     assert set(moe) == {"bytes_read", "hits", "misses", "hit_rate", "read_wait_ms"}
-    assert moe["hits"] + moe["misses"] > 0 and moe["hit_rate"] == pytest.approx(moe["hits"] / (moe["hits"] + moe["misses"]))
-    chunks = list(server.client().completions.create(model=server.model, prompt="Streaming weights", max_tokens=9,
-                                                     temperature=0, stream=True, extra_body=IGNORE_EOS))
+    assert moe["hits"] + moe["misses"] > 0 and moe["hit_rate"] == pytest.approx(
+        moe["hits"] / (moe["hits"] + moe["misses"])
+    )
+    chunks = list(
+        server.client().completions.create(
+            model=server.model,
+            prompt="Streaming weights",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            extra_body=IGNORE_EOS,
+        )
+    )
     _check_timings(chunks[-1].model_extra["timings"], body["usage"]["prompt_tokens"], 9)
     assert set(chunks[-1].model_extra["moe"]) == set(moe)
 
@@ -117,8 +166,17 @@ def test_sampling_controls(server):
     client = server.client()
 
     def text(top_k: int = 0, **kw) -> str:
-        return client.completions.create(model=server.model, prompt="Mixture of", max_tokens=16,
-                                         extra_body={**IGNORE_EOS, "top_k": top_k}, **kw).choices[0].text
+        return (
+            client.completions.create(
+                model=server.model,
+                prompt="Mixture of",
+                max_tokens=16,
+                extra_body={**IGNORE_EOS, "top_k": top_k},
+                **kw,
+            )
+            .choices[0]
+            .text
+        )
 
     greedy = text(temperature=0)
     a, b, c = text(temperature=1.5, seed=7), text(temperature=1.5, seed=7), text(temperature=1.5, seed=8)
@@ -142,18 +200,35 @@ def test_models_health_api_key_and_metrics(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
 
-    before = {name: server.metric(name) for name in ("moestream_generated_tokens_total", "moestream_prompt_tokens_total",
-                                                     "moestream_expert_cache_hits_total")}
+    before = {
+        name: server.metric(name)
+        for name in (
+            "moestream_generated_tokens_total",
+            "moestream_prompt_tokens_total",
+            "moestream_expert_cache_hits_total",
+        )
+    }
     ok = server.metric("moestream_requests_total", endpoint="chat", status="200")
     ttft = server.metric("moestream_time_to_first_token_seconds_count", endpoint="chat")
-    out = server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
-                                                  max_tokens=5, temperature=0, extra_body=IGNORE_EOS)
+    out = server.client().chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body=IGNORE_EOS,
+    )
     assert server.metric("moestream_generated_tokens_total") - before["moestream_generated_tokens_total"] == 5
-    assert (server.metric("moestream_prompt_tokens_total") - before["moestream_prompt_tokens_total"]
-            == out.usage.prompt_tokens)
+    assert (
+        server.metric("moestream_prompt_tokens_total") - before["moestream_prompt_tokens_total"]
+        == out.usage.prompt_tokens
+    )
     assert server.metric("moestream_expert_cache_hits_total") > before["moestream_expert_cache_hits_total"]
     assert server.metric("moestream_requests_total", endpoint="chat", status="200") == ok + 1
     assert server.metric("moestream_time_to_first_token_seconds_count", endpoint="chat") == ttft + 1
-    for name in ("moestream_request_latency_seconds_bucket", "moestream_expert_bytes_read_total",
-                 "moestream_expert_cache_misses_total", "moestream_expert_read_wait_seconds_total"):
+    for name in (
+        "moestream_request_latency_seconds_bucket",
+        "moestream_expert_bytes_read_total",
+        "moestream_expert_cache_misses_total",
+        "moestream_expert_read_wait_seconds_total",
+    ):
         assert f"\n{name}" in server.http.get("/metrics").text

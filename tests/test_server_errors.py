@@ -1,5 +1,6 @@
 """Bad input, overload and disconnects against a live server: every malformed request gets a 4xx with an
 OpenAI-style error body, the server survives them all and then answers a valid request correctly."""
+
 from __future__ import annotations
 
 import json
@@ -14,36 +15,86 @@ from moestream.cli import main
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 # (path, body: raw bytes or a JSON value, expected status, expected param or None)
-RAW_BAD_JSON = [b"", b"{", b"[1", b"nope", b"{'prompt': 'x'}", b"\xff\xfe\x00", b'{"prompt": NaN}',
-                b'{"prompt": "\\ud800"}', b'{"model": "\\udc00", "messages": []}',
-                b'{"prompt": "x", "max_tokens": Infinity}', b"[" * 20000 + b"]" * 20000, b'{"prompt": "x",}']
+RAW_BAD_JSON = [
+    b"",
+    b"{",
+    b"[1",
+    b"nope",
+    b"{'prompt': 'x'}",
+    b"\xff\xfe\x00",
+    b'{"prompt": NaN}',
+    b'{"prompt": "\\ud800"}',
+    b'{"model": "\\udc00", "messages": []}',
+    b'{"prompt": "x", "max_tokens": Infinity}',
+    b"[" * 20000 + b"]" * 20000,
+    b'{"prompt": "x",}',
+]
 NOT_OBJECTS = [[], 1, None, "prompt", [{"prompt": "x"}]]
 COMPLETION_CASES = [
-    ({}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": {"a": 1}}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1, 2], [3]]}, "prompt"), ({"prompt": [999999]}, "prompt"), ({"prompt": [-1]}, "prompt"),
-    ({"prompt": [7] * (CONTEXT + 4)}, "prompt"), ({"prompt": [True]}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [999999]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [7] * (CONTEXT + 4)}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
 ]
 SHARED_CASES = [  # fields of both endpoints
-    ({"max_tokens": "5"}, "max_tokens"), ({"max_tokens": 5.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"), ({"max_tokens": CONTEXT}, "max_tokens"),
-    ({"max_tokens": 10**12}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
-    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"),
-    ({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"), ({"stop": 5}, "stop"), ({"stop": [1]}, "stop"),
-    ({"stop": ["a"] * 17}, "stop"), ({"n": 2}, "n"), ({"n": "1"}, "n"), ({"logprobs": 5}, "logprobs"),
-    ({"model": 7}, "model"), ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 5.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": CONTEXT}, "max_tokens"),
+    ({"max_tokens": 10**12}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": "x"}, "seed"),
+    ({"seed": 2**70}, "seed"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": 1}, "stream"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"n": 2}, "n"),
+    ({"n": "1"}, "n"),
+    ({"logprobs": 5}, "logprobs"),
+    ({"model": 7}, "model"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ]
 UNKNOWN_MODELS = ["gpt-4", "/etc/passwd", "../../../etc/hosts", "", "x" * 5000]
 CHAT_CASES = [
-    ({}, "messages"), ({"messages": "hi"}, "messages"), ({"messages": []}, "messages"),
-    ({"messages": [{"content": "x"}]}, "messages.0.role"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
-     "messages.0.content"),
-    ({"messages": [USER[0], 5]}, "messages.1"), ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+                }
+            ]
+        },
+        "messages.0.content",
+    ),
+    ({"messages": [USER[0], 5]}, "messages.1"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "word " * 4200}]}, "messages"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_tokens"),
 ]
@@ -75,7 +126,11 @@ def _check_error(res: httpx.Response, status: int, param: str | None, what: str)
     assert res.status_code == status, (what, res.status_code, res.text[:300])
     error = res.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, what
-    assert isinstance(error["message"], str) and 0 < len(error["message"]) < 400 and "Traceback" not in error["message"]
+    assert (
+        isinstance(error["message"], str)
+        and 0 < len(error["message"]) < 400
+        and "Traceback" not in error["message"]
+    )
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, (what, error)
@@ -88,20 +143,49 @@ def test_malformed_requests_then_a_valid_one(server, capsys):
         for path, body, status, param in cases:
             _check_error(server.http.post(path, content=body), status, param, f"{path} {body[:80]!r}")
             sent += 1
-    for method, path, status in (("GET", COMPLETIONS, 405), ("DELETE", "/v1/models", 405), ("GET", "/v1/nope", 404),
-                                 ("GET", "/../../etc/passwd", 404)):
+    for method, path, status in (
+        ("GET", COMPLETIONS, 405),
+        ("DELETE", "/v1/models", 405),
+        ("GET", "/v1/nope", 404),
+        ("GET", "/../../etc/passwd", 404),
+    ):
         _check_error(server.http.request(method, path), status, None, path)
     # a chunked upload declares no length: the limit still holds
-    res = server.http.post(COMPLETIONS, content=iter([b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}']))
+    res = server.http.post(
+        COMPLETIONS, content=iter([b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}'])
+    )
     _check_error(res, 413, None, "chunked")
     assert server.metric("moestream_requests_total", status="400") >= sent * 0.8
 
     capsys.readouterr()
-    assert main(["generate", str(server.path), "--prompt", "Hello world", "--max-tokens", "12", "--ignore-eos",
-                 "--cache", "1MiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(server.path),
+                "--prompt",
+                "Hello world",
+                "--max-tokens",
+                "12",
+                "--ignore-eos",
+                "--cache",
+                "1MiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     expected = json.loads(capsys.readouterr().out)["text"]
-    res = server.http.post(COMPLETIONS, json={"model": server.model, "prompt": "Hello world", "max_tokens": 12,
-                                              "temperature": 0, "ignore_eos": True})
+    res = server.http.post(
+        COMPLETIONS,
+        json={
+            "model": server.model,
+            "prompt": "Hello world",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert res.status_code == 200 and res.json()["choices"][0]["text"] == expected
 
 
@@ -111,8 +195,17 @@ def _generated(server) -> float:
 
 def test_disconnect_stops_the_generation(server):
     server.wait_idle()
-    cancelled, tokens = server.metric("moestream_generations_total", finish_reason="cancelled"), _generated(server)
-    body = {"prompt": "Hello", "max_tokens": CONTEXT - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    cancelled, tokens = (
+        server.metric("moestream_generations_total", finish_reason="cancelled"),
+        _generated(server),
+    )
+    body = {
+        "prompt": "Hello",
+        "max_tokens": CONTEXT - 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with server.http.stream("POST", COMPLETIONS, json=body) as res:
         chunks = 0
         for line in res.iter_lines():
@@ -134,7 +227,13 @@ def test_disconnect_stops_the_generation(server):
 def test_full_queue_answers_503_with_retry_after(server):
     server.wait_idle()
     generations = server.metric("moestream_generations_total")
-    body = {"prompt": "Hello", "max_tokens": CONTEXT - 10, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Hello",
+        "max_tokens": CONTEXT - 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     streams = []
     try:
         for _ in range(5):  # one running and four waiting fill --queue-size 4
@@ -151,5 +250,7 @@ def test_full_queue_answers_503_with_retry_after(server):
         time.sleep(0.3)
         streams[0].__exit__(None, None, None)
     server.wait_idle(timeout=10)
-    assert server.metric("moestream_generations_total") == generations + 1  # queued jobs of gone clients never ran
+    assert (
+        server.metric("moestream_generations_total") == generations + 1
+    )  # queued jobs of gone clients never ran
     assert server.http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -5,6 +5,7 @@ imports), so the API, error and soak tests all talk to the same process and meas
 served checkpoint is a copy of the tiny qwen3_moe with its context raised to 4096, so that a request
 can run for seconds and be cancelled or queued behind deterministically.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -25,8 +26,19 @@ import openai
 
 KEY = "test-key-0123"
 CONTEXT = 4096
-SERVER_ARGS = ["--cache", "1MiB", "--api-key", KEY, "--queue-size", "4", "--max-body", "64KiB", "--threads", "1"]
-_servers: dict[str, "LiveServer"] = {}
+SERVER_ARGS = [
+    "--cache",
+    "1MiB",
+    "--api-key",
+    KEY,
+    "--queue-size",
+    "4",
+    "--max-body",
+    "64KiB",
+    "--threads",
+    "1",
+]
+_servers: dict[str, LiveServer] = {}
 
 
 def _die_with_parent() -> None:
@@ -41,9 +53,14 @@ class LiveServer:
         self.path = path
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moestream-serve-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", str(path), "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moestream", "serve", str(path), "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
         self.url = self._wait_for_url(timeout=120)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 

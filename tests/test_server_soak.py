@@ -1,5 +1,6 @@
 """A bounded soak: 330 short requests (sequential, concurrent, streamed, cancelled) against one live
 server, with no errors, every generation accounted for, and resident memory growth under 50 MiB."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +24,9 @@ def one_request(server, client, i: int) -> int:
     rng = random.Random(i)
     max_tokens = rng.randint(1, 6)
     sampling = {"temperature": 0.0} if i % 3 else {"temperature": 0.9, "seed": i, "top_p": 0.9}
-    kwargs = dict(model=server.model, max_tokens=max_tokens, stop=["\n\n"] if i % 5 == 0 else None, **sampling)
+    kwargs = dict(
+        model=server.model, max_tokens=max_tokens, stop=["\n\n"] if i % 5 == 0 else None, **sampling
+    )
     chat, stream = i % 2 == 0, i % 4 >= 2
     prompt = PROMPTS[i % len(PROMPTS)]
     if chat:

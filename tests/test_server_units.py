@@ -1,5 +1,6 @@
 """Server parts without HTTP: stream deltas, llama-server timings arithmetic, the worker's queue and
 cancellation (with a real tiny engine), and `moestream serve` argument errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,14 +47,17 @@ def test_timings_follow_llama_server_convention():
     assert t["prompt_per_second"] == pytest.approx(100)
     assert t["predicted_ms"] == pytest.approx(30) and t["predicted_per_token_ms"] == pytest.approx(7.5)
     assert t["predicted_per_second"] == pytest.approx(4 / 0.030)
-    assert 1000 * (t["predicted_n"] - 1) / t["predicted_ms"] == pytest.approx(stats.decode.tok_s)  # generate's figure
+    assert 1000 * (t["predicted_n"] - 1) / t["predicted_ms"] == pytest.approx(
+        stats.decode.tok_s
+    )  # generate's figure
     assert usage(gen) == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     one = timings(Generation("a", [1], 5, GenerationStats(PhaseStats(5, 0.05), PhaseStats()), done=True))
     assert one["predicted_ms"] == 0 and one["predicted_per_second"] == 0  # no inf or NaN in JSON
 
 
 class _CancelAfter(Job):
-    """Cancels itself from the worker thread right after emitting its n-th token: a deterministic disconnect."""
+    """Cancels itself from the worker thread right after emitting its n-th token: a deterministic
+    disconnect."""
 
     n: int = 3
 
@@ -140,10 +144,16 @@ def test_serve_records_a_trace_and_closes_it_on_sigterm(tiny_dir, tmp_path):
     from moestream.trace import read_trace
 
     path = tmp_path / "serve.parquet"
-    server = LiveServer(tiny_dir("qwen3_moe"), ["--cache", "1MiB", "--trace", str(path), "--no-trace-predict"])
+    server = LiveServer(
+        tiny_dir("qwen3_moe"), ["--cache", "1MiB", "--trace", str(path), "--no-trace-predict"]
+    )
     try:
-        first = server.http.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True})
-        second = server.http.post("/v1/completions", json={"prompt": [9], "max_tokens": 2, "ignore_eos": True})
+        first = server.http.post(
+            "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True}
+        )
+        second = server.http.post(
+            "/v1/completions", json={"prompt": [9], "max_tokens": 2, "ignore_eos": True}
+        )
     finally:
         server.stop()  # SIGTERM: the engine must still close the trace
     assert server.proc.returncode == 0

@@ -1,4 +1,6 @@
-"""`moestream simulate` / `predict-eval` end to end: JSON fields, tables, plot, user errors, no torch, real traces."""
+"""`moestream simulate` / `predict-eval` end to end: JSON fields, tables, plot, user errors, no torch, real
+traces."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +19,10 @@ MIXTRAL = SHARED / "mixtral-8x7b-humaneval-routing.jsonl"
 QWEN = sorted(SHARED.glob("qwen1.5-moe-a2.7b-gsm8k-layer*.jsonl"))
 MIXTRAL_EXPERT = 3 * 4096 * 14336 * 2  # bf16 gate+up+down
 QWEN_EXPERT = 3 * 2048 * 1408 * 2
-needs_shared = pytest.mark.skipif(not MIXTRAL.exists() or len(QWEN) != 5,
-                                  reason=f"real traces not found in {SHARED} (they live beside the repository)")
+needs_shared = pytest.mark.skipif(
+    not MIXTRAL.exists() or len(QWEN) != 5,
+    reason=f"real traces not found in {SHARED} (they live beside the repository)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,14 @@ def test_json_records_have_the_promised_fields(synthetic_jsonl: Path, capsys: py
     assert main(["simulate", str(synthetic_jsonl), "--budgets", "4MiB,16MiB", "--json"]) == 0
     out = capsys.readouterr()
     records = json.loads(out.out)
-    assert {r["policy"] for r in records} == {"lru", "lfu", "partitioned-lru", "static", "opt", "lru-prefetch"}
+    assert {r["policy"] for r in records} == {
+        "lru",
+        "lfu",
+        "partitioned-lru",
+        "static",
+        "opt",
+        "lru-prefetch",
+    }
     assert {r["budget_bytes"] for r in records} == {4 << 20, 16 << 20}
     assert {r["phase"] for r in records} == {"prefill", "decode"}
     for r in records:
@@ -41,11 +52,27 @@ def test_json_records_have_the_promised_fields(synthetic_jsonl: Path, capsys: py
     assert "note: UPPER BOUND" in out.err  # notes go to stderr, so the JSON stays parseable
 
 
-def test_table_plot_and_upper_bound_label(synthetic_jsonl: Path, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture) -> None:
+def test_table_plot_and_upper_bound_label(
+    synthetic_jsonl: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     png = tmp_path / "curves.png"
-    assert main(["simulate", str(synthetic_jsonl), "--budgets", "4MiB,8MiB", "--policy", "lru", "belady",
-                 "prefetch", "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(synthetic_jsonl),
+                "--budgets",
+                "4MiB,8MiB",
+                "--policy",
+                "lru",
+                "belady",
+                "prefetch",
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "decode, whole trace: MiB read per token (hit rate)" in text and "UPPER BOUND" in text
     assert "lru-prefetch" in text and "opt" in text and "lfu" not in text
@@ -55,27 +82,35 @@ def test_table_plot_and_upper_bound_label(synthetic_jsonl: Path, tmp_path: Path,
     assert "stale gate L+1, top-2 (k)" in text and "(upper bound: synthetic)" in text
 
 
-@pytest.mark.parametrize("args, message", [
-    (["simulate", "/nonexistent/t.parquet"], "does not exist"),
-    (["simulate", "{syn}", "--budgets", "2 bananas"], "bad budget"),
-    (["simulate", "{syn}", "--policy", "fifo"], "unknown policy 'fifo'"),
-    (["simulate", "{syn}", "--budgets", "1KiB"], "holds no expert slot"),
-    (["predict-eval", "/nonexistent/t.jsonl"], "does not exist"),
-])
-def test_user_errors_exit_2_with_one_sentence(synthetic_jsonl: Path, capsys: pytest.CaptureFixture,
-                                              args: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "/nonexistent/t.parquet"], "does not exist"),
+        (["simulate", "{syn}", "--budgets", "2 bananas"], "bad budget"),
+        (["simulate", "{syn}", "--policy", "fifo"], "unknown policy 'fifo'"),
+        (["simulate", "{syn}", "--budgets", "1KiB"], "holds no expert slot"),
+        (["predict-eval", "/nonexistent/t.jsonl"], "does not exist"),
+    ],
+)
+def test_user_errors_exit_2_with_one_sentence(
+    synthetic_jsonl: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
     assert main([a.format(syn=synthetic_jsonl) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moestream: error:") and message in err and "Traceback" not in err
 
 
 def test_simulate_never_imports_torch(synthetic_jsonl: Path) -> None:
-    code = ("import sys; from moestream.cli import main; "
-            f"rc = main(['simulate', {str(synthetic_jsonl)!r}, '--budgets', '8MiB', '--json']); "
-            "rc |= main(['predict-eval', " + repr(str(synthetic_jsonl)) + "]); "
-            "assert rc == 0 and 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; from moestream.cli import main; "
+        f"rc = main(['simulate', {str(synthetic_jsonl)!r}, '--budgets', '8MiB', '--json']); "
+        "rc |= main(['predict-eval', " + repr(str(synthetic_jsonl)) + "]); "
+        "assert rc == 0 and 'torch' not in sys.modules and 'transformers' not in sys.modules, "
+        "sorted(sys.modules)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert run.returncode == 0, run.stderr[-2000:]
 
 
@@ -87,10 +122,26 @@ def test_real_traces_without_sizes_ask_for_unit_bytes(capsys: pytest.CaptureFixt
 
 @needs_shared
 def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
-    assert main(["simulate", str(MIXTRAL), "--unit-bytes", str(MIXTRAL_EXPERT), "--budgets",
-                 "16GiB,64GiB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(MIXTRAL),
+                "--unit-bytes",
+                str(MIXTRAL_EXPERT),
+                "--budgets",
+                "16GiB,64GiB",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = json.loads(capsys.readouterr().out)
-    dec = {(r["policy"], r["budget_bytes"] >> 30): r for r in records if r["phase"] == "decode" and r["scope"] == "all"}
+    dec = {
+        (r["policy"], r["budget_bytes"] >> 30): r
+        for r in records
+        if r["phase"] == "decode" and r["scope"] == "all"
+    }
     # 16 GiB = 48 slots < the 64 keys one token cycles through: LRU evicts each key just before its reuse
     assert dec[("lru", 16)]["hit_rate"] == 0.0
     assert dec[("opt", 16)]["hit_rate"] > 0.4 and dec[("lru", 64)]["hit_rate"] > 0.7
@@ -99,8 +150,22 @@ def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
 
 @needs_shared
 def test_real_qwen_merge_runs(capsys: pytest.CaptureFixture) -> None:
-    assert main(["simulate", *map(str, QWEN), "--unit-bytes", str(QWEN_EXPERT), "--budgets", "1GiB",
-                 "--policy", "lru", "opt"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                *map(str, QWEN),
+                "--unit-bytes",
+                str(QWEN_EXPERT),
+                "--budgets",
+                "1GiB",
+                "--policy",
+                "lru",
+                "opt",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "replayed as one 5-layer model" in text and "decode, whole trace" in text
     assert main(["predict-eval", str(MIXTRAL)]) == 0

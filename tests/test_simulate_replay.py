@@ -1,4 +1,5 @@
-"""The simulator: hand-computed counts on a tiny trace, and an independent brute-force LRU on random traces."""
+"""The simulator: hand-computed counts on a tiny trace, an independent brute-force LRU on random traces."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,16 @@ def tiny(tmp_path: Path, **header_kw) -> Path:
     h = TraceHeader("tiny", 2, 4, 2, expert_bytes=MiB, **header_kw)
     path = tmp_path / "tiny.parquet"
     with TraceWriter(path, h) as w:
-        w.append_forward("r", [0, 1], "prefill", 0, [[0, 1], [1, 2]], [[0.5, 0.5]] * 2,
-                         pred_experts=[[3, 0, 2, 1], [0, 1, 2, 3]], pred_scores=[[4, 3, 2, 1]] * 2)
+        w.append_forward(
+            "r",
+            [0, 1],
+            "prefill",
+            0,
+            [[0, 1], [1, 2]],
+            [[0.5, 0.5]] * 2,
+            pred_experts=[[3, 0, 2, 1], [0, 1, 2, 3]],
+            pred_scores=[[4, 3, 2, 1]] * 2,
+        )
         w.append_forward("r", [0, 1], "prefill", 1, [[3, 0], [0, 3]], [[0.5, 0.5]] * 2)
         w.append("r", 2, "decode", 0, [0, 1], [0.5, 0.5], pred_experts=[3, 2, 1, 0], pred_scores=[4, 3, 2, 1])
         w.append("r", 2, "decode", 1, [3, 0], [0.5, 0.5])
@@ -29,12 +38,13 @@ def by(records, policy, phase, scope="all"):
     return next(r for r in records if r["policy"] == policy and r["phase"] == phase and r["scope"] == scope)
 
 
-# Capacity 3. Forwards: F1 prefill L0 {00,01,02}, F2 prefill L1 {13,10}, F3 decode L0 {00,01}, F4 decode L1 {13,10}.
+# Capacity 3. Forwards: F1 prefill L0 {00,01,02}, F2 prefill L1 {13,10}, F3 decode L0 {00,01}, F4 decode L1
+# {13,10}.
 EXPECTED = {  # policy: (prefill hits, misses), (decode hits, misses)   -- worked out by hand
     "lru": ((0, 5), (1, 3)),
     "lfu": ((0, 5), (1, 3)),
     "partitioned-lru": ((0, 5), (2, 2)),  # quotas L0: 2, L1: 1; F1 leaves 01, 02 in L0, so F3 hits 01
-    "opt": ((0, 5), (3, 1)),              # F2 evicts 02 (never used again) and 13 (used last)
+    "opt": ((0, 5), (3, 1)),  # F2 evicts 02 (never used again) and 13 (used last)
 }
 
 
@@ -111,14 +121,25 @@ def brute_force_lru(trace, capacity: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_lru_matches_brute_force_and_opt_bounds_everything(seed: int) -> None:
-    trace = random_trace(n_layers=4, n_experts=16, top_k=3, n_requests=3, prompt_len=6, decode_len=20,
-                         seed=seed, predictions=True)
+    trace = random_trace(
+        n_layers=4,
+        n_experts=16,
+        top_k=3,
+        n_requests=3,
+        prompt_len=6,
+        decode_len=20,
+        seed=seed,
+        predictions=True,
+    )
     budgets = [8 * MiB, 20 * MiB, 40 * MiB]
     records, _, _ = simulate(trace, list(POLICIES), budgets)
     for budget in budgets:
         expected = brute_force_lru(trace, budget // MiB)
         for phase in ("prefill", "decode"):
-            assert by([r for r in records if r["budget_bytes"] == budget], "lru", phase)["misses"] == expected[phase]
+            assert (
+                by([r for r in records if r["budget_bytes"] == budget], "lru", phase)["misses"]
+                == expected[phase]
+            )
         # Belady minimises the total over the whole trace (not each phase): no demand policy misses less,
         # and a prefetching one cannot read less either (its prefetches are reads too)
         rows = [r for r in records if r["budget_bytes"] == budget and r["scope"] == "all"]

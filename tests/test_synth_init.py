@@ -1,4 +1,6 @@
-"""Initial values: the realistic-routing scales, transformers' own init for small tensors, and the routing they give."""
+"""Initial values: the realistic-routing scales, transformers' own init for small tensors, and the routing
+they give."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +16,9 @@ SMALL = dict(experts=32, top_k=4, hidden=256, moe_intermediate=32, dtype="fp32")
 def _load(path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        path
+    )
 
 
 def test_scheme_scales():
@@ -63,10 +67,11 @@ def test_realistic_init_routes_flat_plain_init_collapses(tmp_path):
     """The reason for the scales: plain init sends deep-layer tokens to a few experts."""
     stats = {}
     for realistic in (True, False):
-        out = synthesize(tmp_path / str(realistic), arch="qwen3_moe", layers=6,
-                         realistic_routing=realistic, **SMALL)
+        out = synthesize(
+            tmp_path / str(realistic), arch="qwen3_moe", layers=6, realistic_routing=realistic, **SMALL
+        )
         stats[realistic] = routing_stats(*_load(out), SAMPLE_TEXT, max_tokens=300)
     flat = [row["hot8_share"] for row in stats[True]["layers"]]
-    assert max(flat) < 0.5 and stats[True]["adjacent_overlap"] < 0.25   # uniform: 8/32 and 4/32
+    assert max(flat) < 0.5 and stats[True]["adjacent_overlap"] < 0.25  # uniform: 8/32 and 4/32
     deep = stats[False]["layers"][-1]
     assert deep["hot8_share"] > 0.8 and deep["adjacent_overlap"] > 0.6

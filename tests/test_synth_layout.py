@@ -1,4 +1,5 @@
-"""synth checkpoints of every architecture: on-disk names match transformers, stock transformers loads them."""
+"""synth checkpoints of every architecture: on-disk names match transformers, which loads them."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ def _disk(path) -> dict[str, tuple[tuple[int, ...], str]]:
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 (safe_open is not iterable)
                 sl = st.get_slice(k)
                 out[k] = (tuple(sl.get_shape()), sl.get_dtype())
     return out
@@ -35,7 +36,9 @@ def _disk(path) -> dict[str, tuple[tuple[int, ...], str]]:
 def synths(tmp_path_factory):
     """{arch: directory} of a tiny fp32 synth per architecture (written once for the module)."""
     root = tmp_path_factory.mktemp("synth-archs")
-    return {arch: synthesize(root / arch, arch=arch, layers=_layers(arch), dtype="fp32", **TINY) for arch in ARCHS}
+    return {
+        arch: synthesize(root / arch, arch=arch, layers=_layers(arch), dtype="fp32", **TINY) for arch in ARCHS
+    }
 
 
 def _save_pretrained_keys(arch: str, tmp_path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -63,7 +66,7 @@ def test_qwen3_5_layout_is_fused_under_language_model(synths, tmp_path):
     E, H, I = TINY["experts"], TINY["hidden"], TINY["moe_intermediate"]
     expected = {}
     for k, (shape, _) in ref.items():
-        k = "model.language_model." + k[len("model."):] if k.startswith("model.") else k
+        k = "model.language_model." + k[len("model.") :] if k.startswith("model.") else k
         if ".mlp.experts." in k:
             prefix = k.split(".mlp.experts.")[0] + ".mlp.experts."
             expected[prefix + "gate_up_proj"] = (E, 2 * I, H)
@@ -77,7 +80,9 @@ def test_qwen3_5_layout_is_fused_under_language_model(synths, tmp_path):
 def test_stock_transformers_loads_and_generates(arch, synths):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(synths[arch], dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        synths[arch], dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not any(p.is_meta for p in model.parameters())
     tok = AutoTokenizer.from_pretrained(synths[arch])
@@ -88,12 +93,14 @@ def test_stock_transformers_loads_and_generates(arch, synths):
 
 
 def test_loaded_experts_are_the_disk_bytes_gate_first(synths):
-    """transformers fuses gate_proj (w1) before up_proj (w3): the loaded experts are our per-expert tensors."""
+    """transformers fuses gate_proj (w1) before up_proj (w3): its experts are our per-expert tensors."""
     from transformers import AutoModelForCausalLM
 
     I = TINY["moe_intermediate"]
-    for arch, names in (("qwen3_moe", ("mlp", "gate_proj", "up_proj", "down_proj")),
-                        ("mixtral", ("block_sparse_moe", "w1", "w3", "w2"))):
+    for arch, names in (
+        ("qwen3_moe", ("mlp", "gate_proj", "up_proj", "down_proj")),
+        ("mixtral", ("block_sparse_moe", "w1", "w3", "w2")),
+    ):
         model = AutoModelForCausalLM.from_pretrained(synths[arch], dtype=torch.float32)
         experts = model.model.layers[1].mlp.experts
         block, gate, up, down = names
@@ -131,8 +138,16 @@ def test_dense_first_layer_has_no_experts(synths):
 def test_gpt_oss_mxfp4_layout_and_dequantized_scale(tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    out = synthesize(tmp_path / "mx", arch="gpt_oss", layers=2, experts=4, top_k=2, hidden=64,
-                     moe_intermediate=64, mxfp4=True)
+    out = synthesize(
+        tmp_path / "mx",
+        arch="gpt_oss",
+        layers=2,
+        experts=4,
+        top_k=2,
+        hidden=64,
+        moe_intermediate=64,
+        mxfp4=True,
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == "mxfp4"
     disk = _disk(out)
@@ -141,16 +156,23 @@ def test_gpt_oss_mxfp4_layout_and_dequantized_scale(tmp_path):
     assert disk[p + "gate_up_proj_scales"] == ((4, 128, 2), "U8")
     assert disk[p + "down_proj_blocks"] == ((4, 64, 2, 16), "U8")
     assert disk[p + "down_proj_scales"] == ((4, 64, 2), "U8")
-    assert disk[p + "gate_up_proj_bias"] == ((4, 128), "BF16") and disk[p + "down_proj_bias"] == ((4, 64), "BF16")
+    assert disk[p + "gate_up_proj_bias"] == ((4, 128), "BF16") and disk[p + "down_proj_bias"] == (
+        (4, 64),
+        "BF16",
+    )
     assert p + "gate_up_proj" not in disk
     with safe_open(str(out / "model.safetensors"), "pt") as st:
-        w = convert_moe_packed_tensors(st.get_tensor(p + "gate_up_proj_blocks"),
-                                       st.get_tensor(p + "gate_up_proj_scales"), dtype=torch.float32)
-        d = convert_moe_packed_tensors(st.get_tensor(p + "down_proj_blocks"),
-                                       st.get_tensor(p + "down_proj_scales"), dtype=torch.float32)
+        w = convert_moe_packed_tensors(
+            st.get_tensor(p + "gate_up_proj_blocks"),
+            st.get_tensor(p + "gate_up_proj_scales"),
+            dtype=torch.float32,
+        )
+        d = convert_moe_packed_tensors(
+            st.get_tensor(p + "down_proj_blocks"), st.get_tensor(p + "down_proj_scales"), dtype=torch.float32
+        )
     assert w.shape == (4, 64, 128) and d.shape == (4, 64, 64)  # [E, in, out] like the bf16 parameters
-    assert 0.01 < w.std().item() < 0.04       # target N(0, 0.02)
-    assert 0.0002 < d.std().item() < 0.0008   # down projections x0.02
+    assert 0.01 < w.std().item() < 0.04  # target N(0, 0.02)
+    assert 0.0002 < d.std().item() < 0.0008  # down projections x0.02
 
 
 def test_meta_model_is_free():
@@ -167,8 +189,16 @@ def test_gpt_oss_mxfp4_loads_in_stock_transformers(tmp_path):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    out = synthesize(tmp_path / "mx", arch="gpt_oss", layers=2, experts=8, top_k=2, hidden=64,
-                     moe_intermediate=64, mxfp4=True)
+    out = synthesize(
+        tmp_path / "mx",
+        arch="gpt_oss",
+        layers=2,
+        experts=8,
+        top_k=2,
+        hidden=64,
+        moe_intermediate=64,
+        mxfp4=True,
+    )
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 128)

@@ -1,4 +1,5 @@
 """Routing measures: hand-computed values on fake router outputs, and the hooks on real models."""
+
 from __future__ import annotations
 
 import math
@@ -102,7 +103,9 @@ def test_routing_stats_on_stock_models(arch, moe_layers, tmp_path):
 
     from moestream.synth.build import synthesize
 
-    out = synthesize(tmp_path / arch, arch=arch, layers=2, experts=16, top_k=4, hidden=64, moe_intermediate=32)
+    out = synthesize(
+        tmp_path / arch, arch=arch, layers=2, experts=16, top_k=4, hidden=64, moe_intermediate=32
+    )
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     r = routing_stats(model, AutoTokenizer.from_pretrained(out), SAMPLE_TEXT, max_tokens=200)
     assert [row["layer"] for row in r["layers"]] == moe_layers

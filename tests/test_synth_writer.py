@@ -1,4 +1,5 @@
 """Streaming safetensors writer, sharding, atomic output directory, and the random-value source."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,8 @@ def test_header_format_and_values(tmp_path):
     assert files == ["model.safetensors"]
     raw = (tmp_path / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")
-    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and raw[8 : 8 + n].rstrip(b" ").endswith(b"}")
+    header = json.loads(raw[8 : 8 + n])
     assert header["a"] == {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
     assert header["b.weight"]["data_offsets"] == [12, 32]
     assert len(raw) == 8 + n + 32
@@ -39,7 +40,7 @@ def test_header_format_and_values(tmp_path):
 
 def test_sharding_and_index(tmp_path):
     tensors = [_const(f"t{i}", (256,), float(i)) for i in range(5)]  # 1 KiB each
-    tensors.insert(2, _const("big", (1024,), 9.0))                  # 4 KiB: larger than a shard
+    tensors.insert(2, _const("big", (1024,), 9.0))  # 4 KiB: larger than a shard
     assert [len(s) for s in plan_shards(tensors, 2048)] == [2, 1, 2, 1]
     files = write_checkpoint(tmp_path, tensors, shard_bytes=2048)
     assert files == shard_names(4) + ["model.safetensors.index.json"]
@@ -49,7 +50,7 @@ def test_sharding_and_index(tmp_path):
     assert index["weight_map"]["big"] == "model-00002-of-00004.safetensors"
     for name, shard in index["weight_map"].items():
         with safe_open(str(tmp_path / shard), "pt") as st:
-            assert name in st.keys()
+            assert name in st.keys()  # noqa: SIM118 (safe_open has no __contains__)
 
 
 def test_short_chunk_producer_is_an_error(tmp_path):
@@ -67,7 +68,7 @@ def test_sharded_synth_loads(tmp_path):
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
     marker = json.loads((out / SYNTH_MARKER).read_text())
     assert index["metadata"]["total_size"] == marker["total_bytes"]
-    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    _model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
@@ -104,10 +105,14 @@ def test_existing_directory_needs_force(tmp_path):
 
 def test_noise_statistics_and_uniqueness():
     src = noise.NoiseSource(seed=0)
-    chunks = [c.view(torch.bfloat16).float().clone() for _ in range(64) for c in src.gaussian(4096, 0.02, torch.bfloat16)]
-    x = torch.stack(chunks)                                        # 64 "experts" of 4096 values
+    chunks = [
+        c.view(torch.bfloat16).float().clone()
+        for _ in range(64)
+        for c in src.gaussian(4096, 0.02, torch.bfloat16)
+    ]
+    x = torch.stack(chunks)  # 64 "experts" of 4096 values
     assert abs(x.std().item() - 0.02) < 0.001 and abs(x.mean().item()) < 0.001
-    assert len({tuple(r[:16].tolist()) for r in x}) == 64          # every expert differs
+    assert len({tuple(r[:16].tolist()) for r in x}) == 64  # every expert differs
 
 
 def test_noise_has_no_short_period():
@@ -118,7 +123,7 @@ def test_noise_has_no_short_period():
     assert vals.numel() == noise.PERIOD + 100_000
     for shift_bytes in (4096, 8192, 1 << 20, 2 * noise.PERIOD):
         s = shift_bytes // 2
-        assert not torch.equal(vals[s:s + 50_000], vals[:50_000])
+        assert not torch.equal(vals[s : s + 50_000], vals[:50_000])
 
 
 def test_window_offsets_are_distinct():
@@ -126,4 +131,4 @@ def test_window_offsets_are_distinct():
     offsets = [src._offset() for _ in range(200_000)]
     assert len(set(offsets)) == len(offsets)
     n = noise.PERIOD
-    assert all(n % p for p in range(2, int(n ** 0.5) + 1))  # PERIOD is prime
+    assert all(n % p for p in range(2, int(n**0.5) + 1))  # PERIOD is prime

@@ -1,4 +1,5 @@
 """Recording traces from the engine, and the simulator's policies reproducing the engine's misses exactly."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,16 @@ from moestream.trace.simulator import simulate
 PROMPTS = [[5, 17, 33, 2, 99], [41, 7, 250, 3, 3, 8, 12, 40, 100], [77]]
 
 
-@pytest.mark.parametrize("arch,policy", [("qwen3_moe", "lru"), ("deepseek_v3", "lru"), ("gpt_oss", "lru"),
-                                         ("qwen3_moe", "lfu"), ("gpt_oss", "lfu")])
+@pytest.mark.parametrize(
+    "arch,policy",
+    [
+        ("qwen3_moe", "lru"),
+        ("deepseek_v3", "lru"),
+        ("gpt_oss", "lru"),
+        ("qwen3_moe", "lfu"),
+        ("gpt_oss", "lfu"),
+    ],
+)
 def test_simulated_policy_equals_engine(arch, policy, tiny_dir, tmp_path):
     path = tiny_dir(arch, experts=16, top_k=4)
     trace_path = tmp_path / "run.parquet"
@@ -24,7 +33,7 @@ def test_simulated_policy_equals_engine(arch, policy, tiny_dir, tmp_path):
         assert (f"{policy.upper()} eviction" in engine.mode_line()) == (policy != "lru")
         engine.start_trace(trace_path)
         seen = []
-        engine.runtime.observers.append(lambda layer, hidden, rows, weights: seen.append((layer, rows)))
+        engine.runtime.observers.append(lambda event: seen.append((event.layer, event.rows)))
         for prompt in PROMPTS:
             engine.generate(prompt, max_tokens=10, ignore_eos=True)
         stats, device_bytes = engine.cache.stats, engine.reader.bytes_read
@@ -49,7 +58,7 @@ def test_trace_rows_match_what_the_model_routed(tiny_dir, tmp_path):
     with moestream.load(str(path), cache="1MiB") as engine:
         engine.start_trace(tmp_path / "t.parquet", predict=False)
         seen = []
-        engine.runtime.observers.append(lambda layer, hidden, rows, weights: seen.append((layer, rows)))
+        engine.runtime.observers.append(lambda event: seen.append((event.layer, event.rows)))
         engine.generate([5, 6, 7, 8], max_tokens=3, ignore_eos=True, request_id="alpha")
     trace = read_trace(tmp_path / "t.parquet")
     assert len(trace) == sum(len(rows) for _, rows in seen) == (4 + 2) * 2  # (prompt + 2 decode) x 2 layers
@@ -80,20 +89,21 @@ def test_lfu_keeps_the_tokens_and_refuses_unknown_policies(tiny_dir):
 def test_a_layer_never_waits_for_its_own_experts_slots(policy, tiny_dir, monkeypatch):
     """A just-read expert has the lowest LFU count; it must not be the victim for the next miss of its
     own layer (that miss would wait until the first one is computed: reads serialised with compute)."""
-    from moestream.cache.expert_cache import LayerJob
+    from moestream.cache.expert_cache import ExpertCache
 
     path = str(tiny_dir("qwen3_moe", experts=16, top_k=4))
     with moestream.load(path, cache="64MiB") as probe:
         budget = 6 * probe.cache.slot_bytes
     waited = []
-    init = LayerJob.__init__
+    open_layer = ExpertCache.open_layer
 
-    def spy(self, cache, layer, experts, seq):
-        init(self, cache, layer, experts, seq)
-        if len(experts) <= cache.capacity:  # room for the whole layer: every miss must get a slot at once
-            waited.append(len(self._pending))
+    def spy(self, layer, experts):
+        job = open_layer(self, layer, experts)
+        if len(experts) <= self.capacity:  # room for the whole layer: every miss must get a slot at once
+            waited.append(len(job.pending))
+        return job
 
-    monkeypatch.setattr(LayerJob, "__init__", spy)
+    monkeypatch.setattr(ExpertCache, "open_layer", spy)
     with moestream.load(path, cache=budget, policy=policy) as engine:
         for prompt in PROMPTS:
             engine.generate(prompt, max_tokens=10, ignore_eos=True)

@@ -1,4 +1,6 @@
-"""A trace whose writer is killed stays readable up to its last flushed batch, or fails saying where it was cut."""
+"""A trace whose writer is killed stays readable up to its last flushed batch, or fails saying where it was
+cut."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +29,12 @@ while True:
 
 def test_sigkilled_writer_leaves_its_flushed_rows(tmp_path: Path) -> None:
     path = tmp_path / "killed.parquet"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         for line in child.stdout:
             if int(line) >= 500:
@@ -46,7 +52,8 @@ def test_sigkilled_writer_leaves_its_flushed_rows(tmp_path: Path) -> None:
 
 
 def _stream_with_batches(tmp_path: Path, batches: int, rows: int = 10) -> tuple[bytes, list[int]]:
-    """Bytes of a writer's stream after `batches` flushes, and the file size after the schema and each batch."""
+    """Bytes of a writer's stream after `batches` flushes, and the file size after the schema and each
+    batch."""
     writer = TraceWriter(tmp_path / "w.parquet", TraceHeader("k", 1, 8, 2), flush_rows=rows)
     ends = [partial_path(writer.path).stat().st_size]
     for i in range(batches * rows):
@@ -99,8 +106,7 @@ def test_truncated_parquet_says_so(tmp_path: Path) -> None:
 
 def test_exception_inside_with_block_still_finishes_the_file(tmp_path: Path) -> None:
     path = tmp_path / "t.parquet"
-    with pytest.raises(RuntimeError):
-        with TraceWriter(path, TraceHeader("k", 1, 8, 2), flush_rows=1000) as w:
-            w.append("r", 0, "decode", 0, [1, 2], [0.5, 0.5])
-            raise RuntimeError("model crashed")
+    with pytest.raises(RuntimeError), TraceWriter(path, TraceHeader("k", 1, 8, 2), flush_rows=1000) as w:
+        w.append("r", 0, "decode", 0, [1, 2], [0.5, 0.5])
+        raise RuntimeError("model crashed")
     assert len(read_trace(path)) == 1 and not partial_path(path).exists()

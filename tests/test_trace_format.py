@@ -1,4 +1,5 @@
 """Trace header, writer -> Parquet -> reader round trip, JSONL export/import, format detection and errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,15 +16,32 @@ from moestream.trace.reader import JSONL, MIXTRAL, PARQUET, VLLM
 
 
 def header(**kw) -> TraceHeader:
-    return TraceHeader(**{"model_id": "tiny", "n_layers": 2, "n_experts": 4, "top_k": 2, "dtype": "bf16",
-                          "expert_bytes": 1000, **kw})
+    return TraceHeader(
+        **{
+            "model_id": "tiny",
+            "n_layers": 2,
+            "n_experts": 4,
+            "top_k": 2,
+            "dtype": "bf16",
+            "expert_bytes": 1000,
+            **kw,
+        }
+    )
 
 
 def write_small(path: Path, **kw) -> None:
     """Prefill of 3 tokens (2 layers, predictions on layer 0), then 2 decode tokens."""
     with TraceWriter(path, header(), **kw) as w:
-        w.append_forward("r0", [0, 1, 2], "prefill", 0, np.array([[0, 1], [1, 2], [3, 0]]), [[0.6, 0.4]] * 3,
-                         pred_experts=[[1, 2, 3, 0]] * 3, pred_scores=[[4.0, 3.0, 2.0, 1.0]] * 3)
+        w.append_forward(
+            "r0",
+            [0, 1, 2],
+            "prefill",
+            0,
+            np.array([[0, 1], [1, 2], [3, 0]]),
+            [[0.6, 0.4]] * 3,
+            pred_experts=[[1, 2, 3, 0]] * 3,
+            pred_scores=[[4.0, 3.0, 2.0, 1.0]] * 3,
+        )
         w.append_forward("r0", [0, 1, 2], "prefill", 1, [[2, 1], [1, 2], [3, 0]], [[0.5, 0.5]] * 3)
         for token in (3, 4):
             for layer in (0, 1):
@@ -47,7 +65,9 @@ def test_writer_round_trip_through_parquet(tmp_path: Path) -> None:
     write_small(path, flush_rows=3)
     assert detect_format(path) == PARQUET and not (tmp_path / "t.parquet.partial").exists()
     t = read_trace(path)
-    assert t.header == dataclasses.replace(header(), source="t.parquet")  # the file name is the default source
+    assert t.header == dataclasses.replace(
+        header(), source="t.parquet"
+    )  # the file name is the default source
     assert len(t) == 10 and t.request_names == ["r0"]
     assert t.phase.tolist() == [0] * 6 + [1] * 4
     assert t.token.tolist() == [0, 1, 2, 0, 1, 2, 3, 3, 4, 4]
@@ -87,26 +107,37 @@ def test_jsonl_export_import_is_lossless(tmp_path: Path) -> None:
 def test_convert_verb_both_ways(tmp_path: Path) -> None:
     write_small(tmp_path / "t.parquet")
     assert main(["trace-convert", str(tmp_path / "t.parquet"), str(tmp_path / "t.jsonl")]) == 0
-    assert main(["trace-convert", str(tmp_path / "t.jsonl"), str(tmp_path / "u.parquet"), "--dtype", "mxfp4"]) == 0
+    assert (
+        main(["trace-convert", str(tmp_path / "t.jsonl"), str(tmp_path / "u.parquet"), "--dtype", "mxfp4"])
+        == 0
+    )
     t = read_trace(tmp_path / "u.parquet")
-    assert t.header.dtype == "mxfp4" and t.experts.tolist() == read_trace(tmp_path / "t.parquet").experts.tolist()
+    assert (
+        t.header.dtype == "mxfp4"
+        and t.experts.tolist() == read_trace(tmp_path / "t.parquet").experts.tolist()
+    )
     assert main(["trace-convert", str(tmp_path / "t.jsonl"), str(tmp_path / "u.csv")]) == 2
 
 
 def test_detects_foreign_jsonl(tmp_path: Path) -> None:
     mix = tmp_path / "m.jsonl"
-    mix.write_text(json.dumps({"layer": 0, "token_pos": 0, "experts": [1, 2], "gating_probs": [0.5, 0.5]}) + "\n")
+    mix.write_text(
+        json.dumps({"layer": 0, "token_pos": 0, "experts": [1, 2], "gating_probs": [0.5, 0.5]}) + "\n"
+    )
     vl = tmp_path / "v.jsonl"
     vl.write_text(json.dumps({"type": "meta", "model_id": "m", "top_k": 2}) + "\n")
     assert detect_format(mix) == MIXTRAL and detect_format(vl) == VLLM
 
 
-@pytest.mark.parametrize("content, message", [
-    ("", "empty"),
-    ('{"hello": 1}\n', "cannot tell the trace format"),
-    ("not json at all\n", "neither Parquet"),
-    ("[1, 2]\n", "not an object"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "empty"),
+        ('{"hello": 1}\n', "cannot tell the trace format"),
+        ("not json at all\n", "neither Parquet"),
+        ("[1, 2]\n", "not an object"),
+    ],
+)
 def test_unknown_content_is_a_clear_error(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "x.jsonl"
     path.write_text(content)
@@ -130,8 +161,19 @@ def test_ragged_expert_rows_are_rejected(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     lines = [json.dumps({"type": "header", **header().to_dict()})]
     for n in (2, 1):
-        lines.append(json.dumps({"request": "r", "token": 0, "phase": "decode", "layer": 0, "step": 0,
-                                 "experts": list(range(n)), "weights": [0.5] * n}))
+        lines.append(
+            json.dumps(
+                {
+                    "request": "r",
+                    "token": 0,
+                    "phase": "decode",
+                    "layer": 0,
+                    "step": 0,
+                    "experts": list(range(n)),
+                    "weights": [0.5] * n,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(TraceError, match="top_k"):
         read_trace(path)
@@ -142,7 +184,7 @@ def test_ids_outside_the_header_and_empty_traces_are_refused(tmp_path: Path) -> 
 
     with TraceWriter(tmp_path / "empty.parquet", header()):
         pass
-    with pytest.raises(TraceError, match="empty.parquet holds no rows"):
+    with pytest.raises(TraceError, match=r"empty\.parquet holds no rows"):
         simulate(read_trace(tmp_path / "empty.parquet"), ["lru"], [10_000])
     with TraceWriter(tmp_path / "t.parquet", header()) as w:
         w.append("r", 0, "decode", 5, [1, 2], [0.5, 0.5])  # layer 5 of a 2-layer model

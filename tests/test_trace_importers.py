@@ -1,4 +1,5 @@
-"""Importers of others' router logs: hand-built files with known structure, then the real ones when present."""
+"""Importers of others' router logs: hand-built files of known structure, then the real ones when present."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ from moestream.trace import TraceError, load_traces, read_trace
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 MIXTRAL = SHARED / "mixtral-8x7b-humaneval-routing.jsonl"
 QWEN = sorted(SHARED.glob("qwen1.5-moe-a2.7b-gsm8k-layer*.jsonl"))
-needs_shared = pytest.mark.skipif(not MIXTRAL.exists() or len(QWEN) != 5,
-                                  reason=f"real traces not found in {SHARED} (they live beside the repository)")
+needs_shared = pytest.mark.skipif(
+    not MIXTRAL.exists() or len(QWEN) != 5,
+    reason=f"real traces not found in {SHARED} (they live beside the repository)",
+)
 
 
 def write_lines(path: Path, rows: list[dict]) -> Path:
@@ -22,15 +25,21 @@ def write_lines(path: Path, rows: list[dict]) -> Path:
 
 
 def spec_row(layer: int, pos: int, experts: list[int], problem: int = 0) -> dict:
-    return {"dataset": "he", "problem_id": problem, "layer": layer, "token_pos": pos, "experts": experts,
-            "gating_probs": [0.6, 0.4]}
+    return {
+        "dataset": "he",
+        "problem_id": problem,
+        "layer": layer,
+        "token_pos": pos,
+        "experts": experts,
+        "gating_probs": [0.6, 0.4],
+    }
 
 
 def test_speculative_moe_prefill_blocks_then_decode_with_zero_positions(tmp_path: Path) -> None:
-    rows = [spec_row(0, p, [p, 3]) for p in range(3)]            # prefill layer 0: tokens 0..2
-    rows += [spec_row(1, 0, [0, 1]), spec_row(1, 2, [2, 1])]     # layer 1: token 1 missing
-    rows += [spec_row(0, 0, [4, 5]), spec_row(1, 0, [5, 6])]     # decode token 3
-    rows += [spec_row(1, 0, [6, 7])]                             # decode token 4, layer 0 missing
+    rows = [spec_row(0, p, [p, 3]) for p in range(3)]  # prefill layer 0: tokens 0..2
+    rows += [spec_row(1, 0, [0, 1]), spec_row(1, 2, [2, 1])]  # layer 1: token 1 missing
+    rows += [spec_row(0, 0, [4, 5]), spec_row(1, 0, [5, 6])]  # decode token 3
+    rows += [spec_row(1, 0, [6, 7])]  # decode token 4, layer 0 missing
     t = read_trace(write_lines(tmp_path / "m.jsonl", rows))
     assert t.phase.tolist() == [0] * 5 + [1] * 3
     assert t.token.tolist() == [0, 1, 2, 0, 2, 3, 3, 4]
@@ -57,8 +66,16 @@ def vllm_file(path: Path, layer: int, batch_sizes: list[int], seed: int) -> Path
     for b, size in enumerate(batch_sizes):
         for pos in range(size):
             ids = [0, 1] if b == 0 else rng.choice(16, 2, replace=False).tolist()  # batch 0: dummy run
-            rows.append({"type": "route", "req_id": "r1", "token_idx": pos, "layer": layer, "topk_ids": ids,
-                         "topk_weights": [0.7, 0.3]})
+            rows.append(
+                {
+                    "type": "route",
+                    "req_id": "r1",
+                    "token_idx": pos,
+                    "layer": layer,
+                    "topk_ids": ids,
+                    "topk_weights": [0.7, 0.3],
+                }
+            )
     return write_lines(path, rows)
 
 

@@ -1,4 +1,6 @@
-"""Predictor evaluation: hand-computed recall for the stale gate (one and two layers ahead) and previous token."""
+"""Predictor evaluation: hand-computed recall for the stale gate (one and two layers ahead) and previous
+token."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,17 +14,35 @@ from moestream.trace.table import Trace
 
 def three_layer_trace(synthetic: bool = False) -> Trace:
     """One request, tokens 0 (prefill) and 1 (decode), 3 layers, top-2 of 8 experts."""
-    experts = np.array([[0, 1], [2, 3], [4, 5],    # token 0, layers 0..2
-                        [0, 2], [2, 6], [4, 7]])   # token 1
-    # found in the top-2/3/4 guess: token 0: L1 {2,3} 1/2/2, L2 {4,5} 1/1/2; token 1: L1 {2,6} 1/1/2, L2 {4,7} 1/2/2
-    pred = np.array([[2, 7, 3, 0], [4, 0, 1, 5], [-1] * 4,
-                     [6, 1, 0, 2], [7, 5, 4, 1], [-1] * 4])
+    experts = np.array(
+        [
+            [0, 1],
+            [2, 3],
+            [4, 5],  # token 0, layers 0..2
+            [0, 2],
+            [2, 6],
+            [4, 7],
+        ]
+    )  # token 1
+    # found in the top-2/3/4 guess: token 0: L1 {2,3} 1/2/2, L2 {4,5} 1/1/2; token 1: L1 {2,6} 1/1/2, L2
+    # {4,7} 1/2/2
+    pred = np.array([[2, 7, 3, 0], [4, 0, 1, 5], [-1] * 4, [6, 1, 0, 2], [7, 5, 4, 1], [-1] * 4])
     pred2 = np.array([[4, 1], [-1, -1], [-1, -1], [7, 4], [-1, -1], [-1, -1]])  # L2 from L0: 1/2, 2/2
-    return Trace(header=TraceHeader("t", 3, 8, 2, synthetic=synthetic), request=np.zeros(6, np.int32),
-                 request_names=["r"], token=np.repeat([0, 1], 3), phase=np.repeat([0, 1], 3).astype(np.int8),
-                 layer=np.tile([0, 1, 2], 2).astype(np.int32), step=np.repeat([0, 1], 3), experts=experts,
-                 weights=np.full((6, 2), 0.5, np.float32), pred_experts=pred, pred_scores=np.ones((6, 4)),
-                 pred2_experts=pred2, pred2_scores=np.ones((6, 2)))
+    return Trace(
+        header=TraceHeader("t", 3, 8, 2, synthetic=synthetic),
+        request=np.zeros(6, np.int32),
+        request_names=["r"],
+        token=np.repeat([0, 1], 3),
+        phase=np.repeat([0, 1], 3).astype(np.int8),
+        layer=np.tile([0, 1, 2], 2).astype(np.int32),
+        step=np.repeat([0, 1], 3),
+        experts=experts,
+        weights=np.full((6, 2), 0.5, np.float32),
+        pred_experts=pred,
+        pred_scores=np.ones((6, 4)),
+        pred2_experts=pred2,
+        pred2_scores=np.ones((6, 2)),
+    )
 
 
 def recall(records, metric_start, phase):
@@ -53,8 +73,19 @@ def test_synthetic_traces_are_labelled_upper_bound() -> None:
 def test_missing_next_layer_rows_are_not_counted() -> None:
     t = three_layer_trace()
     keep = np.array([True, False, True, True, True, True])  # token 0 loses its layer-1 row
-    for name in ("request", "token", "phase", "layer", "step", "experts", "weights", "pred_experts",
-                 "pred_scores", "pred2_experts", "pred2_scores"):
+    for name in (
+        "request",
+        "token",
+        "phase",
+        "layer",
+        "step",
+        "experts",
+        "weights",
+        "pred_experts",
+        "pred_scores",
+        "pred2_experts",
+        "pred2_scores",
+    ):
         setattr(t, name, getattr(t, name)[keep])
     records = evaluate(t)
     assert "prefill" not in {r["phase"] for r in records if r["metric"].startswith("stale gate L+1")}

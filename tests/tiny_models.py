@@ -3,6 +3,7 @@
 These are the oracle: the stock transformers model loaded from the same directory is what streamed
 output must equal.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,53 +13,141 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1,
-              pad_token_id=0)
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    eos_token_id=0,
+    bos_token_id=1,
+    pad_token_id=0,
+)
 MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
-LINEAR_ATTN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                   linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+LINEAR_ATTN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+)
 
 
 def tiny_config(arch: str, experts: int = 8, top_k: int = 2):
     moe = dict(num_experts_per_tok=top_k)
     if arch == "qwen3_moe":
-        return T.Qwen3MoeConfig(**COMMON, **moe, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                                num_experts=experts, norm_topk_prob=True)
+        return T.Qwen3MoeConfig(
+            **COMMON,
+            **moe,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=experts,
+            norm_topk_prob=True,
+        )
     if arch == "qwen2_moe":
-        return T.Qwen2MoeConfig(**COMMON, **moe, intermediate_size=128, moe_intermediate_size=32,
-                                shared_expert_intermediate_size=64, num_experts=experts)
+        return T.Qwen2MoeConfig(
+            **COMMON,
+            **moe,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            num_experts=experts,
+        )
     if arch == "mixtral":
         return T.MixtralConfig(**COMMON, **moe, intermediate_size=32, num_local_experts=experts)
     if arch == "olmoe":
         return T.OlmoeConfig(**COMMON, **moe, intermediate_size=32, num_experts=experts)
     if arch == "deepseek_v2":
-        return T.DeepseekV2Config(**COMMON, **moe, **MLA, intermediate_size=128, moe_intermediate_size=32,
-                                  n_routed_experts=experts, n_shared_experts=1, first_k_dense_replace=1,
-                                  head_dim=8, n_group=1, topk_group=1)
+        return T.DeepseekV2Config(
+            **COMMON,
+            **moe,
+            **MLA,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            head_dim=8,
+            n_group=1,
+            topk_group=1,
+        )
     if arch == "deepseek_v3":
-        return T.DeepseekV3Config(**COMMON, **moe, **MLA, intermediate_size=128, moe_intermediate_size=32,
-                                  n_routed_experts=experts, n_shared_experts=1, first_k_dense_replace=1,
-                                  n_group=2, topk_group=1)
+        return T.DeepseekV3Config(
+            **COMMON,
+            **moe,
+            **MLA,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        )
     if arch == "glm4_moe":
-        return T.Glm4MoeConfig(**COMMON, **moe, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                               n_routed_experts=experts, n_shared_experts=1, first_k_dense_replace=1,
-                               n_group=1, topk_group=1)
+        return T.Glm4MoeConfig(
+            **COMMON,
+            **moe,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
     if arch in ("gpt_oss", "gpt_oss_mxfp4"):
-        return T.GptOssConfig(**COMMON, **moe, head_dim=16, intermediate_size=64, num_local_experts=experts,
-                              sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                              rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+        return T.GptOssConfig(
+            **COMMON,
+            **moe,
+            head_dim=16,
+            intermediate_size=64,
+            num_local_experts=experts,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        )
     if arch == "qwen3_next":
-        return T.Qwen3NextConfig(**COMMON, **moe, **LINEAR_ATTN, head_dim=16, intermediate_size=128,
-                                 moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=experts)
+        return T.Qwen3NextConfig(
+            **COMMON,
+            **moe,
+            **LINEAR_ATTN,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=experts,
+        )
     if arch == "qwen3_5_moe":
-        return T.Qwen3_5MoeTextConfig(**COMMON, **moe, **LINEAR_ATTN, head_dim=16, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=32, num_experts=experts)
+        return T.Qwen3_5MoeTextConfig(
+            **COMMON,
+            **moe,
+            **LINEAR_ATTN,
+            head_dim=16,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=experts,
+        )
     raise ValueError(arch)
 
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-         "qwen3_next", "qwen3_5_moe", "gpt_oss", "gpt_oss_mxfp4"]
+ARCHS = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+]
 
 
 def write_tiny(arch: str, out: Path, seed: int = 0, experts: int = 8, top_k: int = 2) -> Path:
@@ -123,8 +212,15 @@ def _to_mxfp4(out: Path) -> None:
         sd[key + "_blocks"], sd[key + "_scales"] = quantize_mxfp4(w)
     save_file(sd, path, metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -146,12 +242,19 @@ def write_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=["<|endoftext|>", "<|bos|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|bos|>",
-                                 pad_token="<|endoftext|>")
-    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|bos|>", pad_token="<|endoftext|>"
+    )
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     hf.save_pretrained(out)

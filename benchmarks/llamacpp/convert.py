@@ -9,6 +9,7 @@ otherwise. Only synthetic checkpoints are accepted: a real one has a pre-tokeniz
     .venv/bin/python benchmarks/llamacpp/convert.py /var/tmp/msb/q12x64 /var/tmp/llamacpp/q12x64-bf16.gguf \
         --llama-cpp /var/tmp/llamacpp/llama_cpp_python-X/vendor/llama.cpp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,15 @@ from pathlib import Path
 def check_synthetic(checkpoint: Path) -> None:
     meta = checkpoint / "moestream_synth.json"
     if not meta.exists() or not json.loads(meta.read_text()).get("synthetic"):
-        raise SystemExit(f"{checkpoint} is not a moestream synthetic checkpoint; use llama.cpp's converter directly")
+        raise SystemExit(
+            f"{checkpoint} is not a moestream synthetic checkpoint; use llama.cpp's converter directly"
+        )
     tok = json.loads((checkpoint / "tokenizer.json").read_text())
     pre = tok.get("pre_tokenizer") or {}
     if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-        raise SystemExit(f"{checkpoint}: the tokenizer's pre-tokenizer is {pre}, not GPT-2's byte-level split")
+        raise SystemExit(
+            f"{checkpoint}: the tokenizer's pre-tokenizer is {pre}, not GPT-2's byte-level split"
+        )
 
 
 def _text_model_class(converter: object) -> type:
@@ -35,15 +40,19 @@ def _text_model_class(converter: object) -> type:
 
         return TextModel
     except ImportError:
-        return getattr(converter, "TextModel", None) or getattr(converter, "Model")
+        return getattr(converter, "TextModel", None) or converter.Model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", type=Path)
     p.add_argument("outfile", type=Path)
-    p.add_argument("--llama-cpp", type=Path, required=True, help="the llama.cpp source directory (build.sh prints it)")
-    p.add_argument("--outtype", default="bf16", help="GGUF tensor type (default bf16, the synthetic checkpoint's)")
+    p.add_argument(
+        "--llama-cpp", type=Path, required=True, help="the llama.cpp source directory (build.sh prints it)"
+    )
+    p.add_argument(
+        "--outtype", default="bf16", help="GGUF tensor type (default bf16, the synthetic checkpoint's)"
+    )
     args = p.parse_args()
     check_synthetic(args.checkpoint)
     sys.path[:0] = [str(args.llama_cpp / "gguf-py"), str(args.llama_cpp)]  # its own gguf package, not PyPI's
@@ -55,8 +64,14 @@ def main() -> None:
         return "gpt-2"
 
     base.get_vocab_base_pre = gpt2_pre_tokenizer
-    sys.argv = ["convert_hf_to_gguf.py", str(args.checkpoint), "--outtype", args.outtype, "--outfile",
-                str(args.outfile)]
+    sys.argv = [
+        "convert_hf_to_gguf.py",
+        str(args.checkpoint),
+        "--outtype",
+        args.outtype,
+        "--outfile",
+        str(args.outfile),
+    ]
     converter.main()
 
 

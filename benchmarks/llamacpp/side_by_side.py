@@ -2,7 +2,8 @@
 run_bench): same prompts, same greedy token count, same cgroup memory limit, the page cache dropped
 before every run, the disk's readahead set per run, bytes read from the disk counted per request.
 
-    # one run per SPEC: "llama:ra=8192,t=2" or "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
+    # one run per SPEC: "llama:ra=8192,t=2" or
+    # "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
     python benchmarks/llamacpp/side_by_side.py run SPEC... --llama-server BIN --gguf FILE --model DIR \
         --memory-limit 2.6GiB --max-tokens 32 --out DIR [--baseline RUN_DIR]
     # the table of every run under DIR, speed-ups against the best llama run, texts against a reference run
@@ -13,6 +14,7 @@ before every run, the disk's readahead set per run, bytes read from the disk cou
 Needs root (cgroup, drop_caches, read_ahead_kb). Options not in a SPEC keep each server's defaults:
 llama-server uses mmap (its default path) with `-t` threads; moestream its own defaults.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +43,24 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[str]:
     """llama-server with its default mmap path, one slot, no prompt cache kept in RAM, CPU only."""
-    argv = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", opts.get("t", "2"),
-            "-c", opts.get("ctx", "2048"), "-np", "1", "-ngl", "0", "--no-warmup"]
+    argv = [
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        opts.get("t", "2"),
+        "-c",
+        opts.get("ctx", "2048"),
+        "-np",
+        "1",
+        "-ngl",
+        "0",
+        "--no-warmup",
+    ]
     if opts.get("cache_ram", "0") != "none":
         argv += ["--cache-ram", opts.get("cache_ram", "0")]
     if opts.get("mmap", "on") == "off":
@@ -51,11 +69,20 @@ def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[
 
 
 def moestream_args(opts: dict[str, str]) -> list[str]:
-    names = {"io": "--io-mode", "cache": "--cache", "threads": "--threads", "io_threads": "--io-threads",
-             "piece": "--piece", "k": "--experts-per-token", "policy": "--policy"}
+    names = {
+        "io": "--io-mode",
+        "cache": "--cache",
+        "threads": "--threads",
+        "io_threads": "--io-threads",
+        "piece": "--piece",
+        "k": "--experts-per-token",
+        "policy": "--policy",
+    }
     unknown = set(opts) - set(names) - {"ra", "prefetch"}
     if unknown:
-        raise SystemExit(f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)}, prefetch and ra")
+        raise SystemExit(
+            f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)}, prefetch and ra"
+        )
     flags = ["--prefetch"] if opts.get("prefetch", "0") not in ("0", "off", "no") else []
     return [x for key, flag in names.items() if key in opts for x in (flag, opts[key])] + flags
 
@@ -70,17 +97,34 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
     if kind == "llama":
         argv, disk, name = llama_argv(args.llama_server, args.gguf, port, opts), args.gguf, "llama-server"
     else:
-        argv, disk, name = moestream_serve_argv(args.model, port, moestream_args(opts)), args.model, "moestream"
-    config = BenchConfig(out=Path(args.out) / label_dir(spec), prompts=args.prompts, max_tokens=args.max_tokens,
-                         server_argv=argv, port=port, server_name=name, disk_of=disk,
-                         memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
-                         readahead_kb=int(opts["ra"]) if "ra" in opts else None, drop_caches=True,
-                         baseline=args.baseline if kind == "moestream" else None, label=spec)
+        argv, disk, name = (
+            moestream_serve_argv(args.model, port, moestream_args(opts)),
+            args.model,
+            "moestream",
+        )
+    config = BenchConfig(
+        out=Path(args.out) / label_dir(spec),
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        server_argv=argv,
+        port=port,
+        server_name=name,
+        disk_of=disk,
+        memory_limit=parse_size(args.memory_limit) if args.memory_limit else None,
+        readahead_kb=int(opts["ra"]) if "ra" in opts else None,
+        drop_caches=True,
+        baseline=args.baseline if kind == "moestream" else None,
+        label=spec,
+    )
     results = run_bench(config)
     s = results["summary"]
-    print(f"{spec}: decode {s['decode_tok_s_mean']:.3f} tok/s (CV {100 * (s['decode_tok_s_cv'] or 0):.1f}%), "
-          f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read {s['device_gib']:.1f} GiB, "
-          f"peak memory {_peak(results)}", flush=True)
+    print(
+        f"{spec}: decode {s['decode_tok_s_mean']:.3f} tok/s (CV {100 * (s['decode_tok_s_cv'] or 0):.1f}%), "
+        f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read "
+        f"{s['device_gib']:.1f} GiB, "
+        f"peak memory {_peak(results)}",
+        flush=True,
+    )
     return results
 
 
@@ -95,26 +139,36 @@ def _same_text(run: dict, reference: dict | None) -> str:
         return "-"
     diffs = compare_runs(run["requests"], reference)
     firsts = sorted(d.first_diff for d in diffs if not d.identical)
-    return f"{sum(d.identical for d in diffs)}/{len(diffs)}" + (f" (first diff at chars {firsts})" if firsts else "")
+    return f"{sum(d.identical for d in diffs)}/{len(diffs)}" + (
+        f" (first diff at chars {firsts})" if firsts else ""
+    )
 
 
 def table(out: Path, reference_dir: str | None = None) -> str:
     """Markdown: one row per run (oldest first), decode speed-up against the fastest llama run, and
     text equality against the reference run (e.g. moestream direct) when one is named."""
-    runs = sorted((json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*/results.json")),
-                  key=lambda r: r["machine"]["date"])
+    runs = sorted(
+        (json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*/results.json")),
+        key=lambda r: r["machine"]["date"],
+    )
     reference = load_baseline(reference_dir) if reference_dir else None
     llama = [r["summary"]["decode_tok_s_mean"] for r in runs if r["server"] != "moestream"]
     best = max(llama) if llama else None
-    lines = ["| run | decode tok/s (CV) | x best llama | prefill tok/s | prefill s (all) | GiB read | "
-             "MiB/token | peak memory | text = reference |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | decode tok/s (CV) | x best llama | prefill tok/s | prefill s (all) | GiB read | "
+        "MiB/token | peak memory | text = reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         s = r["summary"]
         x = f"{s['decode_tok_s_mean'] / best:.2f}" if best else "-"
         same = _same_text(r, reference)
-        lines.append(f"| {r['label']} | {s['decode_tok_s_mean']:.3f} ({100 * (s['decode_tok_s_cv'] or 0):.1f}%) | {x} | "
-                     f"{s['prefill_tok_s_mean']:.2f} | {s['prompt_s_total']:.1f} | {s['device_gib']:.1f} | "
-                     f"{s['mib_per_token_mean']:.0f} | {_peak(r)} | {same} |")
+        lines.append(
+            f"| {r['label']} | {s['decode_tok_s_mean']:.3f} ({100 * (s['decode_tok_s_cv'] or 0):.1f}%) | {x} "
+            "| "
+            f"{s['prefill_tok_s_mean']:.2f} | {s['prompt_s_total']:.1f} | {s['device_gib']:.1f} | "
+            f"{s['mib_per_token_mean']:.0f} | {_peak(r)} | {same} |"
+        )
     return "\n".join(lines)
 
 

@@ -2,12 +2,13 @@
 (`moestream serve` and llama.cpp's `llama-server` both do), with the disk's read counter sampled
 before the request, at the first streamed text (the end of prefill) and after the last chunk.
 """
+
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -60,11 +61,18 @@ class RequestResult:
 OPENAI, NATIVE = "/v1/completions", "/completion"  # NATIVE: llama-server's own endpoint
 
 
-def request_body(prompt: str, max_tokens: int, ignore_eos: bool, model: str | None,
-                 endpoint: str = OPENAI) -> dict[str, Any]:
+def request_body(
+    prompt: str, max_tokens: int, ignore_eos: bool, model: str | None, endpoint: str = OPENAI
+) -> dict[str, Any]:
     """Greedy, prompt cache off (llama-server's `cache_prompt`; moestream has none and ignores it)."""
-    body: dict[str, Any] = {"prompt": prompt, "temperature": 0, "stream": True, "cache_prompt": False,
-                            "ignore_eos": ignore_eos, "seed": 0}
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "temperature": 0,
+        "stream": True,
+        "cache_prompt": False,
+        "ignore_eos": ignore_eos,
+        "seed": 0,
+    }
     body["n_predict" if endpoint == NATIVE else "max_tokens"] = max_tokens
     if model:
         body["model"] = model
@@ -79,9 +87,18 @@ def _chunk_text(chunk: dict[str, Any]) -> tuple[str, str | None]:
     return chunk.get("content") or "", chunk.get("stop_type") if chunk.get("stop") else None
 
 
-def run_request(client: httpx.Client, index: int, prompt: str, lang: str, max_tokens: int, *,
-                ignore_eos: bool = True, model: str | None = None, endpoint: str = OPENAI,
-                read_counter: Callable[[], int] | None = None) -> RequestResult:
+def run_request(
+    client: httpx.Client,
+    index: int,
+    prompt: str,
+    lang: str,
+    max_tokens: int,
+    *,
+    ignore_eos: bool = True,
+    model: str | None = None,
+    endpoint: str = OPENAI,
+    read_counter: Callable[[], int] | None = None,
+) -> RequestResult:
     """Stream one completion and return its measurements.
 
     Raises:
@@ -96,8 +113,9 @@ def run_request(client: httpx.Client, index: int, prompt: str, lang: str, max_to
     with client.stream("POST", endpoint, json=body) as response:
         if response.status_code != 200:
             response.read()
-            raise MoestreamError(f"the server answered {response.status_code} to request {index + 1}: "
-                                 f"{response.text[:200]}")
+            raise MoestreamError(
+                f"the server answered {response.status_code} to request {index + 1}: {response.text[:200]}"
+            )
         for chunk in _events(response):
             text, finish = _chunk_text(chunk)
             if text and first_bytes is None:
@@ -107,9 +125,16 @@ def run_request(client: httpx.Client, index: int, prompt: str, lang: str, max_to
                 final = chunk
                 final["finish_reason"] = finish
     end_bytes, wall = counter(), time.perf_counter() - start
-    return _result(index, lang, prompt, "".join(pieces), final, wall,
-                   (start_bytes, first_bytes if first_bytes is not None else end_bytes, end_bytes),
-                   read_counter is not None)
+    return _result(
+        index,
+        lang,
+        prompt,
+        "".join(pieces),
+        final,
+        wall,
+        (start_bytes, first_bytes if first_bytes is not None else end_bytes, end_bytes),
+        read_counter is not None,
+    )
 
 
 def _events(response: httpx.Response) -> Iterator[dict[str, Any]]:
@@ -122,22 +147,53 @@ def _events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             return
         chunk = json.loads(data)
         if "error" in chunk:
-            raise MoestreamError(f"the server failed mid-request: {chunk['error'].get('message', chunk['error'])}")
+            raise MoestreamError(
+                f"the server failed mid-request: {chunk['error'].get('message', chunk['error'])}"
+            )
         yield chunk
 
 
-def _result(index: int, lang: str, prompt: str, text: str, final: dict[str, Any], wall: float,
-            marks: tuple[int, int, int], counted: bool) -> RequestResult:
+def _result(
+    index: int,
+    lang: str,
+    prompt: str,
+    text: str,
+    final: dict[str, Any],
+    wall: float,
+    marks: tuple[int, int, int],
+    counted: bool,
+) -> RequestResult:
     timings = final.get("timings")
     if not timings:
-        raise MoestreamError("the server's last chunk carried no llama-server 'timings' object; "
-                             "the harness needs `moestream serve` or llama.cpp's llama-server")
+        raise MoestreamError(
+            "the server's last chunk carried no llama-server 'timings' object; "
+            "the harness needs `moestream serve` or llama.cpp's llama-server"
+        )
     start, first, end = marks
     return RequestResult(
-        index=index, lang=lang, prompt=prompt, text=text,
-        prompt_n=int(timings["prompt_n"]), predicted_n=int(timings["predicted_n"]),
-        prompt_ms=float(timings["prompt_ms"]), predicted_ms=float(timings["predicted_ms"]),
-        decode_tok_s=float(timings["predicted_per_second"]), prefill_tok_s=float(timings["prompt_per_second"]),
-        wall_s=wall, device_bytes_prefill=first - start if counted else None,
-        device_bytes_decode=end - first if counted else None, moe=final.get("moe"),
-        finish_reason=final.get("finish_reason"))
+        index=index,
+        lang=lang,
+        prompt=prompt,
+        text=text,
+        prompt_n=int(timings["prompt_n"]),
+        predicted_n=int(timings["predicted_n"]),
+        prompt_ms=float(timings["prompt_ms"]),
+        predicted_ms=float(timings["predicted_ms"]),
+        decode_tok_s=float(timings["predicted_per_second"]),
+        prefill_tok_s=float(timings["prompt_per_second"]),
+        wall_s=wall,
+        device_bytes_prefill=first - start if counted else None,
+        device_bytes_decode=end - first if counted else None,
+        moe=final.get("moe"),
+        finish_reason=final.get("finish_reason"),
+    )
+
+
+def request_dict(r: RequestResult) -> dict[str, Any]:
+    """A request as stored in results.json, with the derived per-token figures."""
+    return {
+        **asdict(r),
+        "device_bytes": r.device_bytes,
+        "ms_per_token": r.ms_per_token,
+        "mib_per_token": r.mib_per_token,
+    }

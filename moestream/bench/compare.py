@@ -1,4 +1,5 @@
 """Text equality against a baseline run, character for character, with the first differing position."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,9 @@ def diff_texts(index: int, text: str, baseline: str, context: int = 12) -> TextD
     if pos is None:
         return TextDiff(index, True, None, len(text), len(baseline))
     lo = max(0, pos - context)
-    return TextDiff(index, False, pos, len(text), len(baseline), text[lo:pos + context],
-                    baseline[lo:pos + context])
+    return TextDiff(
+        index, False, pos, len(text), len(baseline), text[lo : pos + context], baseline[lo : pos + context]
+    )
 
 
 def load_baseline(path: str | Path) -> dict[str, Any]:
@@ -54,7 +56,9 @@ def load_baseline(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MoestreamError(f"cannot read the baseline {p}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise MoestreamError(
+            f"cannot read the baseline {p}: {getattr(exc, 'strerror', None) or exc}"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("requests"), list):
         raise MoestreamError(f"the baseline {p} is not a `moestream bench` results.json")
     return data
@@ -71,7 +75,9 @@ def compare_runs(requests: list[dict[str, Any]], baseline: dict[str, Any]) -> li
     for r in requests:
         base = by_prompt.get(r["prompt"])
         if base is None:
-            raise MoestreamError(f"the baseline has no request with prompt {r['index'] + 1} "
-                                 f"({r['prompt'][:40]!r}); compare runs of the same prompts")
+            raise MoestreamError(
+                f"the baseline has no request with prompt {r['index'] + 1} "
+                f"({r['prompt'][:40]!r}); compare runs of the same prompts"
+            )
         diffs.append(diff_texts(r["index"], r["text"], base["text"]))
     return diffs

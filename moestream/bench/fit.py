@@ -4,6 +4,7 @@ Fitted by ordinary least squares over the requests of one or more runs (runs tha
 volumes per token, e.g. top-k 8 and a lossy top-k 4, span the line). The fixed part is what a token
 costs with nothing read, so 1000 / fixed_ms is the decode speed no read path can beat.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,9 +51,11 @@ class LineFit:
 
     def line(self) -> str:
         ceiling = f"{self.ceiling_tok_s:.2f} tok/s" if self.ceiling_tok_s else "none (fixed part <= 0)"
-        return (f"time/token = {self.fixed_ms:.1f} ms + {self.ms_per_mib:.3f} ms/MiB x MiB/token "
-                f"(R^2 {self.r2:.3f}, {self.points} requests, {self.x_min:.0f}-{self.x_max:.0f} MiB/token); "
-                f"ceiling with no reads {ceiling}")
+        return (
+            f"time/token = {self.fixed_ms:.1f} ms + {self.ms_per_mib:.3f} ms/MiB x MiB/token "
+            f"(R^2 {self.r2:.3f}, {self.points} requests, {self.x_min:.0f}-{self.x_max:.0f} MiB/token); "
+            f"ceiling with no reads {ceiling}"
+        )
 
 
 def fit_line(xs: list[float], ys: list[float]) -> LineFit | None:

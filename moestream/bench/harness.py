@@ -5,6 +5,7 @@ start the server if we own it (inside the cgroup) and wait until it answers; sam
 prompts run one after another, each with the disk's read counter around it; stop the server; summarise,
 diff against a baseline, fit time per token against MiB per token, write the report.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,46 +21,12 @@ import httpx
 
 from moestream.bench import system
 from moestream.bench.client import RequestResult, run_request
+from moestream.bench.config import BenchConfig
 from moestream.bench.prompts import Prompt, load_prompts
+from moestream.bench.report import build_results, write_outputs
 from moestream.bench.server import ServerProcess
 from moestream.errors import MoestreamError
 from moestream.units import format_size
-
-
-@dataclass
-class BenchConfig:
-    """Everything one run needs. Either `target` (a running server) or `server_argv` + `port` (ours)."""
-
-    out: Path
-    prompts: str = "builtin"
-    max_tokens: int = 256
-    target: str | None = None
-    server_argv: list[str] | None = None
-    port: int | None = None
-    server_name: str = "moestream"
-    api_key: str | None = None
-    endpoint: str = "/v1/completions"  # or llama-server's native "/completion"
-    disk_of: str | None = None  # a path on the disk whose reads are counted (the model)
-    memory_limit: int | None = None
-    readahead_kb: int | None = None
-    drop_caches: bool = False
-    ignore_eos: bool = True
-    baseline: str | None = None
-    fit_with: list[str] = field(default_factory=list)
-    label: str = ""
-    ready_timeout_s: float = 900.0
-    request_timeout_s: float = 3600.0
-    server_env: dict[str, str] | None = None
-    plots: bool = True
-
-    def __post_init__(self) -> None:
-        if (self.target is None) == (self.server_argv is None):
-            raise MoestreamError("give either --target URL or --model PATH, not both and not neither")
-        if self.max_tokens < 2:
-            raise MoestreamError(f"--max-tokens must be at least 2 (decode speed needs two tokens), got {self.max_tokens}")
-        if self.target is not None and self.memory_limit is not None:
-            raise MoestreamError("--memory-limit cannot limit a server this command did not start; use --model "
-                                 "PATH, or start the target inside a cgroup yourself")
 
 
 @dataclass
@@ -74,8 +41,6 @@ class _Machine:
 
 def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run every prompt once against the server and write results.json, report.md and plots to `out`."""
-    from moestream.bench.report import build_results, write_outputs
-
     prompts = load_prompts(config.prompts)
     config.out.mkdir(parents=True, exist_ok=True)
     with _prepared_machine(config) as machine:
@@ -98,7 +63,9 @@ def _prepared_machine(config: BenchConfig) -> Iterator[_Machine]:
     if config.readahead_kb is not None:
         system.require_root("--readahead-kb")
         if machine.device is None:
-            raise MoestreamError("--readahead-kb needs the model on a block device (give --model or --disk-of)")
+            raise MoestreamError(
+                "--readahead-kb needs the model on a block device (give --model or --disk-of)"
+            )
         machine.readahead_before = machine.device.readahead_kb()
         machine.device.set_readahead_kb(config.readahead_kb)
     try:
@@ -121,8 +88,9 @@ def _server(config: BenchConfig, machine: _Machine) -> Iterator[tuple[str, Serve
         yield config.target.rstrip("/").removesuffix("/v1"), None
         return
     assert config.server_argv is not None and config.port is not None
-    server = ServerProcess(config.server_argv, config.port, config.out / "server.log", machine.cgroup,
-                           config.server_env)
+    server = ServerProcess(
+        config.server_argv, config.port, config.out / "server.log", machine.cgroup, config.server_env
+    )
     try:
         server.wait_ready(config.ready_timeout_s)
         yield server.url, server
@@ -130,8 +98,13 @@ def _server(config: BenchConfig, machine: _Machine) -> Iterator[tuple[str, Serve
         server.stop()
 
 
-def _run_prompts(config: BenchConfig, url: str, prompts: list[Prompt], device: system.BlockDevice | None,
-                 server: ServerProcess | None) -> tuple[list[RequestResult], dict[str, Any]]:
+def _run_prompts(
+    config: BenchConfig,
+    url: str,
+    prompts: list[Prompt],
+    device: system.BlockDevice | None,
+    server: ServerProcess | None,
+) -> tuple[list[RequestResult], dict[str, Any]]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -139,21 +112,38 @@ def _run_prompts(config: BenchConfig, url: str, prompts: list[Prompt], device: s
 
     counter = device.bytes_read if device is not None else None
     results: list[RequestResult] = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[last]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[last]}"),
+    )
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    with httpx.Client(base_url=url, timeout=config.request_timeout_s, headers=headers) as client, \
-            Progress(*columns, console=Console(stderr=True), transient=False) as progress, \
-            TelemetrySampler() as sampler:
+    with (
+        httpx.Client(base_url=url, timeout=config.request_timeout_s, headers=headers) as client,
+        Progress(*columns, console=Console(stderr=True), transient=False) as progress,
+        TelemetrySampler() as sampler,
+    ):
         config.server_name = _server_kind(client, config.server_name)
         task = progress.add_task(f"bench {config.label or config.server_name}", total=len(prompts), last="")
         for i, prompt in enumerate(prompts):
             try:
-                result = run_request(client, i, prompt.text, prompt.lang, config.max_tokens,
-                                     ignore_eos=config.ignore_eos, endpoint=config.endpoint, read_counter=counter)
+                result = run_request(
+                    client,
+                    i,
+                    prompt.text,
+                    prompt.lang,
+                    config.max_tokens,
+                    ignore_eos=config.ignore_eos,
+                    endpoint=config.endpoint,
+                    read_counter=counter,
+                )
             except httpx.HTTPError as exc:
                 log = f"; its log ends: {server.log_tail()}" if server is not None else ""
-                raise MoestreamError(f"request {i + 1} to {url} failed ({type(exc).__name__}: {exc}){log}") from None
+                raise MoestreamError(
+                    f"request {i + 1} to {url} failed ({type(exc).__name__}: {exc}){log}"
+                ) from None
             results.append(result)
             mib = f", {result.mib_per_token:.0f} MiB/token" if result.mib_per_token is not None else ""
             progress.update(task, advance=1, last=f"decode {result.decode_tok_s:.2f} tok/s{mib}")
@@ -162,7 +152,7 @@ def _run_prompts(config: BenchConfig, url: str, prompts: list[Prompt], device: s
 
 
 def _server_kind(client: httpx.Client, default: str) -> str:
-    """"moestream" or "llama-server" from GET /v1/models' owned_by (llama-server says "llamacpp")."""
+    """ "moestream" or "llama-server" from GET /v1/models' owned_by (llama-server says "llamacpp")."""
     try:
         models = client.get("/v1/models", timeout=10).json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError):
@@ -174,14 +164,22 @@ def _server_kind(client: httpx.Client, default: str) -> str:
 def _machine_info(machine: _Machine, peak: int | None) -> dict[str, Any]:
     device = machine.device
     info: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(), "cpu": _cpu_model(),
-        "cores": os.cpu_count(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
         "device": device.describe() if device is not None else None,
-        "readahead_kb": device.readahead_kb() if device is not None else None, "notes": machine.notes,
+        "readahead_kb": device.readahead_kb() if device is not None else None,
+        "notes": machine.notes,
     }
     if machine.cgroup is not None:
-        info["cgroup"] = {"version": machine.cgroup.version, "limit": machine.cgroup.limit,
-                          "limit_text": format_size(machine.cgroup.limit), "peak_bytes": peak}
+        info["cgroup"] = {
+            "version": machine.cgroup.version,
+            "limit": machine.cgroup.limit,
+            "limit_text": format_size(machine.cgroup.limit),
+            "peak_bytes": peak,
+        }
     return info
 
 
@@ -191,9 +189,3 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor()
-
-
-def request_dict(r: RequestResult) -> dict[str, Any]:
-    """A request as stored in results.json, with the derived per-token figures."""
-    return {**asdict(r), "device_bytes": r.device_bytes, "ms_per_token": r.ms_per_token,
-            "mib_per_token": r.mib_per_token}

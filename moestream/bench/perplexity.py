@@ -6,6 +6,7 @@ With moestream only the expert bytes move; the arithmetic is the same for every 
 mode, so the figure must not change with them (the tests hold it to 1e-6 relative, and to stock
 transformers on the same chunks).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ def split_chunks(ids: list[int], ctx: int, chunks: int) -> list[list[int]]:
     available = len(ids) // ctx
     if available == 0:
         raise MoestreamError(f"the text has {len(ids)} tokens, fewer than one chunk of --ctx {ctx}")
-    return [ids[i * ctx:(i + 1) * ctx] for i in range(min(chunks, available))]
+    return [ids[i * ctx : (i + 1) * ctx] for i in range(min(chunks, available))]
 
 
 def chunk_nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:
@@ -59,8 +60,8 @@ def chunk_nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:
     """
     ctx = len(chunk)
     first = ctx // 2
-    logprobs = torch.log_softmax(logits[first:ctx - 1].double(), dim=-1)  # [ctx - 1 - first, vocab]
-    targets = torch.tensor(chunk[first + 1:], dtype=torch.long)
+    logprobs = torch.log_softmax(logits[first : ctx - 1].double(), dim=-1)  # [ctx - 1 - first, vocab]
+    targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
     nll = -logprobs.gather(1, targets[:, None]).sum().item()
     return nll, ctx - 1 - first
 
@@ -77,8 +78,13 @@ def model_logits(model: torch.nn.Module) -> Callable[[list[int]], torch.Tensor]:
     return run
 
 
-def perplexity(logits_of: Callable[[list[int]], torch.Tensor], ids: list[int], ctx: int, chunks: int,
-               on_chunk: Callable[[int, PerplexityResult], None] | None = None) -> PerplexityResult:
+def perplexity(
+    logits_of: Callable[[list[int]], torch.Tensor],
+    ids: list[int],
+    ctx: int,
+    chunks: int,
+    on_chunk: Callable[[int, PerplexityResult], None] | None = None,
+) -> PerplexityResult:
     """Score `ids` in chunks; `on_chunk(i, result_so_far)` is called after every chunk."""
     parts = split_chunks(ids, ctx, chunks)
     result = PerplexityResult(ctx=ctx, chunks=len(parts))

@@ -1,4 +1,5 @@
 """PNG plots of a bench run: decode speed per request, and time per token against MiB read per token."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,7 +38,9 @@ def plot_decode(results: dict[str, Any], out: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_fit(points: list[tuple[str, float, float]], fit: LineFit | None, out: str | Path, title: str) -> None:
+def plot_fit(
+    points: list[tuple[str, float, float]], fit: LineFit | None, out: str | Path, title: str
+) -> None:
     """Scatter of (MiB/token, ms/token), one colour per run, with the fitted line over x = 0 .. max."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -47,8 +50,13 @@ def plot_fit(points: list[tuple[str, float, float]], fit: LineFit | None, out: s
         ax.scatter(xs, ys, s=18, color=f"C{i}", label=label)
     if fit is not None:
         x_end = max(p[1] for p in points) * 1.05
-        ax.plot([0, x_end], [fit.fixed_ms, fit.predict(x_end)], "k--", linewidth=1,
-                label=f"{fit.fixed_ms:.0f} ms + {fit.ms_per_mib:.3f} ms/MiB (R^2 {fit.r2:.3f})")
+        ax.plot(
+            [0, x_end],
+            [fit.fixed_ms, fit.predict(x_end)],
+            "k--",
+            linewidth=1,
+            label=f"{fit.fixed_ms:.0f} ms + {fit.ms_per_mib:.3f} ms/MiB (R^2 {fit.r2:.3f})",
+        )
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("MiB read from the disk per decoded token")

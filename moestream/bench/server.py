@@ -2,6 +2,7 @@
 llama-server) started as a child on a free loopback port, optionally inside a memory cgroup, and
 stopped with SIGTERM when the benchmark ends.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,18 +31,38 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def moestream_serve_argv(model: str, port: int, engine_args: list[str], trace: str | None = None) -> list[str]:
+def moestream_serve_argv(
+    model: str, port: int, engine_args: list[str], trace: str | None = None
+) -> list[str]:
     """The command line of `moestream serve` for a benchmark (loopback, a queue of one is enough)."""
-    argv = [sys.executable, "-m", "moestream", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--queue-size", "2", *engine_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "moestream",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--queue-size",
+        "2",
+        *engine_args,
+    ]
     return argv + (["--trace", trace] if trace else [])
 
 
 class ServerProcess:
     """A child server; `url` is its base URL (no /v1), `log` holds its stdout and stderr."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, cgroup: MemoryCgroup | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        log: Path,
+        cgroup: MemoryCgroup | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.argv, self.log, self.cgroup = argv, log, cgroup
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen = spawn_in(argv, cgroup, log, env, _die_with_parent)
@@ -56,8 +77,10 @@ class ServerProcess:
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise MoestreamError(f"the server exited with status {self.proc.returncode} before it was "
-                                         f"ready: {self.log_tail()}")
+                    raise MoestreamError(
+                        f"the server exited with status {self.proc.returncode} before it was "
+                        f"ready: {self.log_tail()}"
+                    )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return
@@ -92,7 +115,7 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -4,6 +4,7 @@ the page cache, and a cgroup memory limit (v2 or v1) to emulate a board with lit
 Every path is taken relative to `sys_root` / `proc_root` / `cgroup_root`, so tests run these functions
 on a fake tree. Functions that change the machine need root; `require_root` says so in one sentence.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,7 +82,9 @@ def device_for_path(path: str | os.PathLike[str], sys_root: str = "/sys") -> Blo
 def require_root(what: str) -> None:
     """Raise a one-sentence MoestreamError unless this process runs as root."""
     if os.geteuid() != 0:
-        raise MoestreamError(f"{what} needs root (it writes to /proc/sys/vm and /sys); run as root or leave it out")
+        raise MoestreamError(
+            f"{what} needs root (it writes to /proc/sys/vm and /sys); run as root or leave it out"
+        )
 
 
 def drop_caches(proc_root: str = "/proc") -> None:
@@ -129,7 +132,9 @@ class MemoryCgroup:
                 time.sleep(0.05)
 
 
-def make_memory_cgroup(limit: int, name: str = "moestream-bench", cgroup_root: str = "/sys/fs/cgroup") -> MemoryCgroup:
+def make_memory_cgroup(
+    limit: int, name: str = "moestream-bench", cgroup_root: str = "/sys/fs/cgroup"
+) -> MemoryCgroup:
     """Create (or reuse) a cgroup limited to `limit` bytes: v2 if the unified hierarchy has the memory
     controller, else the v1 memory hierarchy. The limit covers the page cache its members fill.
 
@@ -155,9 +160,15 @@ def make_memory_cgroup(limit: int, name: str = "moestream-bench", cgroup_root: s
     raise MoestreamError(f"no cgroup memory controller under {cgroup_root} (neither v2 nor v1)")
 
 
-def spawn_in(argv: list[str], cgroup: MemoryCgroup | None, log: Path, env: dict[str, str] | None = None,
-             extra_preexec: Callable[[], None] | None = None) -> subprocess.Popen:
+def spawn_in(
+    argv: list[str],
+    cgroup: MemoryCgroup | None,
+    log: Path,
+    env: dict[str, str] | None = None,
+    extra_preexec: Callable[[], None] | None = None,
+) -> subprocess.Popen:
     """Start `argv` with stdout and stderr into `log`, inside `cgroup` when one is given."""
+
     def preexec() -> None:
         if cgroup is not None:
             cgroup.enter()
@@ -166,7 +177,14 @@ def spawn_in(argv: list[str], cgroup: MemoryCgroup | None, log: Path, env: dict[
 
     out = open(log, "w")
     try:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=preexec, text=True)
+        return subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=preexec,
+            text=True,
+        )
     finally:
         out.close()  # the child holds its own copy of the descriptor

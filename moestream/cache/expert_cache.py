@@ -3,7 +3,9 @@
 One owner: this object owns slot memory and decides (through `ResidentSet`) which expert sits where.
 Compute asks for one layer at a time with `open_layer`, which returns a `LayerJob` that delivers one
 readiness event per (expert, kind): at once for cached experts, when the last piece lands for misses.
+All bookkeeping happens here, under one lock; callbacks of other owners (`on_evict`) run outside it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -14,7 +16,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet
+from moestream.cache.admission import Unavailable, admission_blocked
+from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet, slots_for_budget
 from moestream.cache.slots import PartRead, plan_parts, slot_bytes
 from moestream.errors import CacheBudgetError
 from moestream.io.memory import AlignedBuffer
@@ -60,7 +63,7 @@ class SlotState:
     remaining: dict[str, int]  # reads (parts) still in flight, per kind
     errors: dict[str, BaseException | None]
     pins: int = 0
-    listeners: list["LayerJob"] = field(default_factory=list)
+    listeners: list[LayerJob] = field(default_factory=list)
     prefetching: bool = False  # holds a pin of its own until its reads are done
     prefetched: bool = False  # read ahead and not asked for yet
 
@@ -106,7 +109,9 @@ class ExpertCache:
         self._states: dict[Key, SlotState] = {}
         self._plans: dict[Key, dict[str, list[PartRead]]] = {}  # slot layout of each expert, computed once
         self._prefetching = 0  # prefetched experts whose reads are still in flight (each holds a pin)
-        self._open_job: LayerJob | None = None  # the last opened layer job (its experts are never its victims)
+        self._open_job: LayerJob | None = (
+            None  # the last opened layer job (its experts are never its victims)
+        )
         # called with the state of an evicted expert before its slot is refilled (CUDA: pending copies)
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
@@ -138,8 +143,10 @@ class ExpertCache:
         classes, class_of = [], {}
         for size, keys in sorted(by_size.items()):
             share = budget * size * len(keys) // total if len(by_size) > 1 else budget
-            capacity = min(len(keys), max(top_k, share // size))
-            cls = SizeClass(size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory()))
+            capacity = min(len(keys), max(top_k, slots_for_budget(share, size)))
+            cls = SizeClass(
+                size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
+            )
             classes.append(cls)
             class_of.update((key, cls) for key in keys)
         return classes, class_of
@@ -158,12 +165,24 @@ class ExpertCache:
     def allocated_bytes(self) -> int:
         return sum(c.buffer.nbytes for c in self.classes)
 
-    def open_layer(self, layer: int, experts: list[int]) -> "LayerJob":
-        """Start one layer forward over `experts` (distinct, in execution order)."""
+    def open_layer(self, layer: int, experts: list[int]) -> LayerJob:
+        """Start one layer forward over `experts` (distinct, in execution order): pin the hits (their
+        events are queued at once), give slots to misses while the next victim is free, queue their reads."""
         self.last_job_seq = next(self._job_seq)
         job = LayerJob(self, layer, experts, self.last_job_seq)
         with self.lock:
             self._open_job = job
+            for e in experts:
+                (job.hits if (layer, e) in self._states else job.misses).append(e)
+            for e in job.hits:
+                self._pin_hit((layer, e), job)
+            job.active = len(job.hits)
+            self.stats.hits += len(job.hits)
+            self.stats.misses += len(job.misses)
+            self.stats.miss_bytes += sum(self.emap.unit_bytes(layer, e) for e in job.misses)
+            job.pending = list(job.misses)
+            admitted = self._admit_pending(job)
+        self._submit(admitted)
         return job
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
@@ -171,26 +190,32 @@ class ExpertCache:
         any of a later one. Only free or unpinned slots are used, never one of the open layer's or the
         other predicted experts; stops at the first victim in use. Returns the number of experts queued."""
         after_job = self.last_job_seq
-        reads: list[Request] = []
+        admitted = _Admitted()
         queued = 0
-        open_keys = self._open_job.keys if self._open_job is not None else set()
-        protected = open_keys | {(layer, e) for e in experts}
         with self.lock:
+            open_keys = self._open_job.keys if self._open_job is not None else set()
+            protected = open_keys | {(layer, e) for e in experts}
             for expert in experts:
                 key = (layer, expert)
                 if key in self._states:
                     continue
                 if self._blocked(key, protected):
                     break
-                reads.extend(self._admit_miss(key, None, queued, priority=(after_job, len(self.emap.kinds)),
-                                              protected=protected))
+                self._admit_miss(
+                    key,
+                    None,
+                    queued,
+                    admitted,
+                    priority=(after_job, len(self.emap.kinds)),
+                    protected=protected,
+                )
                 queued += 1
                 state = self._states[key]
                 state.prefetching = state.prefetched = True
                 self._prefetching += 1
                 self.stats.prefetches += 1
                 self.stats.prefetch_bytes += self.emap.unit_bytes(layer, expert)
-        self.reader.submit(reads)
+        self._submit(admitted)
         return queued
 
     def touch_if_resident(self, key: Key) -> None:
@@ -203,12 +228,54 @@ class ExpertCache:
         return self._states[key]
 
     def resident_keys(self) -> set[Key]:
+        """Experts holding a slot (read, or being read)."""
         with self.lock:
-            return {key for c in self.classes for key in c.residents._slot_of}
+            return set(self._states)
+
+    def tensor_parts(self, key: Key, kind: str) -> list[tuple[AlignedBuffer, int, PartRead]]:
+        """(buffer, offset of the tensor's first byte in it, part) for each part of a kind in its slot."""
+        state = self._states[key]
+        return [(state.cls.buffer, state.base + p.region_offset + p.head, p) for p in state.plan[kind]]
+
+    def next_event(self, job: LayerJob) -> tuple[int, str, BaseException | None]:
+        """The next (expert, kind, error-or-None) of `job` whose bytes are in place (blocks while reads
+        run)."""
+        try:
+            return job.events.get_nowait()
+        except queue.Empty:
+            pass
+        with self.lock:  # a finishing prefetch admits the rest (under the lock, atomically)
+            stuck = job.active == 0 and not self._prefetching
+        if stuck:
+            raise RuntimeError(f"layer {job.layer} waits for an expert slot that nothing will release")
+        start = time.perf_counter()
+        event = job.events.get()
+        waited = time.perf_counter() - start
+        job.wait_s += waited
+        with self.lock:
+            self.stats.read_wait_s += waited
+        return event
+
+    def release(self, job: LayerJob, expert: int) -> None:
+        """The layer is done with `expert`: its slot may be evicted; waiting misses may proceed."""
+        with self.lock:
+            state = self._states[(job.layer, expert)]
+            if job in state.listeners:
+                state.listeners.remove(job)
+            self._unpin(state)
+            job.active -= 1
+            admitted = self._admit_pending(job)
+        self._submit(admitted)
+
+    def drop_pending(self, job: LayerJob) -> list[int]:
+        """Give up on misses of `job` that never got a slot (after a failed read). Returns those experts."""
+        with self.lock:
+            dropped, job.pending = job.pending, []
+        return dropped
 
     # --- called with self.lock held -------------------------------------------------------------
 
-    def _pin_hit(self, key: Key, job: "LayerJob") -> None:
+    def _pin_hit(self, key: Key, job: LayerJob) -> None:
         state = self._states[key]
         state.cls.residents.touch(key)
         if state.prefetched:
@@ -221,48 +288,88 @@ class ExpertCache:
             else:
                 state.listeners.append(job)
 
-    def _blocked(self, key: Key, protected: set[Key]) -> bool:
-        victim = self._class_of[key].residents.next_victim(_Unavailable(protected, self._states))
-        return victim is not None and self._states[victim].pins > 0
+    def _admit_pending(self, job: LayerJob) -> _Admitted:
+        """Give slots to the job's waiting misses, in order, while the next victim is not in use."""
+        admitted = _Admitted()
+        while job.pending and not self._blocked((job.layer, job.pending[0]), job.keys):
+            expert = job.pending.pop(0)
+            self._admit_miss((job.layer, expert), job, job.admitted, admitted, protected=job.keys)
+            job.admitted += 1
+            job.active += 1
+        return admitted
 
-    def _admit_miss(self, key: Key, job: "LayerJob | None", rank: int, priority: tuple | None = None,
-                    protected: set[Key] = frozenset()) -> list[Request]:
+    def _blocked(self, key: Key, protected: set[Key]) -> bool:
+        return admission_blocked(self._class_of[key].residents, protected, self._pinned)
+
+    def _pinned(self, key: Key) -> bool:
+        state = self._states.get(key)
+        return state is not None and state.pins > 0
+
+    def _admit_miss(
+        self,
+        key: Key,
+        job: LayerJob | None,
+        rank: int,
+        admitted: _Admitted,
+        priority: tuple | None = None,
+        protected: set[Key] = frozenset(),
+    ) -> None:
         cls = self._class_of[key]
-        slot, evicted = cls.residents.admit(key, _Unavailable(protected, self._states))
+        slot, evicted = cls.residents.admit(key, Unavailable(protected, self._pinned))
         if evicted is not None:
-            victim = self._states.pop(evicted)
-            if self.on_evict is not None:
-                self.on_evict(victim)
+            admitted.evicted.append(self._states.pop(evicted))
             self.stats.evictions += 1
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
-        state = SlotState(key, cls, slot, plan, {}, {k: None for k in self.emap.kinds}, pins=1,
-                          listeners=[job] if job is not None else [])
+        state = SlotState(
+            key,
+            cls,
+            slot,
+            plan,
+            {},
+            {k: None for k in self.emap.kinds},
+            pins=1,
+            listeners=[job] if job is not None else [],
+        )
         self._states[key] = state
-        reads = []
         for kind_rank, kind in enumerate(self.emap.kinds):
             order = (job.seq, kind_rank) if priority is None else priority
             kind_reads = self._kind_reads(state, kind, (*order, rank, kind_rank))
             state.remaining[kind] = len(kind_reads)
-            reads.extend(kind_reads)
-        return reads
+            admitted.reads.extend(kind_reads)
 
     def _kind_reads(self, state: SlotState, kind: str, priority: tuple) -> list[Request]:
         """One read request per part of `kind` (the reader splits each into pieces)."""
         requests = []
         for part_rank, part in enumerate(state.plan[kind]):
             dest = state.base + part.region_offset
-            requests.append(Request(
-                priority=(*priority, part_rank), seq=self.reader.next_seq(), file=self.reader.open(part.ref.file),
-                offset=part.file_offset, length=part.length, needed=part.head + part.ref.nbytes,
-                dest=state.cls.buffer.view[dest:dest + part.length], dest_address=state.cls.buffer.address + dest,
-                piece=self.piece_bytes, on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
-            ))
+            requests.append(
+                Request(
+                    priority=(*priority, part_rank),
+                    seq=self.reader.next_seq(),
+                    file=self.reader.open(part.ref.file),
+                    offset=part.file_offset,
+                    length=part.length,
+                    needed=part.head + part.ref.nbytes,
+                    dest=state.cls.buffer.view[dest : dest + part.length],
+                    dest_address=state.cls.buffer.address + dest,
+                    piece=self.piece_bytes,
+                    on_done=lambda err, s=state, k=kind: self._part_done(s, k, err),
+                )
+            )
         return requests
 
+    def _unpin(self, state: SlotState) -> None:
+        state.pins -= 1
+        if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
+            state.cls.residents.remove(state.key)  # bad bytes must not be served as a hit later
+            del self._states[state.key]
+
+    # --- called on I/O threads ------------------------------------------------------------------
+
     def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
-        reads: list[Request] = []
+        admitted = _Admitted()
         with self.lock:
             if error is not None and state.errors[kind] is None:
                 state.errors[kind] = error
@@ -275,41 +382,30 @@ class ExpertCache:
                     self._prefetching -= 1
                     self._unpin(state)
                     open_job = self._open_job
-                    if open_job is not None and open_job._pending:  # its next victim may have been this one
-                        reads = open_job._admit_pending()
-        if reads:
-            self.reader.submit(reads)
+                    if open_job is not None and open_job.pending:  # its next victim may have been this one
+                        admitted = self._admit_pending(open_job)
+        self._submit(admitted)
 
-    def _release(self, key: Key, job: "LayerJob") -> None:
-        state = self._states[key]
-        if job in state.listeners:
-            state.listeners.remove(job)
-        self._unpin(state)
-
-    def _unpin(self, state: SlotState) -> None:
-        state.pins -= 1
-        if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
-            state.cls.residents.remove(state.key)  # bad bytes must not be served as a hit later
-            del self._states[state.key]
+    def _submit(self, admitted: _Admitted) -> None:
+        """Outside the lock: let the owner of evicted slots finish with them (CUDA: copies still reading
+        them), then queue the reads that refill them."""
+        if self.on_evict is not None:
+            for victim in admitted.evicted:
+                self.on_evict(victim)
+        self.reader.submit(admitted.reads)
 
 
-class _Unavailable:
-    """Keys a new miss must not evict: the open layer's own experts, and any expert pinned right now (in
-    use, or a prefetch still being read), while another key can go."""
+@dataclass
+class _Admitted:
+    """What admitting misses under the lock produced: reads to queue and the states they evicted."""
 
-    def __init__(self, protected: set[Key], states: dict[Key, SlotState]) -> None:
-        self.protected, self.states = protected, states
-
-    def __contains__(self, key: object) -> bool:
-        state = self.states.get(key)  # type: ignore[arg-type]
-        return key in self.protected or (state is not None and state.pins > 0)
-
-    def __bool__(self) -> bool:
-        return True
+    reads: list[Request] = field(default_factory=list)
+    evicted: list[SlotState] = field(default_factory=list)
 
 
 class LayerJob:
-    """One layer forward's view of the cache: readiness events in, releases out."""
+    """One layer forward's handle on the cache: readiness events in, releases out. Its fields are the
+    cache's to change (under the cache lock); compute calls the methods."""
 
     def __init__(self, cache: ExpertCache, layer: int, experts: list[int], seq: int) -> None:
         self.cache, self.layer, self.seq = cache, layer, seq
@@ -317,66 +413,20 @@ class LayerJob:
         self.events: queue.SimpleQueue[tuple[int, str, BaseException | None]] = queue.SimpleQueue()
         self.hits: list[int] = []
         self.misses: list[int] = []
-        self._pending: list[int] = []
-        self._admitted = 0
-        self._active = 0  # experts pinned by this job and not yet released
+        self.pending: list[int] = []  # misses still waiting for a slot
+        self.admitted = 0  # misses given a slot so far
+        self.active = 0  # experts pinned by this job and not yet released
         self.wait_s = 0.0
-        with cache.lock:
-            for e in experts:
-                (self.hits if (layer, e) in cache._states else self.misses).append(e)
-            for e in self.hits:
-                cache._pin_hit((layer, e), self)
-            self._active = len(self.hits)
-            cache.stats.hits += len(self.hits)
-            cache.stats.misses += len(self.misses)
-            cache.stats.miss_bytes += sum(cache.emap.unit_bytes(layer, e) for e in self.misses)
-            self._pending = list(self.misses)
-            reads = self._admit_pending()
-        cache.reader.submit(reads)
-
-    def _admit_pending(self) -> list[Request]:
-        """Give slots to waiting misses, in order, while the next victim is not in use."""
-        reads: list[Request] = []
-        while self._pending and not self.cache._blocked((self.layer, self._pending[0]), self.keys):
-            expert = self._pending.pop(0)
-            reads.extend(self.cache._admit_miss((self.layer, expert), self, self._admitted, protected=self.keys))
-            self._admitted += 1
-            self._active += 1
-        return reads
 
     def next_event(self) -> tuple[int, str, BaseException | None]:
         """The next (expert, kind, error-or-None) whose bytes are in place; blocks while reads run."""
-        try:
-            return self.events.get_nowait()
-        except queue.Empty:
-            pass
-        with self.cache.lock:  # a finishing prefetch admits the rest (under the lock, atomically)
-            stuck = self._active == 0 and not self.cache._prefetching
-        if stuck:
-            raise RuntimeError(f"layer {self.layer} waits for an expert slot that nothing will release")
-        start = time.perf_counter()
-        event = self.events.get()
-        waited = time.perf_counter() - start
-        self.wait_s += waited
-        with self.cache.lock:
-            self.cache.stats.read_wait_s += waited
-        return event
+        return self.cache.next_event(self)
 
     def drop_pending(self) -> list[int]:
-        """Give up on misses that never got a slot (after a failed read). Returns those experts."""
-        with self.cache.lock:
-            dropped, self._pending = self._pending, []
-        return dropped
+        return self.cache.drop_pending(self)
 
     def tensor_parts(self, expert: int, kind: str) -> list[tuple[AlignedBuffer, int, PartRead]]:
-        """(buffer, offset of the tensor's first byte in it, part) for each part of a kind in its slot."""
-        state = self.cache._states[(self.layer, expert)]
-        return [(state.cls.buffer, state.base + p.region_offset + p.head, p) for p in state.plan[kind]]
+        return self.cache.tensor_parts((self.layer, expert), kind)
 
     def release(self, expert: int) -> None:
-        """The layer is done with `expert`: its slot may be evicted; waiting misses may proceed."""
-        with self.cache.lock:
-            self.cache._release((self.layer, expert), self)
-            self._active -= 1
-            reads = self._admit_pending()
-        self.cache.reader.submit(reads)
+        self.cache.release(self, expert)

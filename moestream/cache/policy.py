@@ -10,6 +10,7 @@ Access protocol for one MoE layer forward (both engine and simulator follow it):
      a victim. The engine waits if that victim is still in use by the layer being computed (it never
      evicts a pinned slot); the simulator, where compute is instantaneous, evicts it at once.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -125,7 +126,8 @@ class ResidentSet:
         return self.policy.victim()
 
     def admit(self, key: Key, protected: Container[Key] = ()) -> tuple[int, Key | None]:
-        """Give `key` a slot, evicting `next_victim(protected)` when full. Returns (slot, evicted key or None)."""
+        """Give `key` a slot, evicting `next_victim(protected)` when full. Returns (slot, evicted key or
+        None)."""
         if key in self._slot_of:
             raise KeyError(f"{key!r} is already resident")
         evicted = None
@@ -308,7 +310,8 @@ class PinnedResidentSet(ResidentSet):
         self.streaming_slots = capacity - len(pinned)
 
     def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
-        """Touch hits, then admit misses while unpinned slots exist (else they bypass). Returns (hits, misses)."""
+        """Touch hits, then admit misses while unpinned slots exist (else they bypass). Returns (hits,
+        misses)."""
         keys = list(keys)
         hits = [k for k in keys if k in self]
         misses = [k for k in keys if k not in self]

@@ -5,6 +5,7 @@ round_up(head + n, 4096), head = o % 4096, into a region of round_up(n, 4096) + 
 holds it. The tensor's bytes then start `head` bytes into the region. Regions never overlap, so an
 aligned tail can never overwrite a neighbour (the seed's gpt-oss bug came from sizing it otherwise).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ class PartRead:
     head: int  # where the tensor's bytes start inside the region
 
 
-def plan_parts(kinds: tuple[str, ...], parts_by_kind: dict[str, tuple[TensorRef, ...]]) -> dict[str, list[PartRead]]:
+def plan_parts(
+    kinds: tuple[str, ...], parts_by_kind: dict[str, tuple[TensorRef, ...]]
+) -> dict[str, list[PartRead]]:
     """Lay out one expert's parts in a slot, in kind order. Returns kind -> part reads."""
     cursor = 0
     plan: dict[str, list[PartRead]] = {}

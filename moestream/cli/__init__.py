@@ -1,4 +1,5 @@
 """`moestream <verb>`: one module per verb, each with `add_parser(subparsers)` that sets `func`."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ VERBS: dict[str, str] = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moestream",
-        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk through a "
-                    "bounded expert cache. Every verb has --help.")
+        description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk "
+        "through a bounded expert cache. Every verb has --help.",
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -1,4 +1,5 @@
 """Engine options shared by generate, serve, bench and demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,44 +10,93 @@ from moestream.cli._power_args import add_gpu_floor_argument
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--cache", default="512MiB", help="expert cache budget, e.g. 512MiB, 2GiB (default 512MiB)")
+    group.add_argument(
+        "--cache", default="512MiB", help="expert cache budget, e.g. 512MiB, 2GiB (default 512MiB)"
+    )
     group.add_argument("--device", default="cpu", help="compute device: cpu, cuda or cuda:N (default cpu)")
     group.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert cache (default: --cache)")
-    group.add_argument("--host-cache", default="0",
-                       help="CUDA: pinned host cache between disk and GPU (default 0: staging only)")
-    group.add_argument("--unified", action="store_const", const=True, default=None,
-                       help="CUDA: one pinned, device-mapped tier read in place by the GPU, no staging copy "
-                            "(default on integrated GPUs such as Jetson); --cache sets its size")
-    group.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"],
-                       help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map")
+    group.add_argument(
+        "--host-cache",
+        default="0",
+        help="CUDA: pinned host cache between disk and GPU (default 0: staging only)",
+    )
+    group.add_argument(
+        "--unified",
+        action="store_const",
+        const=True,
+        default=None,
+        help="CUDA: one pinned, device-mapped tier read in place by the GPU, no staging copy "
+        "(default on integrated GPUs such as Jetson); --cache sets its size",
+    )
+    group.add_argument(
+        "--io-mode",
+        default="direct",
+        choices=["direct", "pagecache", "mmap"],
+        help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map",
+    )
     group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
     group.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB)")
     group.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's choice)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="compute dtype (default: the checkpoint's)")
-    group.add_argument("--policy", default="lru", choices=["lru", "lfu"],
-                       help="cache eviction: lru (default), or lfu, the expert used least often since the start "
-                            "(compare them on a trace with `moestream simulate`)")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype (default: the checkpoint's)",
+    )
+    group.add_argument(
+        "--policy",
+        default="lru",
+        choices=["lru", "lfu"],
+        help="cache eviction: lru (default), or lfu, the expert used least often since the start "
+        "(compare them on a trace with `moestream simulate`)",
+    )
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
-    group.add_argument("--prefetch", action="store_true",
-                       help="while a layer computes, read the experts the next layer's router picks for its input")
-    group.add_argument("--experts-per-token", type=int, default=None, metavar="N",
-                       help="LOSSY: route every token to N experts instead of the model's top-k (for read-volume "
-                            "experiments; printed in the mode line)")
+    group.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="while a layer computes, read the experts the next layer's router picks for its input",
+    )
+    group.add_argument(
+        "--experts-per-token",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LOSSY: route every token to N experts instead of the model's top-k (for read-volume "
+        "experiments; printed in the mode line)",
+    )
     add_gpu_floor_argument(group)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(cache=args.cache, device=args.device, gpu_cache=args.gpu_cache, host_cache=args.host_cache,
-                unified=args.unified, experts_per_token=args.experts_per_token,
-                policy=args.policy, prefetch=args.prefetch, io_mode=args.io_mode, io_threads=args.io_threads,
-                piece=args.piece, threads=args.threads, dtype=args.dtype, lock_memory=not args.no_mlock,
-                gpu_floor=args.gpu_floor)
+    return dict(
+        cache=args.cache,
+        device=args.device,
+        gpu_cache=args.gpu_cache,
+        host_cache=args.host_cache,
+        unified=args.unified,
+        experts_per_token=args.experts_per_token,
+        policy=args.policy,
+        prefetch=args.prefetch,
+        io_mode=args.io_mode,
+        io_threads=args.io_threads,
+        piece=args.piece,
+        threads=args.threads,
+        dtype=args.dtype,
+        lock_memory=not args.no_mlock,
+        gpu_floor=args.gpu_floor,
+    )
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """--trace FILE and --no-trace-predict (generate, serve, bench)."""
-    parser.add_argument("--trace", default=None, metavar="FILE",
-                        help="record every layer's routing of every request to FILE (Parquet; see `moestream simulate`)")
-    parser.add_argument("--no-trace-predict", action="store_true",
-                        help="do not record the stale-gate prediction of the next layers' experts")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="record every layer's routing of every request to FILE (Parquet; see `moestream simulate`)",
+    )
+    parser.add_argument(
+        "--no-trace-predict",
+        action="store_true",
+        help="do not record the stale-gate prediction of the next layers' experts",
+    )

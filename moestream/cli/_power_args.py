@@ -1,4 +1,5 @@
 """Command-line options of the power features that several verbs share (generate, serve)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,10 @@ def _floor_spec(text: str) -> str:
 def add_gpu_floor_argument(parser: argparse.ArgumentParser) -> None:
     """Add `--gpu-floor auto|off|MHZ` (default auto); pass its value to `make_engine_floor`."""
     parser.add_argument(
-        "--gpu-floor", type=_floor_spec, default="auto", metavar="auto|off|MHZ",
+        "--gpu-floor",
+        type=_floor_spec,
+        default="auto",
+        metavar="auto|off|MHZ",
         help="Jetson GPU clock floor while experts are computed on the CPU: auto (on a Jetson, when "
-             "experts are off the GPU and min_freq is writable), off, or a floor in MHz (default: auto)")
+        "experts are off the GPU and min_freq is writable), off, or a floor in MHz (default: auto)",
+    )

@@ -1,4 +1,5 @@
 """`moestream bench`: 12 real prompts against a server, the seed's measurement method (docs/bench.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,25 +19,58 @@ if TYPE_CHECKING:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark a server (ours or llama-server) on real prompts")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--target", metavar="URL", help="a running OpenAI-compatible server with llama-server timings")
-    which.add_argument("--model", metavar="PATH", help="start `moestream serve PATH` (engine options below) and bench it")
-    p.add_argument("--prompts", default="builtin", help="builtin (12: 6 Korean, 6 English), or a file: one prompt "
-                                                         "per line, or a JSON list (default builtin)")
+    which.add_argument(
+        "--target", metavar="URL", help="a running OpenAI-compatible server with llama-server timings"
+    )
+    which.add_argument(
+        "--model", metavar="PATH", help="start `moestream serve PATH` (engine options below) and bench it"
+    )
+    p.add_argument(
+        "--prompts",
+        default="builtin",
+        help="builtin (12: 6 Korean, 6 English), or a file: one prompt "
+        "per line, or a JSON list (default builtin)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request, greedy (default 256)")
-    p.add_argument("--stop-at-eos", action="store_true", help="end a request at end-of-text (default: generate "
-                                                               "exactly --max-tokens, llama-server's ignore_eos)")
-    p.add_argument("--baseline", metavar="FILE", help="a previous results.json: compare the texts character for character")
-    p.add_argument("--fit-with", metavar="FILE", action="append", default=[],
-                   help="another run's results.json to fit time/token vs MiB/token over (repeatable)")
-    p.add_argument("--memory-limit", metavar="SIZE", help="drop the page cache and run the server inside a cgroup "
-                                                          "memory limit (root; with --model only)")
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end a request at end-of-text (default: generate "
+        "exactly --max-tokens, llama-server's ignore_eos)",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="a previous results.json: compare the texts character for character",
+    )
+    p.add_argument(
+        "--fit-with",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="another run's results.json to fit time/token vs MiB/token over (repeatable)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        help="drop the page cache and run the server inside a cgroup memory limit (root; with --model only)",
+    )
     p.add_argument("--drop-caches", action="store_true", help="drop the page cache before starting (root)")
-    p.add_argument("--readahead-kb", type=int, default=None, help="set the model disk's read_ahead_kb for the run, "
-                                                                  "restore it afterwards (root)")
-    p.add_argument("--disk-of", metavar="PATH", help="count reads of the disk holding PATH (default: --model)")
+    p.add_argument(
+        "--readahead-kb",
+        type=int,
+        default=None,
+        help="set the model disk's read_ahead_kb for the run, restore it afterwards (root)",
+    )
+    p.add_argument(
+        "--disk-of", metavar="PATH", help="count reads of the disk holding PATH (default: --model)"
+    )
     p.add_argument("--trace", metavar="FILE", help="record the server's routing to FILE (with --model only)")
-    p.add_argument("--api-key", default=os.environ.get("MOESTREAM_API_KEY"),
-                   help="send 'Authorization: Bearer KEY' to the server (default: $MOESTREAM_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESTREAM_API_KEY"),
+        help="send 'Authorization: Bearer KEY' to the server (default: $MOESTREAM_API_KEY)",
+    )
     p.add_argument("--label", default="", help="name of this run in reports and fits")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--out", required=True, metavar="DIR", help="where results.json, report.md and plots go")
@@ -60,7 +94,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def build_config(args: argparse.Namespace) -> "BenchConfig":
+def build_config(args: argparse.Namespace) -> BenchConfig:
     from moestream.bench.harness import BenchConfig
     from moestream.bench.server import free_port, moestream_serve_argv
     from moestream.units import parse_size
@@ -69,19 +103,34 @@ def build_config(args: argparse.Namespace) -> "BenchConfig":
         raise MoestreamError("--trace records a server this command starts; use --model PATH")
     changed = [a for a in engine_argv(args) if a.startswith("--")]
     if args.target and changed:
-        raise MoestreamError(f"engine options ({' '.join(changed)}) apply to --model only, not to a --target server")
+        raise MoestreamError(
+            f"engine options ({' '.join(changed)}) apply to --model only, not to a --target server"
+        )
     try:
         limit = parse_size(args.memory_limit) if args.memory_limit else None
     except ValueError as exc:
         raise MoestreamError(f"--memory-limit: {exc}") from None
     port = free_port() if args.model else None
     argv = moestream_serve_argv(args.model, port, engine_argv(args), args.trace) if args.model else None
-    return BenchConfig(out=Path(args.out), prompts=args.prompts, max_tokens=args.max_tokens, target=args.target,
-                       server_argv=argv, port=port, disk_of=args.disk_of or args.model, memory_limit=limit,
-                       readahead_kb=args.readahead_kb, drop_caches=args.drop_caches,
-                       ignore_eos=not args.stop_at_eos, baseline=args.baseline, fit_with=args.fit_with,
-                       label=args.label, plots=not args.no_plots, api_key=args.api_key,
-                       server_name="moestream" if args.model else "server")
+    return BenchConfig(
+        out=Path(args.out),
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        target=args.target,
+        server_argv=argv,
+        port=port,
+        disk_of=args.disk_of or args.model,
+        memory_limit=limit,
+        readahead_kb=args.readahead_kb,
+        drop_caches=args.drop_caches,
+        ignore_eos=not args.stop_at_eos,
+        baseline=args.baseline,
+        fit_with=args.fit_with,
+        label=args.label,
+        plots=not args.no_plots,
+        api_key=args.api_key,
+        server_name="moestream" if args.model else "server",
+    )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -1,5 +1,6 @@
 """`moestream demo`: synthesise a small MoE once, stream it through a cache much smaller than its experts,
 check the streamed text against the fully resident run, and print the stats."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,12 @@ def default_dir() -> Path:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="stream a synthetic MoE (made on first use) through a 128 MiB cache")
-    p.add_argument("--dir", type=Path, default=None, help="where the synthetic checkpoint lives (default ~/.cache/moestream)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the synthetic checkpoint lives (default ~/.cache/moestream)",
+    )
     p.add_argument("--cache", default="128MiB", help="expert cache budget (default 128MiB)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"])
@@ -48,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
     with moestream.load(str(path), cache=all_experts, io_mode=args.io_mode) as resident:
         full = resident.generate(DEMO_PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
     same = full.tokens == streamed.tokens
-    print(f"fully resident run ({resident.cache.capacity} slots, every expert cached): "
-          f"{'identical tokens' if same else 'DIFFERENT tokens'} ({len(full.tokens)} generated)")
+    print(
+        f"fully resident run ({resident.cache.capacity} slots, every expert cached): "
+        f"{'identical tokens' if same else 'DIFFERENT tokens'} ({len(full.tokens)} generated)"
+    )
     if not same:
         raise MoestreamError("streamed output differs from the fully resident output: please report this bug")
     return 0

@@ -1,4 +1,5 @@
 """`moestream generate PATH --prompt TEXT`: one completion, with the mode line and the stats line."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
 
     # everything a user can get wrong is checked before the model loads, which can take minutes
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
     if args.trace:
@@ -67,15 +74,26 @@ def _on_sigterm(handler: Any) -> Any:
 
 def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
     if args.json:
-        print(json.dumps({"text": gen.text, "tokens": gen.tokens, "prompt_tokens": gen.prompt_tokens,
-                          "finish_reason": gen.finish_reason, "mode": engine.mode_line(),
-                          "stats": gen.stats.to_dict()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "text": gen.text,
+                    "tokens": gen.tokens,
+                    "prompt_tokens": gen.prompt_tokens,
+                    "finish_reason": gen.finish_reason,
+                    "mode": engine.mode_line(),
+                    "stats": gen.stats.to_dict(),
+                }
+            ),
+            flush=True,
+        )
     else:
         print(gen.text, flush=True)
         print(gen.stats.line(), flush=True)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    print("moestream: terminated; finishing the trace and closing the checkpoint", file=sys.stderr,
-          flush=True)
+    print(
+        "moestream: terminated; finishing the trace and closing the checkpoint", file=sys.stderr, flush=True
+    )
     raise SystemExit(128 + signum)

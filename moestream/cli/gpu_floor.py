@@ -1,10 +1,11 @@
 """`moestream gpu-floor`: GPU clock floor daemon for llama.cpp with MoE experts on the CPU (Jetson).
 
-    moestream gpu-floor --check          what it would use; needs no root
-    sudo moestream gpu-floor             run in the foreground (the systemd unit runs this)
-    sudo moestream gpu-floor install     write the systemd unit and /etc/default/moestream-gpu-floor
-    sudo moestream gpu-floor uninstall   remove both
+moestream gpu-floor --check          what it would use; needs no root
+sudo moestream gpu-floor             run in the foreground (the systemd unit runs this)
+sudo moestream gpu-floor install     write the systemd unit and /etc/default/moestream-gpu-floor
+sudo moestream gpu-floor uninstall   remove both
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,20 +18,41 @@ from moestream.power.settings import DEFAULTS_FILE, DaemonSettings, build_settin
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the `gpu-floor` verb."""
-    p = subparsers.add_parser("gpu-floor", help="GPU clock floor daemon for llama.cpp (Jetson)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=("run", "install", "uninstall"), default="run",
-                   help="run the daemon (default), or install/uninstall the systemd service")
-    p.add_argument("--check", action="store_true", help="print devfreq node, library, symbols, bpftrace; no root")
-    p.add_argument("--config", default=DEFAULTS_FILE, metavar="FILE", help=f"settings file (default {DEFAULTS_FILE})")
+    p = subparsers.add_parser(
+        "gpu-floor",
+        help="GPU clock floor daemon for llama.cpp (Jetson)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=("run", "install", "uninstall"),
+        default="run",
+        help="run the daemon (default), or install/uninstall the systemd service",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="print devfreq node, library, symbols, bpftrace; no root"
+    )
+    p.add_argument(
+        "--config", default=DEFAULTS_FILE, metavar="FILE", help=f"settings file (default {DEFAULTS_FILE})"
+    )
     p.add_argument("--floor-mhz", metavar="MHZ|max", help="floor while busy (default: highest available)")
-    p.add_argument("--hold-s", metavar="SECONDS", help="keep the floor this long after the last call (default 1)")
+    p.add_argument(
+        "--hold-s", metavar="SECONDS", help="keep the floor this long after the last call (default 1)"
+    )
     p.add_argument("--library", action="append", metavar="PATH", help="libllama.so path or glob (repeatable)")
-    p.add_argument("--moe-flag", action="append", metavar="FLAG",
-                   help="count processes with this flag, written --moe-flag=--cpu-moe (repeatable)")
+    p.add_argument(
+        "--moe-flag",
+        action="append",
+        metavar="FLAG",
+        help="count processes with this flag, written --moe-flag=--cpu-moe (repeatable)",
+    )
     p.add_argument("--symbol", action="append", metavar="NAME", help="function to probe (repeatable)")
     p.add_argument("--bpftrace", metavar="PATH", help="bpftrace executable (default: bpftrace on PATH)")
-    p.add_argument("--sysfs-root", default="/", metavar="DIR", help="look for /sys and /proc under DIR (tests)")
+    p.add_argument(
+        "--sysfs-root", default="/", metavar="DIR", help="look for /sys and /proc under DIR (tests)"
+    )
     p.add_argument("--state-dir", metavar="DIR", help="crash-recovery state (default /run/moestream)")
     p.add_argument("--root", default="/", metavar="DIR", help="install/uninstall under DIR instead of /")
     p.add_argument("-v", "--verbose", action="store_true", help="log every bpftrace line")
@@ -45,10 +67,15 @@ def settings_from_args(args: argparse.Namespace) -> DaemonSettings:
             values["GPU_FLOOR_MHZ"] = args.floor_mhz
         if args.hold_s is not None:
             values["HOLD_SECONDS"] = args.hold_s
-        return build_settings(values, {
-            "libraries": args.library, "moe_flags": args.moe_flag,
-            "symbols": args.symbol, "bpftrace": args.bpftrace,
-        })
+        return build_settings(
+            values,
+            {
+                "libraries": args.library,
+                "moe_flags": args.moe_flag,
+                "symbols": args.symbol,
+                "bpftrace": args.bpftrace,
+            },
+        )
     except ValueError as exc:
         raise GpuFloorError(f"gpu-floor settings: {exc}.") from None
     except OSError as exc:
@@ -59,20 +86,27 @@ def run(args: argparse.Namespace) -> int:
     """Dispatch --check, install, uninstall or the daemon itself."""
     if args.action == "uninstall":
         from moestream.power.systemd import uninstall
+
         print("\n".join(uninstall(args.root)))
         return 0
     settings = settings_from_args(args)
     if args.check:
         from moestream.power.check import check_report
+
         report, ok = check_report(settings, args.sysfs_root)
         sys.stdout.write(report)
         return 0 if ok else 1
     if args.action == "install":
         from moestream.power.systemd import install
+
         print("\n".join(install(settings, args.root)))
         return 0
     from moestream.power.daemon import make_daemon_floor, serve
-    floor = make_daemon_floor(settings, args.sysfs_root, args.state_dir)  # user errors surface before logging is set up
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s",
-                        stream=sys.stderr)
+
+    floor = make_daemon_floor(
+        settings, args.sysfs_root, args.state_dir
+    )  # user errors surface before logging is set up
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
     return serve(settings, floor, args.sysfs_root)

@@ -1,4 +1,5 @@
 """`moestream info PATH`: architecture, expert bytes, working set, minimum cache, and how it routes."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,15 @@ from moestream.units import MiB, format_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="describe a checkpoint: expert bytes, working set, minimum cache, routing")
+    p = sub.add_parser(
+        "info", help="describe a checkpoint: expert bytes, working set, minimum cache, routing"
+    )
     p.add_argument("path", help="checkpoint directory or hub id")
-    p.add_argument("--no-routing", action="store_true",
-                   help="skip running the model on the sample text (which reads every expert once)")
+    p.add_argument(
+        "--no-routing",
+        action="store_true",
+        help="skip running the model on the sample text (which reads every expert once)",
+    )
     p.add_argument("--cache", default="512MiB", help="cache budget for the routing run (default 512MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -23,28 +29,35 @@ def describe(path: str) -> dict[str, Any]:
     from moestream.cache.expert_cache import budget_requirements
     from moestream.cache.slots import slot_bytes
     from moestream.model.arch import arch_for, num_experts, top_k
-    from moestream.model.loader import load_config
-    from moestream.store.checkpoint import open_checkpoint, resolve_path
-    from moestream.store.experts import build_expert_map, check_expert_shapes, moe_layers
+    from moestream.runtime.checks import check_experts
+    from moestream.store.source import open_source
 
-    ckpt_path = resolve_path(path)
-    config = load_config(ckpt_path)
+    source = open_source(path)
+    config = source.config()
     arch = arch_for(config)
-    ckpt = open_checkpoint(ckpt_path)
-    emap = build_expert_map(ckpt.tensors, arch.family, moe_layers(ckpt.tensors), num_experts(config))
-    check_expert_shapes(emap, config)  # sizes printed from a malformed expert would be wrong too
+    emap = source.expert_map(arch.family, num_experts(config))
+    check_experts(emap, config)  # sizes printed from a malformed expert would be wrong too
     k = top_k(config)
     minimum, working_set = budget_requirements(emap, k)
     first = emap.units[next(iter(emap.units))]
-    synthetic = (ckpt_path / "moestream_synth.json").exists()
+    total_bytes = sum(ref.nbytes for ref in source.tensors.values())
     return {
-        "path": str(ckpt_path), "model_type": config.model_type, "family": arch.family, "quant": emap.quant,
-        "moe_layers": len(emap.layers), "experts_per_layer": emap.num_experts, "top_k": k,
-        "expert_bytes": emap.unit_bytes(*next(iter(emap.units))), "expert_slot_bytes": slot_bytes(first),
+        "path": str(source.path),
+        "model_type": config.model_type,
+        "family": arch.family,
+        "formats": emap.format_names(),
+        "moe_layers": len(emap.layers),
+        "experts_per_layer": emap.num_experts,
+        "top_k": k,
+        "expert_bytes": emap.unit_bytes(*next(iter(emap.units))),
+        "expert_slot_bytes": slot_bytes(first),
         "expert_bytes_per_layer": emap.num_experts * emap.unit_bytes(*next(iter(emap.units))),
-        "all_expert_bytes": emap.expert_bytes, "checkpoint_bytes": ckpt.total_bytes,
-        "non_expert_bytes": ckpt.total_bytes - emap.expert_bytes - sum(r.nbytes for r in emap.resident.values()),
-        "working_set_bytes": working_set, "minimum_cache_bytes": minimum, "synthetic": synthetic,
+        "all_expert_bytes": emap.expert_bytes,
+        "checkpoint_bytes": total_bytes,
+        "non_expert_bytes": total_bytes - emap.expert_bytes - sum(r.nbytes for r in emap.resident.values()),
+        "working_set_bytes": working_set,
+        "minimum_cache_bytes": minimum,
+        "synthetic": source.synthetic,
     }
 
 
@@ -69,19 +82,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(info: dict[str, Any]) -> None:
-    print(f"{info['path']}: {info['model_type']} ({info['family']} experts"
-          f"{', MXFP4' if info['quant'] == 'mxfp4' else ''}){'  [synthetic]' if info['synthetic'] else ''}")
+    print(
+        f"{info['path']}: {info['model_type']} ({info['family']} experts, stored as "
+        f"{', '.join(info['formats'])}){'  [synthetic]' if info['synthetic'] else ''}"
+    )
     print(f"  MoE layers {info['moe_layers']} x {info['experts_per_layer']} experts, top-{info['top_k']}")
-    print(f"  one expert {info['expert_bytes'] / MiB:.2f} MiB on disk ({format_size(info['expert_slot_bytes'])} slot); "
-          f"per layer {format_size(info['expert_bytes_per_layer'])}; all experts {format_size(info['all_expert_bytes'])}")
+    print(
+        f"  one expert {info['expert_bytes'] / MiB:.2f} MiB on disk "
+        f"({format_size(info['expert_slot_bytes'])} slot); "
+        f"per layer {format_size(info['expert_bytes_per_layer'])}; all experts "
+        f"{format_size(info['all_expert_bytes'])}"
+    )
     print(f"  resident (non-expert) weights {format_size(info['non_expert_bytes'])}")
     print(f"  per-token working set {format_size(info['working_set_bytes'])} (top-k x every MoE layer)")
     print(f"  minimum cache {format_size(info['minimum_cache_bytes'])} ({info['minimum_cache_bytes']} bytes)")
     if "routing" in info:
         r = info["routing"]
-        print(f"  routing on the sample text ({r['tokens']} tokens): hottest 8 experts take "
-              f"{100 * r['hot8_share']:.1f}% of picks (mean over layers), adjacent tokens share "
-              f"{100 * r['adjacent_overlap']:.1f}% of their experts")
+        print(
+            f"  routing on the sample text ({r['tokens']} tokens): hottest 8 experts take "
+            f"{100 * r['hot8_share']:.1f}% of picks (mean over layers), adjacent tokens share "
+            f"{100 * r['adjacent_overlap']:.1f}% of their experts"
+        )
         for row in r["layers"]:
-            print(f"    layer {row['layer']:3d}: hot-8 {100 * row['hot8_share']:5.1f}%  "
-                  f"adjacent {100 * row['adjacent_overlap']:5.1f}%")
+            print(
+                f"    layer {row['layer']:3d}: hot-8 {100 * row['hot8_share']:5.1f}%  "
+                f"adjacent {100 * row['adjacent_overlap']:5.1f}%"
+            )

@@ -1,4 +1,5 @@
 """`moestream perplexity PATH --text FILE`: perplexity in chunks of --ctx tokens, as llama.cpp scores it."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,20 @@ from moestream.errors import MoestreamError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text file, experts streamed from disk")
     p.add_argument("path", help="checkpoint directory or hub id")
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score (e.g. wikitext-2's test split)")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)")
-    p.add_argument("--chunks", type=int, default=8, help="chunks to score from the start of the text (default 8)")
-    p.add_argument("--allow-lossy", action="store_true",
-                   help="accept --experts-per-token (the figure is then not the model's perplexity)")
+    p.add_argument(
+        "--text", required=True, metavar="FILE", help="UTF-8 text to score (e.g. wikitext-2's test split)"
+    )
+    p.add_argument(
+        "--ctx", type=int, default=512, help="tokens per chunk; the second half is scored (default 512)"
+    )
+    p.add_argument(
+        "--chunks", type=int, default=8, help="chunks to score from the start of the text (default 8)"
+    )
+    p.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="accept --experts-per-token (the figure is then not the model's perplexity)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -35,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from moestream.bench.perplexity import PerplexityResult, model_logits, perplexity
 
     if args.experts_per_token is not None and not args.allow_lossy:
-        raise MoestreamError("--experts-per-token changes the model, so its perplexity is not the model's; "
-                             "add --allow-lossy to measure it anyway")
+        raise MoestreamError(
+            "--experts-per-token changes the model, so its perplexity is not the model's; "
+            "add --allow-lossy to measure it anyway"
+        )
     text = _read_text(args.text)
     with moestream.load(args.path, **engine_kwargs(args)) as engine:
         mode = engine.mode_line()
@@ -51,11 +63,15 @@ def run(args: argparse.Namespace) -> int:
 
         result = perplexity(model_logits(engine.model), ids, args.ctx, args.chunks, progress)
         if result.chunks < args.chunks:
-            print(f"moestream: warning: the text holds only {result.chunks} chunks of {args.ctx} tokens",
-                  file=sys.stderr)
+            print(
+                f"moestream: warning: the text holds only {result.chunks} chunks of {args.ctx} tokens",
+                file=sys.stderr,
+            )
     if args.json:
         print(json.dumps({**result.to_dict(), "mode": mode, "text": args.text}))
     else:
-        print(f"perplexity {result.perplexity:.6f} over {result.chunks} chunks of {args.ctx} tokens "
-              f"({result.scored_tokens} scored)")
+        print(
+            f"perplexity {result.perplexity:.6f} over {result.chunks} chunks of {args.ctx} tokens "
+            f"({result.scored_tokens} scored)"
+        )
     return 0

@@ -1,4 +1,5 @@
 """`moestream serve PATH`: an OpenAI-compatible HTTP server with llama-server's timings (docs/server.md)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,15 +18,28 @@ from moestream.errors import MoestreamError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("path", help="checkpoint directory or hub id")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=port_number, default=8080,
-                   help="TCP port (default 8080; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("MOESTREAM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $MOESTREAM_API_KEY, else none)")
-    p.add_argument("--model-name", default=None,
-                   help="the model id clients use (default: the checkpoint directory's name)")
-    p.add_argument("--queue-size", type=int, default=16,
-                   help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)"
+    )
+    p.add_argument(
+        "--port", type=port_number, default=8080, help="TCP port (default 8080; 0 picks a free one)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESTREAM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MOESTREAM_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the model id clients use (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=16,
+        help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)",
+    )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
     add_trace_arguments(p)
     add_engine_arguments(p)
@@ -81,21 +95,33 @@ def run(args: argparse.Namespace) -> int:
     if args.queue_size < 1:
         raise MoestreamError(f"--queue-size must be at least 1, got {args.queue_size}")
     if not _is_loopback(args.host) and not args.api_key:
-        print(f"moestream: warning: listening on {args.host} without --api-key: anyone who can reach "
-              "this address can use the model", file=sys.stderr, flush=True)
+        print(
+            f"moestream: warning: listening on {args.host} without --api-key: anyone who can reach "
+            "this address can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
     sock = listen(args.host, args.port)
     model_id = args.model_name or Path(args.path.rstrip("/")).name or args.path
     with sock, moestream.load(args.path, **engine_kwargs(args)) as engine:
         if args.trace:
             engine.start_trace(args.trace, predict=not args.no_trace_predict)
         print(engine.mode_line(), flush=True)
-        options = ServerOptions(model_id=model_id, api_key=args.api_key, max_body=max_body,
-                                queue_size=args.queue_size, aliases=[args.path])
+        options = ServerOptions(
+            model_id=model_id,
+            api_key=args.api_key,
+            max_body=max_body,
+            queue_size=args.queue_size,
+            aliases=[args.path],
+        )
         app = create_app(engine, options)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         host, port = sock.getsockname()[:2]
-        print(f"moestream: serving {model_id!r} on http://{_url_host(host)}:{port}/v1"
-              f"{' (API key required)' if args.api_key else ''}", flush=True)
+        print(
+            f"moestream: serving {model_id!r} on http://{_url_host(host)}:{port}/v1"
+            f"{' (API key required)' if args.api_key else ''}",
+            flush=True,
+        )
         _run_until_stopped(uvicorn.Server(config), sock)
     return 0
 

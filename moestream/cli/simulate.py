@@ -1,4 +1,5 @@
 """`moestream simulate TRACE... --budgets 0.5GiB,1GiB`: replay a router trace through the cache policies."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,23 +18,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from moestream.trace.simulator import POLICIES
 
     p = subparsers.add_parser(
-        "simulate", help="replay a router trace through the cache policies at several budgets",
-        description="Replay a router trace (moestream Parquet/JSONL, speculative-moe JSONL, or vLLM-MoE-Logger "
-                    "JSONL files; several of the latter are merged as layers of one model) through the "
-                    "engine's eviction policies and report MiB read per token and hit rate.")
+        "simulate",
+        help="replay a router trace through the cache policies at several budgets",
+        description="Replay a router trace (moestream Parquet/JSONL, speculative-moe JSONL, or "
+        "vLLM-MoE-Logger JSONL files; several of the latter are merged as layers of one model) through the "
+        "engine's eviction policies and report MiB read per token and hit rate.",
+    )
     p.add_argument("trace", nargs="+", help="trace file(s); the format is detected from the content")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated cache budgets (default {DEFAULT_BUDGETS})")
-    p.add_argument("--policy", nargs="+", metavar="NAME", help=f"policies to run (default all of {', '.join(POLICIES)}; "
-                   "lru-prefetch only when the trace has predictions)")
-    p.add_argument("--unit-bytes", help="bytes of one expert (gate+up+down), for traces that lack it; overrides the header")
-    p.add_argument("--prefetch-top", type=int, help="predicted experts per token that lru-prefetch reads (default top_k)")
+    p.add_argument(
+        "--budgets",
+        default=DEFAULT_BUDGETS,
+        help=f"comma-separated cache budgets (default {DEFAULT_BUDGETS})",
+    )
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        metavar="NAME",
+        help=f"policies to run (default all of {', '.join(POLICIES)}; "
+        "lru-prefetch only when the trace has predictions)",
+    )
+    p.add_argument(
+        "--unit-bytes",
+        help="bytes of one expert (gate+up+down), for traces that lack it; overrides the header",
+    )
+    p.add_argument(
+        "--prefetch-top", type=int, help="predicted experts per token that lru-prefetch reads (default top_k)"
+    )
     p.add_argument("--plot", metavar="PNG", help="write MiB/token against budget to this PNG")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of a table")
     p.set_defaults(func=run)
 
 
 def parse_budgets(text: str) -> list[int]:
-    """"0.5GiB,1GiB" -> bytes, sorted; a user error names the bad entry."""
+    """ "0.5GiB,1GiB" -> bytes, sorted; a user error names the bad entry."""
     budgets = []
     for item in (x for x in text.split(",") if x.strip()):
         try:
@@ -87,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
     trace = load_traces(args.trace)
     width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
     if args.prefetch_top is not None and width and args.prefetch_top > width:
-        raise MoestreamError(f"--prefetch-top {args.prefetch_top} exceeds the {width} predicted experts per "
-                             "token the trace holds")
+        raise MoestreamError(
+            f"--prefetch-top {args.prefetch_top} exceeds the {width} predicted experts per "
+            "token the trace holds"
+        )
     policies, notes = choose_policies(args.policy, trace.has_predictions)
     trace.notes.extend(notes)
     records, replay, sizes = simulate(trace, policies, budgets, unit, args.prefetch_top)
@@ -105,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
         from moestream.trace.plot import plot_curves
 
         name = Path(args.trace[0]).name + (f" (+{len(args.trace) - 1} more)" if len(args.trace) > 1 else "")
-        title = (f"{name}; {trace.header.model_id}; expert {format_size(sizes.unit[replay.layers[0]])}, "
-                 f"slot {format_size(sizes.slot_bytes)}")
+        title = (
+            f"{name}; {trace.header.model_id}; expert {format_size(sizes.unit[replay.layers[0]])}, "
+            f"slot {format_size(sizes.slot_bytes)}"
+        )
         plot_curves(records, args.plot, title, trace.header.synthetic)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

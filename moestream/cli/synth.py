@@ -1,4 +1,5 @@
 """`moestream synth OUT`: write a random-weight HF checkpoint of a real MoE architecture."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,26 +20,43 @@ _SIZES = ("layers", "experts", "top_k", "hidden", "moe_intermediate", "vocab_siz
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the `synth` verb."""
     p = subparsers.add_parser(
-        "synth", help="write a random-weight HF checkpoint of a real MoE architecture",
+        "synth",
+        help="write a random-weight HF checkpoint of a real MoE architecture",
         description="Write a random-weight HF checkpoint (config, tokenizer, safetensors) of a real MoE "
-                    "architecture, tensor by tensor. Weights are scaled so that routing stays token-driven "
-                    "like a trained model's; the checkpoint is marked synthetic in moestream_synth.json.")
+        "architecture, tensor by tensor. Weights are scaled so that routing stays token-driven "
+        "like a trained model's; the checkpoint is marked synthetic in moestream_synth.json.",
+    )
     p.add_argument("out", metavar="OUT", help="directory to create")
-    p.add_argument("--preset", help="qwen3-30b-a3b, olmoe-1b-7b, gpt-oss-20b or demo; explicit sizes override it")
-    p.add_argument("--arch", help="model_type: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, "
-                                  "glm4_moe, qwen3_next, qwen3_5_moe, gpt_oss")
+    p.add_argument(
+        "--preset", help="qwen3-30b-a3b, olmoe-1b-7b, gpt-oss-20b or demo; explicit sizes override it"
+    )
+    p.add_argument(
+        "--arch",
+        help="model_type: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3, "
+        "glm4_moe, qwen3_next, qwen3_5_moe, gpt_oss",
+    )
     p.add_argument("--layers", help="decoder layers")
     p.add_argument("--experts", help="routed experts per MoE layer")
     p.add_argument("--top-k", dest="top_k", help="experts picked per token")
     p.add_argument("--hidden", help="hidden size")
-    p.add_argument("--moe-intermediate", dest="moe_intermediate", help="intermediate size of one routed expert")
+    p.add_argument(
+        "--moe-intermediate", dest="moe_intermediate", help="intermediate size of one routed expert"
+    )
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--seed", default="0", help="random seed (default 0)")
-    p.add_argument("--shard-size", dest="shard_size", default="2GiB", help="maximum shard size (default 2GiB)")
+    p.add_argument(
+        "--shard-size", dest="shard_size", default="2GiB", help="maximum shard size (default 2GiB)"
+    )
     p.add_argument("--vocab-size", dest="vocab_size", help="config vocab size (default: tokenizer size)")
-    p.add_argument("--mxfp4", action="store_true", help="gpt_oss only: MXFP4 experts like the released gpt-oss")
-    p.add_argument("--plain-init", dest="plain_init", action="store_true",
-                   help="transformers' default init (deep layers then route most tokens to a few experts)")
+    p.add_argument(
+        "--mxfp4", action="store_true", help="gpt_oss only: MXFP4 experts like the released gpt-oss"
+    )
+    p.add_argument(
+        "--plain-init",
+        dest="plain_init",
+        action="store_true",
+        help="transformers' default init (deep layers then route most tokens to a few experts)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists and is not empty")
     p.set_defaults(func=run)
 
@@ -51,9 +69,18 @@ def run(args: argparse.Namespace) -> int:
     shard_bytes = _size_arg("--shard-size", args.shard_size)
     t0 = time.perf_counter()
     with _progress_bar() as on_progress:
-        out = synthesize(args.out, arch=args.arch, preset=args.preset, dtype=args.dtype,
-                         shard_bytes=shard_bytes, mxfp4=args.mxfp4, realistic_routing=not args.plain_init,
-                         force=args.force, on_progress=on_progress, **{k: v for k, v in sizes.items() if v is not None})
+        out = synthesize(
+            args.out,
+            arch=args.arch,
+            preset=args.preset,
+            dtype=args.dtype,
+            shard_bytes=shard_bytes,
+            mxfp4=args.mxfp4,
+            realistic_routing=not args.plain_init,
+            force=args.force,
+            on_progress=on_progress,
+            **{k: v for k, v in sizes.items() if v is not None},
+        )
     seconds = time.perf_counter() - t0
     marker = json.loads((Path(out) / SYNTH_MARKER).read_text())
     print(summary(out, marker, seconds))
@@ -63,20 +90,25 @@ def run(args: argparse.Namespace) -> int:
 def summary(out: Path, marker: dict, seconds: float) -> str:
     """Lines printed after a synth: what, where, how big, how fast."""
     what = f"{marker['arch']}" + (f" (preset {marker['preset']})" if marker.get("preset") else "")
-    shape = (f"{marker['layers']} layers, {marker['moe_layers']} MoE x {marker['experts']} experts, "
-             f"top-{marker['top_k']}, hidden {marker['hidden']}, expert intermediate {marker['moe_intermediate']}, "
-             f"{'mxfp4' if marker['mxfp4'] else marker['dtype']}")
+    shape = (
+        f"{marker['layers']} layers, {marker['moe_layers']} MoE x {marker['experts']} experts, "
+        f"top-{marker['top_k']}, hidden {marker['hidden']}, expert intermediate "
+        f"{marker['moe_intermediate']}, "
+        f"{'mxfp4' if marker['mxfp4'] else marker['dtype']}"
+    )
     total = marker["total_bytes"]
     rate = total / (1 << 20) / seconds if seconds > 0 else float("inf")
     weights = "realistic-routing init" if marker["realistic_routing"] else "plain init"
     files = [f for f in marker["files"] if f.endswith(".safetensors")]
-    return "\n".join([
-        f"wrote {out}: synthetic {what}, {weights}",
-        f"  {shape}",
-        f"  expert bytes {format_size(marker['expert_bytes'])}, total {format_size(total)} in "
-        f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}",
-        f"  {seconds:.1f} s, {rate:.1f} MiB/s",
-    ])
+    return "\n".join(
+        [
+            f"wrote {out}: synthetic {what}, {weights}",
+            f"  {shape}",
+            f"  expert bytes {format_size(marker['expert_bytes'])}, total {format_size(total)} in "
+            f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}",
+            f"  {seconds:.1f} s, {rate:.1f} MiB/s",
+        ]
+    )
 
 
 def _int_arg(name: str, text: str | None) -> int | None:
@@ -104,9 +136,15 @@ def _progress_bar() -> Iterator[Callable[[int, int], None]]:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    progress = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
-                        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(file=sys.stderr),
-                        transient=True)
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=sys.stderr),
+        transient=True,
+    )
     state: dict[str, int] = {}
 
     def on_progress(done: int, total: int) -> None:

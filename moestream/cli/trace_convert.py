@@ -1,4 +1,6 @@
-"""`moestream trace-convert IN... OUT`: any supported trace (or several vLLM-logger files) to Parquet or JSONL."""
+"""`moestream trace-convert IN... OUT`: any supported trace (or several vLLM-logger files) to Parquet or
+JSONL."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,9 +13,11 @@ from moestream.errors import MoestreamError
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register the `trace-convert` verb."""
     p = subparsers.add_parser(
-        "trace-convert", help="convert a trace to moestream Parquet (.parquet) or JSONL (.jsonl)",
+        "trace-convert",
+        help="convert a trace to moestream Parquet (.parquet) or JSONL (.jsonl)",
         description="Read any supported trace (format detected from the content; a killed writer's .partial "
-                    "stream too) and write it as moestream Parquet or JSONL, chosen by OUT's extension.")
+        "stream too) and write it as moestream Parquet or JSONL, chosen by OUT's extension.",
+    )
     p.add_argument("inputs", nargs="+", metavar="IN", help="trace file(s)")
     p.add_argument("out", metavar="OUT", help="output file: .parquet or .jsonl")
     p.add_argument("--unit-bytes", help="record this expert size (bytes, e.g. 17301504) in the header")

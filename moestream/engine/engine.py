@@ -1,4 +1,5 @@
 """`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+
 from __future__ import annotations
 
 import numbers
@@ -10,17 +11,20 @@ from typing import Any
 
 import torch
 
-from moestream.engine.device import build_runtime
+from moestream.cache.expert_cache import ExpertCache
 from moestream.engine.loop import ForwardStep, token_stream
 from moestream.engine.options import EngineOptions
 from moestream.engine.sampling import Sampler, SamplingParams
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
-from moestream.errors import CheckpointError, MoestreamError
+from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, load_config, router_modules, streaming_modules
-from moestream.store.checkpoint import open_checkpoint, resolve_path
-from moestream.store.experts import ExpertMap, build_expert_map, check_expert_shapes
+from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.runtime.checks import check_experts
+from moestream.runtime.experts import ExpertRuntime
+from moestream.runtime.families import make_family
+from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
+from moestream.store.source import open_source
 from moestream.units import format_size
 
 
@@ -37,8 +41,17 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: str = "direct",
-         io_threads: int = 4, piece: int | str = "128KiB", threads: int | None = None, **extra: Any) -> "Engine":
+def load(
+    path: str,
+    cache: int | str = "512MiB",
+    device: str = "cpu",
+    io_mode: str = "direct",
+    io_threads: int = 4,
+    piece: int | str = "128KiB",
+    threads: int | None = None,
+    make_reader: ReaderFactory | None = None,
+    **extra: Any,
+) -> Engine:
     """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
 
     Args:
@@ -49,6 +62,7 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         io_threads: dedicated I/O threads.
         piece: read size of one I/O, a multiple of 4 KiB.
         threads: torch compute threads (None: torch's default).
+        make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
             `unified`, `experts_per_token`, `gpu_floor`.
@@ -57,46 +71,69 @@ def load(path: str, cache: int | str = "512MiB", device: str = "cpu", io_mode: s
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
     """
     try:
-        options = EngineOptions(cache=cache, device=device, io_mode=io_mode, io_threads=io_threads,
-                                piece=piece, threads=threads, **extra)
+        options = EngineOptions(
+            cache=cache,
+            device=device,
+            io_mode=io_mode,
+            io_threads=io_threads,
+            piece=piece,
+            threads=threads,
+            **extra,
+        )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
-    return Engine(resolve_path(path), options)
+    return Engine(path, options, make_reader=make_reader)
 
 
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
-    def __init__(self, path: Path, options: EngineOptions) -> None:
-        self.path, self.options = path, options
+    def __init__(
+        self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None
+    ) -> None:
+        self.options = options
+        self._make_reader = make_reader or Reader
         if options.threads is not None:
             torch.set_num_threads(options.threads)
-        self.config = load_config(path)
+        self.source = open_source(path)
+        self.path = self.source.path
+        self.config = self.source.config()
+        self.tokenizer = self.source.tokenizer()  # before the model: a broken tokenizer fails in a second
         self.arch = arch_for(self.config)
         self.model_top_k = top_k(self.config)
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
-        checkpoint = open_checkpoint(path)
-        self.checkpoint_files = checkpoint.files
-        self.tokenizer = _load_tokenizer(path)  # before the model: a broken tokenizer fails in a second
+        self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
+        check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
-        self.model = build_model(path, self.config, self.arch, dtype)
+        self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
         self.device = torch.device(options.device)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
-        modules = streaming_modules(self.model)
+        self._modules = streaming_modules(self.model)
+        self.emap.restrict([layer for layer, _ in self._modules])
         self.top_k = top_k(self.config)
-        self.emap = build_expert_map(checkpoint.tensors, self.arch.family, [i for i, _ in modules],
-                                     num_experts(self.config))
-        check_expert_shapes(self.emap, self.config)
-        self._stream_experts(modules)
+        self.family = make_family(self.config, self.emap, self.device, self.dtype)
+        self.streaming = self._stream()
         self._step = ForwardStep(self.model)
         self.floor = self._make_floor()
         self.recorder: Any = None
         self._requests = 0
 
+    @property
+    def cache(self) -> ExpertCache:
+        return self.streaming.cache
+
+    @property
+    def runtime(self) -> ExpertRuntime:
+        return self.streaming.runtime
+
+    @property
+    def reader(self) -> Reader:
+        return self.streaming.reader
+
     def start_trace(self, path: str | Path, predict: bool = True) -> None:
-        """Record every layer's routing (and the stale-gate prediction) of the following requests to `path`."""
+        """Record every layer's routing (and the stale-gate prediction) of the next requests to `path`."""
         from moestream.engine.tracing import TraceRecorder
 
         if self.recorder is not None:
@@ -111,53 +148,65 @@ class Engine:
         """
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
-            self.runtime.observers.remove(recorder.observe)
+            recorder.detach(self.runtime)
             recorder.close()
 
-    def _stream_experts(self, modules: list[tuple[int, Any]]) -> None:
-        """Open the shards, carve the cache, bind every StreamingExperts module to a fresh runtime."""
-        options = self.options
-        self.reader = Reader(options.io_mode, options.io_threads)
-        try:
-            # every shard, trunk-only ones too, so that check_files sees any of them change
-            experts = {ref.file for kinds in self.emap.units.values() for parts in kinds.values()
-                       for ref in parts}
-            for name in sorted(experts | set(self.checkpoint_files)):
-                self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
-            self.cache, self.runtime = build_runtime(self.emap, self.reader, options, self.config, self.top_k,
-                                                     self.device, self.dtype)
-        except BaseException:
-            self.reader.close()
-            raise
-        if options.prefetch:
-            self.runtime.enable_prefetch({layer: router for layer, router in router_modules(self.model).items()
-                                          if layer in set(self.emap.layers)})
-        for layer, module in modules:
-            module.bind(layer, self.runtime)
+    def _stream(self) -> ExpertStreaming:
+        """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
+        streaming = ExpertStreaming(
+            self.emap,
+            self.family,
+            self.options.stream_config(),
+            top_k=self.top_k,
+            device=self.device,
+            make_reader=self._make_reader,
+        )
+        if self.options.prefetch:
+            streaming.enable_lookahead(router_modules(self.model))
+        streaming.bind(self._modules)
+        return streaming
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
-        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side comparisons without reloading."""
-        unknown = set(changes) - {"cache", "io_mode", "io_threads", "piece", "lock_memory", "gpu_cache", "host_cache",
-                                  "prefetch", "policy"}
+        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side
+        comparisons without reloading."""
+        unknown = set(changes) - {
+            "cache",
+            "io_mode",
+            "io_threads",
+            "piece",
+            "lock_memory",
+            "gpu_cache",
+            "host_cache",
+            "prefetch",
+            "policy",
+        }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         try:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
-        self._close_streaming()
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.detach(self.runtime)
+        self.streaming.close()
         self.options = options
-        self._stream_experts(streaming_modules(self.model))
+        self.streaming = self._stream()
+        if recorder is not None:
+            recorder.attach(self)
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
 
         try:
-            return make_engine_floor(self.options.gpu_floor, sysfs_root=self.options.sysfs_root,
-                                     experts_off_gpu=self.options.device == "cpu")
+            return make_engine_floor(
+                self.options.gpu_floor,
+                sysfs_root=self.options.sysfs_root,
+                experts_off_gpu=self.options.device == "cpu",
+            )
         except BaseException:
-            self.reader.close()
+            self.streaming.close()
             raise
 
     # --- description -------------------------------------------------------------------------
@@ -168,35 +217,22 @@ class Engine:
 
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
-        o, c = self.options, self.cache
-        if self.device.type == "cuda" and not hasattr(self.runtime, "gpu"):
-            memory = (f"unified memory cache {format_size(o.cache)} = {c.capacity} slots "
-                      f"(pinned, device-mapped, no staging copy)")
-        elif self.device.type == "cuda":
-            gpu = self.runtime.gpu
-            memory = (f"gpu cache {format_size(gpu.capacity * gpu.slot_bytes)} = {gpu.capacity} slots, "
-                      f"pinned host cache {format_size(c.allocated_bytes)} = {c.capacity} slots")
-        else:
-            memory = (f"cache {format_size(o.cache)} = {c.capacity} slots of {format_size(c.slot_bytes)} "
-                      f"({'locked' if c.locked else 'unlocked'})")
-        io = self.reader.io_mode + (f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else "")
         return (
-            f"moestream: {self.config.model_type} on {self.device} | io {io}, {o.io_threads} io threads, "
-            f"{o.piece // 1024} KiB pieces{', next-layer prefetch' if o.prefetch else ''} | {memory}"
-            f"{'' if o.policy == 'lru' else ', ' + o.policy.upper() + ' eviction'} of "
+            f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
-            + (f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
-               if self.top_k != self.model_top_k else "")
+            + (
+                f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
+                if self.top_k != self.model_top_k
+                else ""
+            )
         )
 
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
-        s = self.cache.stats
-        gpu_hits = getattr(getattr(self.runtime, "cuda_stats", None), "gpu_hits", 0)
-        return Counters(self.reader.bytes_read, s.hits + gpu_hits, s.misses, s.read_wait_s, s.prefetches,
-                        s.prefetch_used)
+        c = self.streaming.counters()
+        return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used)
 
     # --- generation --------------------------------------------------------------------------
 
@@ -205,8 +241,9 @@ class Engine:
         if self.tokenizer is None:
             raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
         if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
 
@@ -217,17 +254,30 @@ class Engine:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-                 **sampling: Any) -> Generation:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        **sampling: Any,
+    ) -> Generation:
         """Generate a completion (greedy unless temperature > 0). Keyword args build SamplingParams."""
         result = None
         for result in self.stream(prompt, params, chat=chat, **sampling):
             pass
         return result
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, *, chat: bool = False,
-               cancelled: Callable[[], bool] | None = None, request_id: str | None = None,
-               **sampling: Any) -> Iterator[Generation]:
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token; the last one is final."""
         try:
             params = params or SamplingParams(**sampling)
@@ -251,10 +301,18 @@ class Engine:
     def _check_ids(self, ids: list[Any]) -> None:
         """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
         vocab = self.model.get_input_embeddings().num_embeddings
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
-                    or not 0 <= t < vocab), None)
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+            ),
+            None,
+        )
         if bad is not None:
-            raise MoestreamError(f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})")
+            raise MoestreamError(
+                f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})"
+            )
 
     def _check_context(self, prompt_n: int, max_tokens: int) -> None:
         """Positions past the trained context give text that looks like output but is not: refuse them."""
@@ -262,14 +320,19 @@ class Engine:
         if context is None:
             return
         if prompt_n >= context:
-            raise MoestreamError(f"the prompt has {prompt_n} tokens, more than the model's context of "
-                                 f"{context} tokens leaves room for (at most {context - 1})")
+            raise MoestreamError(
+                f"the prompt has {prompt_n} tokens, more than the model's context of {context} tokens "
+                f"leaves room for (at most {context - 1})"
+            )
         if prompt_n + max_tokens > context:
-            raise MoestreamError(f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds the "
-                                 f"model's context of {context} tokens (at most {context - prompt_n} here)")
+            raise MoestreamError(
+                f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds the model's context "
+                f"of {context} tokens (at most {context - prompt_n} here)"
+            )
 
-    def _run(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-             request_id: str) -> Iterator[Generation]:
+    def _run(
+        self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str
+    ) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
         try:
@@ -294,8 +357,13 @@ class Engine:
 
         return step
 
-    def _tokens(self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool],
-                step: Callable[[list[int], Any], tuple[torch.Tensor, Any]]) -> Iterator[Generation]:
+    def _tokens(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+    ) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
         tokens: list[int] = []
@@ -320,7 +388,9 @@ class Engine:
                 break
             yield gen
         gen.done = True
-        gen.stats.gpu_floor = "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        gen.stats.gpu_floor = (
+            "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
+        )
         yield gen
 
     def close(self) -> None:
@@ -332,15 +402,9 @@ class Engine:
                 if self.floor is not None:
                     self.floor.close()
             finally:
-                self._close_streaming()
+                self.streaming.close()
 
-    def _close_streaming(self) -> None:
-        close = getattr(self.runtime, "close", None)
-        if close is not None:
-            close()
-        self.reader.close()
-
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -351,7 +415,9 @@ def _override_top_k(config: Any, k: int) -> None:
     """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
     cfg = text_config(config)
     if k > num_experts(config):
-        raise MoestreamError(f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts")
+        raise MoestreamError(
+            f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
+        )
     cfg.num_experts_per_tok = k
 
 
@@ -364,20 +430,10 @@ def _apply_stop(gen: Generation, stops: list[str]) -> bool:
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(model.config, "eos_token_id", None)
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
+        model.config, "eos_token_id", None
+    )
     found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         found.add(tokenizer.eos_token_id)
     return found
-
-
-def _load_tokenizer(path: Path) -> Any:
-    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # a malformed tokenizer file raises whatever its parser raises
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise CheckpointError(f"the tokenizer files in {path} cannot be loaded ({reason})") from None

@@ -1,4 +1,5 @@
 """The token loop: prefill, then one forward per token through the model's own KV cache."""
+
 from __future__ import annotations
 
 import inspect
@@ -34,7 +35,9 @@ class ForwardStep:
         return out.logits[0, -1].float().cpu(), new_cache  # sampling runs on the host
 
 
-def token_stream(step: ForwardStep, prompt: list[int], sample, max_tokens: int) -> Iterator[tuple[int, torch.Tensor]]:
+def token_stream(
+    step: ForwardStep, prompt: list[int], sample, max_tokens: int
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Yields (token, logits it was sampled from) up to `max_tokens`; the caller decides when to stop."""
     logits, cache = step(prompt, None)
     for i in range(max_tokens):

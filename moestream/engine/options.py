@@ -1,15 +1,17 @@
 """Engine options, validated once at the edge; sizes accepted as "512MiB"-style strings."""
+
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from moestream.io.reader import IO_MODES
+from moestream.runtime.streaming import POLICY_CLASSES, StreamConfig
 from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
-POLICIES = ("lru", "lfu")  # eviction policies a live engine can run (the simulator has more)
+POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 
 
 @dataclass
@@ -44,7 +46,9 @@ class EngineOptions:
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(f"device {self.device!r} was asked for, but this torch build sees no CUDA device")
+                raise ValueError(
+                    f"device {self.device!r} was asked for, but this torch build sees no CUDA device"
+                )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
@@ -59,3 +63,7 @@ class EngineOptions:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def stream_config(self) -> StreamConfig:
+        """The fields that decide how experts are streamed."""
+        return StreamConfig(**{f.name: getattr(self, f.name) for f in fields(StreamConfig)})

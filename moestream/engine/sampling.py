@@ -1,4 +1,5 @@
 """Sampling parameters and the sampler: greedy at temperature 0, else temperature / top-k / top-p."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator accepts
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 

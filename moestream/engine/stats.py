@@ -1,4 +1,5 @@
 """Per-request statistics in physical units: tokens, seconds, bytes, hits, waits."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -35,10 +36,17 @@ class Counters:
     prefetches: int = 0
     prefetch_used: int = 0
 
-    def since(self, earlier: "Counters", tokens: int, seconds: float) -> PhaseStats:
-        return PhaseStats(tokens, seconds, self.bytes_read - earlier.bytes_read, self.hits - earlier.hits,
-                          self.misses - earlier.misses, self.read_wait_s - earlier.read_wait_s,
-                          self.prefetches - earlier.prefetches, self.prefetch_used - earlier.prefetch_used)
+    def since(self, earlier: Counters, tokens: int, seconds: float) -> PhaseStats:
+        return PhaseStats(
+            tokens,
+            seconds,
+            self.bytes_read - earlier.bytes_read,
+            self.hits - earlier.hits,
+            self.misses - earlier.misses,
+            self.read_wait_s - earlier.read_wait_s,
+            self.prefetches - earlier.prefetches,
+            self.prefetch_used - earlier.prefetch_used,
+        )
 
 
 @dataclass
@@ -95,6 +103,10 @@ class GenerationStats:
             f"({self.decode.bytes_read / MiB / decode_tokens:.1f} MiB/token decoding) | "
             f"hit rate {100 * self.hit_rate:.1f}% | "
             f"read wait {1000 * self.decode.read_wait_s / decode_tokens:.1f} ms/token | "
-            + (f"prefetched {self.decode.prefetches} ({self.decode.prefetch_used} used) | " if self.decode.prefetches else "")
+            + (
+                f"prefetched {self.decode.prefetches} ({self.decode.prefetch_used} used) | "
+                if self.decode.prefetches
+                else ""
+            )
             + f"gpu floor {self.gpu_floor}"
         )

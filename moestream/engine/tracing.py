@@ -3,6 +3,7 @@
 Optionally with the stale-gate prediction of the seed's mechanism 3: layer L+1's (and L+2's) router
 applied to layer L's router input, top-2k experts with their softmax scores.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,19 +13,34 @@ import torch
 
 from moestream.cache.slots import slot_bytes as slot_size
 from moestream.model.loader import router_modules
+from moestream.runtime.experts import LayerRouting
 from moestream.trace import TraceError, TraceHeader, TraceWriter
 
 
 class TraceRecorder:
-    """Receives every streamed layer's routing from the runtime and appends it to a trace file."""
+    """Receives every streamed layer's routing from the runtime and appends it to a trace file.
+
+    The stale-gate prediction for L+1 is the runtime's own (computed once per layer, shared with
+    prefetch); L+2's router is applied here.
+    """
 
     def __init__(self, engine: Any, path: str | Path, predict: bool = True, flush_rows: int = 4096) -> None:
         self.writer = TraceWriter(path, _header(engine), flush_rows=flush_rows)
         self.error: TraceError | None = None  # the write that failed; recording stopped there
         self.top_k = engine.top_k
+        self.predict = predict
         self.routers = router_modules(engine.model) if predict else {}
         self.request, self.phase, self.first_position, self.step = "", "prefill", 0, 0
+        self.attach(engine)
+
+    def attach(self, engine: Any) -> None:
+        """Observe `engine`'s (current) runtime."""
+        if self.predict:
+            engine.streaming.enable_lookahead(self.routers)
         engine.runtime.observers.append(self.observe)
+
+    def detach(self, runtime: Any) -> None:
+        runtime.observers.remove(self.observe)
 
     def forward(self, request: str, phase: str, first_position: int) -> None:
         """Called before each model forward: which request, phase and token positions it covers."""
@@ -32,27 +48,38 @@ class TraceRecorder:
         self.step += 1
 
     @torch.inference_mode()
-    def observe(self, layer: int, hidden: torch.Tensor, rows: list[list[int]], weights: torch.Tensor) -> None:
+    def observe(self, event: LayerRouting) -> None:
         if self.error is not None:
             return  # a failed trace (a full disk) must not stop the generation; close() reports it
         try:
-            self._append(layer, hidden, rows, weights)
+            self._append(event)
         except TraceError as exc:
             self.error = exc
 
-    def _append(self, layer: int, hidden: torch.Tensor, rows: list[list[int]], weights: torch.Tensor) -> None:
+    def _append(self, event: LayerRouting) -> None:
+        layer, rows = event.layer, event.rows
         tokens = range(self.first_position, self.first_position + len(rows))
         extra: dict[str, Any] = {}
-        for ahead, prefix in ((1, "pred"), (2, "pred2")):
-            router = self.routers.get(layer + ahead)
-            if router is not None:
-                experts, scores = self._predict(router, hidden)
-                extra[f"{prefix}_experts"], extra[f"{prefix}_scores"] = experts, scores
-        self.writer.append_forward(self.request, list(tokens), self.phase, layer, rows,
-                                   weights.float().tolist(), step=self.step, **extra)
+        if self.predict:
+            for out, prefix in ((event.ahead, "pred"), (self._apply(layer + 2, event.hidden), "pred2")):
+                if out is not None:
+                    extra[f"{prefix}_experts"], extra[f"{prefix}_scores"] = self._predict(out)
+        self.writer.append_forward(
+            self.request,
+            list(tokens),
+            self.phase,
+            layer,
+            rows,
+            event.weights.float().tolist(),
+            step=self.step,
+            **extra,
+        )
 
-    def _predict(self, router: torch.nn.Module, hidden: torch.Tensor) -> tuple[list, list]:
-        out = router(hidden)
+    def _apply(self, layer: int, hidden: torch.Tensor) -> Any:
+        router = self.routers.get(layer)
+        return None if router is None else router(hidden)
+
+    def _predict(self, out: Any) -> tuple[list, list]:
         logits = out if isinstance(out, torch.Tensor) else out[0]  # routers return (logits, weights, indices)
         scores = torch.softmax(logits.float(), dim=-1)
         top = torch.topk(scores, min(2 * self.top_k, scores.shape[-1]), dim=-1)
@@ -73,17 +100,22 @@ class TraceRecorder:
 
 def _header(engine: Any) -> TraceHeader:
     emap, config = engine.emap, engine.config
-    n_layers = int(getattr(config, "num_hidden_layers", None) or getattr(config.get_text_config(), "num_hidden_layers"))
+    n_layers = int(getattr(config, "num_hidden_layers", None) or config.get_text_config().num_hidden_layers)
     per_layer_unit, per_layer_slot = {}, {}
     for (layer, expert), parts in emap.units.items():
         per_layer_unit[layer] = max(per_layer_unit.get(layer, 0), emap.unit_bytes(layer, expert))
         per_layer_slot[layer] = max(per_layer_slot.get(layer, 0), slot_size(parts))
     first = min(per_layer_unit)
-    dtype = "mxfp4" if emap.quant == "mxfp4" else str(engine.dtype).removeprefix("torch.")
+    dtype = "+".join(emap.format_names()).lower()
     return TraceHeader(
-        model_id=str(engine.path), n_layers=n_layers, n_experts=emap.num_experts, top_k=engine.top_k, dtype=dtype,
+        model_id=str(engine.path),
+        n_layers=n_layers,
+        n_experts=emap.num_experts,
+        top_k=engine.top_k,
+        dtype=dtype,
         # dense layers get the first MoE layer's size: the lists are indexed by layer and never read there
         expert_bytes=[per_layer_unit.get(i, per_layer_unit[first]) for i in range(n_layers)],
         slot_bytes=[per_layer_slot.get(i, per_layer_slot[first]) for i in range(n_layers)],
-        synthetic=(Path(engine.path) / "moestream_synth.json").exists(), source="moestream recorder",
+        synthetic=engine.source.synthetic,
+        source="moestream recorder",
     )

@@ -1,4 +1,5 @@
 """Page-aligned anonymous memory, optionally locked so the kernel never swaps or reclaims it."""
+
 from __future__ import annotations
 
 import ctypes

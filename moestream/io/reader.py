@@ -11,6 +11,7 @@ the I/O thread with None or the first error that failed one of its pieces.
 Requests rather than pre-built pieces: building one Python object per 128 KiB piece cost the compute
 thread about 3 ms per layer of a Qwen3-30B-shaped model (72 pieces per expert) with the disk idle.
 """
+
 from __future__ import annotations
 
 import errno
@@ -154,7 +155,9 @@ class Reader:
 
     def _fall_back_to_pagecache(self, path: str) -> int:
         self.fallback_reason = f"the file system holding {path} refuses O_DIRECT"
-        warnings.warn(f"{self.fallback_reason}; reading it through the page cache instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{self.fallback_reason}; reading it through the page cache instead", RuntimeWarning, stacklevel=3
+        )
         self.io_mode = "pagecache"
         return os.open(path, os.O_RDONLY)
 
@@ -218,10 +221,12 @@ class Reader:
                 error = exc
             except OSError as exc:
                 error = ExpertReadError(
-                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc.strerror}")
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc.strerror}"
+                )
             except Exception as exc:  # never let a bug kill the thread: the layer would wait forever
                 error = ExpertReadError(
-                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}")
+                    f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}"
+                )
             if error is not None:
                 error = self._explain(request.file, error)
             with self._cond:
@@ -254,20 +259,23 @@ class Reader:
             got = 0
             while got < length:
                 want = length - got
-                n = os.preadv(handle.fd, [request.dest[start + got:start + length]], offset + got)
+                n = os.preadv(handle.fd, [request.dest[start + got : start + length]], offset + got)
                 got += n
                 # a short O_DIRECT read means end of file; retrying would use an unaligned offset
                 if n == 0 or (handle.direct and n < want):
                     break
-        if got < min(length, request.needed - start):
+        wanted = min(length, request.needed - start)
+        if got < wanted:
             raise ExpertReadError(
-                f"short read from {handle.path} at offset {offset}: got {got} of {min(length, request.needed - start)} "
-                "bytes (the file is truncated or changed since it was opened)"
+                f"short read from {handle.path} at offset {offset}: got {got} of {wanted} bytes "
+                "(the file is truncated or changed since it was opened)"
             )
         return got
 
 
 def _changed_message(path: str, change: str) -> str:
-    return (f"checkpoint file {path} changed since it was opened ({change}); the weights in memory no "
-            "longer match it, so moestream stops rather than compute with a mix: restart once the checkpoint "
-            "is complete")
+    return (
+        f"checkpoint file {path} changed since it was opened ({change}); the weights in memory no "
+        "longer match it, so moestream stops rather than compute with a mix: restart once the checkpoint "
+        "is complete"
+    )

@@ -3,6 +3,7 @@
 Adding an architecture whose experts follow the transformers 5.x contract
 `experts(hidden [T,H], top_k_index [T,K], top_k_weights [T,K]) -> [T,H]` is one entry here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,19 +19,22 @@ class Arch:
     family: str  # "swiglu" or "gpt_oss" (see moestream.store.experts)
 
 
-ARCHES: dict[str, Arch] = {a.model_type: a for a in (
-    Arch("qwen3_moe", "Qwen3MoeExperts", "swiglu"),
-    Arch("qwen2_moe", "Qwen2MoeExperts", "swiglu"),
-    Arch("mixtral", "MixtralExperts", "swiglu"),
-    Arch("olmoe", "OlmoeExperts", "swiglu"),
-    Arch("deepseek_v2", "DeepseekV2Experts", "swiglu"),
-    Arch("deepseek_v3", "DeepseekV3Experts", "swiglu"),
-    Arch("glm4_moe", "Glm4MoeExperts", "swiglu"),
-    Arch("qwen3_next", "Qwen3NextExperts", "swiglu"),
-    Arch("qwen3_5_moe", "Qwen3_5MoeExperts", "swiglu"),
-    Arch("qwen3_5_moe_text", "Qwen3_5MoeExperts", "swiglu"),
-    Arch("gpt_oss", "GptOssExperts", "gpt_oss"),
-)}
+ARCHES: dict[str, Arch] = {
+    a.model_type: a
+    for a in (
+        Arch("qwen3_moe", "Qwen3MoeExperts", "swiglu"),
+        Arch("qwen2_moe", "Qwen2MoeExperts", "swiglu"),
+        Arch("mixtral", "MixtralExperts", "swiglu"),
+        Arch("olmoe", "OlmoeExperts", "swiglu"),
+        Arch("deepseek_v2", "DeepseekV2Experts", "swiglu"),
+        Arch("deepseek_v3", "DeepseekV3Experts", "swiglu"),
+        Arch("glm4_moe", "Glm4MoeExperts", "swiglu"),
+        Arch("qwen3_next", "Qwen3NextExperts", "swiglu"),
+        Arch("qwen3_5_moe", "Qwen3_5MoeExperts", "swiglu"),
+        Arch("qwen3_5_moe_text", "Qwen3_5MoeExperts", "swiglu"),
+        Arch("gpt_oss", "GptOssExperts", "gpt_oss"),
+    )
+}
 
 
 def text_config(config: Any) -> Any:
@@ -72,6 +76,8 @@ def top_k(config: Any) -> int:
     """
     k = int(text_config(config).num_experts_per_tok)
     if not 1 <= k <= num_experts(config):
-        raise CheckpointError(f"config.json sets num_experts_per_tok to {k}, outside "
-                              f"1..{num_experts(config)} (the routed expert count)")
+        raise CheckpointError(
+            f"config.json sets num_experts_per_tok to {k}, outside "
+            f"1..{num_experts(config)} (the routed expert count)"
+        )
     return k

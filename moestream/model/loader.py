@@ -1,27 +1,29 @@
 """Build the transformers model with every routed-experts module replaced by `StreamingExperts`.
 
-transformers' own `from_pretrained` builds the model (attention, norms, routers, shared experts, rotary
-buffers, tied weights, checkpoint renames); only the experts class is swapped for the duration of the
-call, through `transformers.monkey_patching.register_patch_mapping`. Since `StreamingExperts` has no
-parameters, transformers finds no target for the expert tensors and never reads them.
+transformers' own `from_pretrained` builds the model on the meta device (attention, norms, routers,
+shared experts, rotary buffers, tied weights, checkpoint renames) and then assigns the trunk tensors a
+`CheckpointSource` provides (read lazily, into memory the process owns); only the experts class is
+swapped for the duration of the call, through `transformers.monkey_patching.register_patch_mapping`.
+`StreamingExperts` has no parameters, so no expert tensor is asked for.
 """
+
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.monkey_patching import register_patch_mapping, unregister_patch_mapping
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.model.arch import Arch
 from moestream.model.streaming import StreamingExperts
+from moestream.store.experts import ExpertMap
+from moestream.store.source import CheckpointSource
 
 _PATCH_LOCK = threading.Lock()  # the patch mapping is process-global
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -29,29 +31,9 @@ _ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|
 _EXPERT_KEY = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
 
 
-def load_config(path: Path) -> Any:
-    """The checkpoint's transformers config, with a clear error when there is none or it is malformed."""
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{path} has no config.json, so it is not a HF checkpoint directory")
-    try:
-        json.loads(config_file.read_bytes())
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {config_file}: {exc.strerror}") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{config_file} is not valid JSON ({exc})") from None
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except ValueError as exc:
-        raise UnsupportedModelError(f"transformers cannot read the config in {path} ({exc})") from None
-    except Exception as exc:  # a field of the wrong type (huggingface_hub's strict dataclass validation)
-        reason = " ".join(str(exc).split())
-        raise CheckpointError(f"transformers cannot read the config in {path} ({reason})") from None
-
-
 @contextlib.contextmanager
 def _quiet_transformers():
-    """The replaced experts' checkpoint keys are reported as unexpected; we check them ourselves."""
+    """transformers' loading bars and notices about keys it did not use; we check the keys ourselves."""
     from transformers.utils import logging as hf_logging
 
     logger = logging.getLogger("transformers")
@@ -66,36 +48,58 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def build_model(path: Path, config: Any, arch: Arch, dtype: str | torch.dtype) -> torch.nn.Module:
-    """from_pretrained with the experts class patched; checks that nothing but experts went unloaded."""
-    if getattr(config, "quantization_config", None) is not None:
-        method = dict(config.quantization_config).get("quant_method") if isinstance(config.quantization_config, dict) \
-            else getattr(config.quantization_config, "quant_method", None)
-        if method != "mxfp4":
-            raise UnsupportedModelError(f"quantization {method!r} in {path} is not supported (only MXFP4 experts)")
-        del config.quantization_config  # only the experts are MXFP4; moestream dequantizes them after each read
+def build_model(
+    source: CheckpointSource, config: Any, arch: Arch, dtype: str | torch.dtype, emap: ExpertMap
+) -> torch.nn.Module:
+    """The model built on the meta device with the experts class patched, then given the source's trunk.
+
+    Raises:
+        CheckpointError: a non-expert tensor the model needs is not in the checkpoint, or has a shape
+            the config does not imply.
+    """
+    model_class = _causal_lm_class(config)
+    trunk = source.trunk_state_dict(emap)
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            # mismatched sizes are reported by us, naming the tensor, instead of transformers' RuntimeError
-            model, info = AutoModelForCausalLM.from_pretrained(
-                str(path), config=config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True
+            # sizes that disagree with the config are reported below, naming the tensor, instead of
+            # transformers' RuntimeError pointing at a report it logged
+            model, info = model_class.from_pretrained(
+                None,
+                config=config,
+                state_dict=trunk,
+                dtype=dtype,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
             )
-        except OSError as exc:  # e.g. shards without model.safetensors or an index naming them
-            reason = " ".join(str(exc).split())
-            raise CheckpointError(f"transformers cannot load the weights in {path} ({reason})") from None
         finally:
             unregister_patch_mapping([arch.experts_class])
     mismatched = sorted(info.get("mismatched_keys", []))
     if mismatched:
         name, stored, expected = mismatched[0]
-        raise CheckpointError(f"tensor {name} in {path} has shape {list(stored)}, but config.json implies "
-                              f"{list(expected)} ({len(mismatched)} tensors disagree with the config)")
+        raise CheckpointError(
+            f"tensor {name} in {source.path} has shape {list(stored)}, but config.json implies "
+            f"{list(expected)} ({len(mismatched)} tensors disagree with the config)"
+        )
     missing = [k for k in info.get("missing_keys", []) if not _EXPERT_KEY.search(k)]
     if missing:
-        raise CheckpointError(f"{path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}")
+        raise CheckpointError(
+            f"{source.path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}"
+        )
+    generation = source.generation_config()
+    if generation is not None:
+        model.generation_config = generation
     model.eval()
     return model
+
+
+def _causal_lm_class(config: Any) -> type:
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"transformers has no causal LM class for model_type {config.model_type!r}"
+        ) from None
 
 
 def streaming_modules(model: torch.nn.Module) -> list[tuple[int, StreamingExperts]]:

@@ -1,4 +1,5 @@
 """`StreamingExperts`: the parameter-less module that stands in for a transformers experts module."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,13 @@ class StreamingExperts(nn.Module):
     def bind(self, layer_idx: int, runtime: Any) -> None:
         self.layer_idx, self.runtime = layer_idx, runtime
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
-                top_k_weights: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         # gpt-oss names the same two arguments router_indices / routing_weights
         index = top_k_index if top_k_index is not None else kwargs["router_indices"]
         weights = top_k_weights if top_k_weights is not None else kwargs["routing_weights"]

@@ -4,6 +4,7 @@
 - `moestream gpu-floor`: the same floor for llama.cpp, driven by bpftrace uprobes (`daemon.py`).
 - `TelemetrySampler`: GPU clock, GPU load, board power and CPU clock every 20 ms (`telemetry.py`).
 """
+
 from __future__ import annotations
 
 from moestream.power.floor import EngineFloor, make_engine_floor

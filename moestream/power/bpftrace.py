@@ -7,6 +7,7 @@ line per event:
     moestream-floor enter <pid> <tid> <symbol>
     moestream-floor exit <pid> <tid> <symbol>
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,12 +56,16 @@ def build_program(libraries: list[LibraryRef]) -> str:
     lines: list[str] = []
     for lib in libraries:
         if not PATH_RE.fullmatch(lib.path):
-            raise GpuFloorError(f"refusing to probe {lib.path!r}: the path holds characters not allowed in a probe.")
+            raise GpuFloorError(
+                f"refusing to probe {lib.path!r}: the path holds characters not allowed in a probe."
+            )
         for symbol in lib.symbols:
             if not SYMBOL_RE.fullmatch(symbol):
                 raise GpuFloorError(f"refusing to probe symbol {symbol!r}: not a C identifier.")
             for probe, kind in (("uprobe", "enter"), ("uretprobe", "exit")):
-                lines.append(f'{probe}:{lib.path}:{symbol} {{ printf("{TAG} {kind} %d %d {symbol}\\n", pid, tid); }}')
+                lines.append(
+                    f'{probe}:{lib.path}:{symbol} {{ printf("{TAG} {kind} %d %d {symbol}\\n", pid, tid); }}'
+                )
     if not lines:
         raise GpuFloorError("no library symbols to probe.")
     return "\n".join(lines) + "\n"
@@ -93,8 +98,14 @@ class BpftraceSource:
         self._lines: queue.Queue[str] = queue.Queue()
         try:
             # argv list, no shell: the program text reaches bpftrace as one argument, verbatim.
-            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, bufsize=1)
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
         except OSError as exc:
             raise GpuFloorError(f"cannot start {argv[0]}: {exc.strerror or exc}.") from None
         self._reader = threading.Thread(target=self._read, name="moestream-bpftrace", daemon=True)

@@ -1,4 +1,5 @@
 """`moestream gpu-floor --check`: what the daemon would find, without root and without changing anything."""
+
 from __future__ import annotations
 
 import glob
@@ -16,16 +17,20 @@ def _node_lines(node: DevfreqNode, settings: DaemonSettings, root: str) -> tuple
     lines = [f"devfreq node: {node.path}" + ("" if jetson else " (not recognised as a Jetson GPU)")]
     lines.append("  available: " + " ".join(str(mhz(hz)) for hz in node.available_hz()) + " MHz")
     try:
-        lines.append(f"  min_freq {mhz(node.min_hz())} MHz, max_freq {mhz(node.max_hz())} MHz, "
-                     f"cur_freq {mhz(node.cur_hz())} MHz, governor {node.governor() or '?'}")
+        lines.append(
+            f"  min_freq {mhz(node.min_hz())} MHz, max_freq {mhz(node.max_hz())} MHz, "
+            f"cur_freq {mhz(node.cur_hz())} MHz, governor {node.governor() or '?'}"
+        )
     except OSError as exc:
         lines.append(f"  cannot read frequencies: {exc}")
         return lines, False
     ok = jetson
     try:
         plan = plan_for(node, settings.floor_mhz, settings.hold_s)
-        lines.append(f"  floor: {mhz(plan.target_hz)} MHz while busy, {mhz(plan.idle_hz)} MHz after "
-                     f"{plan.hold_s:g} s idle")
+        lines.append(
+            f"  floor: {mhz(plan.target_hz)} MHz while busy, {mhz(plan.idle_hz)} MHz after "
+            f"{plan.hold_s:g} s idle"
+        )
     except ValueError as exc:
         lines.append(f"  floor: impossible: {exc}")
         ok = False

@@ -9,6 +9,7 @@ a fake clock and lets the engine (begin/end calls) and the daemon (uprobe events
 If `min_freq` ever reads differently from what this floor last wrote, another tool (jetson_clocks,
 nvpmodel, a user) owns it now: the floor warns and stops writing until that value is given back.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,9 +31,13 @@ class FloorPlan:
 
     def __post_init__(self) -> None:
         if self.target_hz <= 0 or self.idle_hz <= 0:
-            raise ValueError(f"floor frequencies must be positive, got {self.target_hz} and {self.idle_hz} Hz")
+            raise ValueError(
+                f"floor frequencies must be positive, got {self.target_hz} and {self.idle_hz} Hz"
+            )
         if self.idle_hz > self.target_hz:
-            raise ValueError(f"idle frequency {mhz(self.idle_hz)} MHz is above the floor {mhz(self.target_hz)} MHz")
+            raise ValueError(
+                f"idle frequency {mhz(self.idle_hz)} MHz is above the floor {mhz(self.target_hz)} MHz"
+            )
         if not 0.0 <= self.hold_s <= 3600.0:
             raise ValueError(f"hold time must be between 0 and 3600 s, got {self.hold_s}")
 
@@ -57,8 +62,9 @@ def plan_for(node: DevfreqNode, floor_mhz: float | None, hold_s: float = 1.0) ->
     wanted = int(round(floor_mhz * 1_000_000))
     above = [hz for hz in available if hz >= wanted]
     if not above:
-        raise ValueError(f"{floor_mhz:g} MHz is above the highest frequency of {node.name} "
-                         f"({mhz(available[-1])} MHz)")
+        raise ValueError(
+            f"{floor_mhz:g} MHz is above the highest frequency of {node.name} ({mhz(available[-1])} MHz)"
+        )
     return FloorPlan(above[0], available[0], hold_s)
 
 
@@ -108,12 +114,17 @@ class ClockFloor:
     def close(self) -> None:
         """Put back the `min_freq` found at start, unless another writer has taken over."""
         try:
-            if not (self.yielded or self.disabled) and self._owned():
-                if self.node.min_hz() != self.original_hz:
-                    self.node.write_min_hz(self.original_hz)
-                    log.info("floor %d MHz (restored)", mhz(self.original_hz))
+            if (
+                not (self.yielded or self.disabled)
+                and self._owned()
+                and self.node.min_hz() != self.original_hz
+            ):
+                self.node.write_min_hz(self.original_hz)
+                log.info("floor %d MHz (restored)", mhz(self.original_hz))
         except OSError as exc:
-            log.warning("could not restore %s min_freq to %d MHz: %s", self.node.name, mhz(self.original_hz), exc)
+            log.warning(
+                "could not restore %s min_freq to %d MHz: %s", self.node.name, mhz(self.original_hz), exc
+            )
             return  # keep the state file: the next start retries the restore
         self.raised = False
         if self.state is not None:
@@ -124,8 +135,13 @@ class ClockFloor:
         if current == self._expected:
             return True
         self.yielded = True
-        log.warning("%s min_freq changed to %d MHz by another writer (jetson_clocks?); moestream leaves it "
-                    "alone until it is back at %d MHz", self.node.name, mhz(current), mhz(self.plan.idle_hz))
+        log.warning(
+            "%s min_freq changed to %d MHz by another writer (jetson_clocks?); moestream leaves it "
+            "alone until it is back at %d MHz",
+            self.node.name,
+            mhz(current),
+            mhz(self.plan.idle_hz),
+        )
         return False
 
     def _maybe_resume(self) -> None:

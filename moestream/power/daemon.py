@@ -4,6 +4,7 @@ The daemon watches uprobe events from bpftrace, counts calls in flight per proce
 whose command line holds one of the MoE-on-CPU flags), and drives a `ClockFloor` with them. Every
 `recheck_s` seconds it re-resolves the libraries and re-attaches when one was rebuilt or bpftrace died.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,10 @@ PRUNE_S = 1.0  # how often processes that died mid-call are dropped from the in-
 
 def bpftrace_factory(settings: DaemonSettings) -> SourceFactory:
     """A factory that starts real bpftrace on the given libraries."""
+
     def start(libraries: list[LibraryRef]) -> EventSource:
         return BpftraceSource(bpftrace_argv(settings.bpftrace, build_program(libraries)))
+
     return start
 
 
@@ -40,8 +43,15 @@ class FloorDaemon:
     """Event handling and library watching; `run()` is the loop, the other methods take `now` so
     tests can drive them with a fake clock and fake lines."""
 
-    def __init__(self, settings: DaemonSettings, floor: ClockFloor, *, root: str | os.PathLike[str] = "/",
-                 source_factory: SourceFactory | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: DaemonSettings,
+        floor: ClockFloor,
+        *,
+        root: str | os.PathLike[str] = "/",
+        source_factory: SourceFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.floor = floor
         self.root = root
@@ -151,8 +161,11 @@ class FloorDaemon:
             self.floor.close()
 
 
-def make_daemon_floor(settings: DaemonSettings, root: str | os.PathLike[str] = "/",
-                      state_dir: str | os.PathLike[str] | None = None) -> ClockFloor:
+def make_daemon_floor(
+    settings: DaemonSettings,
+    root: str | os.PathLike[str] = "/",
+    state_dir: str | os.PathLike[str] | None = None,
+) -> ClockFloor:
     """The floor the daemon drives, after undoing what a crashed earlier run left behind.
 
     Raises:
@@ -169,15 +182,23 @@ def make_daemon_floor(settings: DaemonSettings, root: str | os.PathLike[str] = "
         raise GpuFloorError(f"gpu floor: {exc}.") from None
     directory = Path(state_dir) if state_dir is not None else default_state_dir(root)
     for pid in recover(directory, node):
-        log.warning("another gpu floor (pid %d) also drives %s; they may overwrite each other", pid, node.name)
+        log.warning(
+            "another gpu floor (pid %d) also drives %s; they may overwrite each other", pid, node.name
+        )
     return ClockFloor(node, plan, StateFile(directory))
 
 
 def serve(settings: DaemonSettings, floor: ClockFloor, root: str | os.PathLike[str] = "/") -> int:
     """Run the daemon in the foreground until SIGTERM or SIGINT; returns the exit code."""
     plan = floor.plan
-    log.info("gpu floor on %s: %d MHz while busy, %d MHz after %g s idle (min_freq was %d MHz)",
-             floor.node.name, mhz(plan.target_hz), mhz(plan.idle_hz), plan.hold_s, mhz(floor.original_hz))
+    log.info(
+        "gpu floor on %s: %d MHz while busy, %d MHz after %g s idle (min_freq was %d MHz)",
+        floor.node.name,
+        mhz(plan.target_hz),
+        mhz(plan.idle_hz),
+        plan.hold_s,
+        mhz(floor.original_hz),
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -5,6 +5,7 @@ Jetson kernels expose the integrated GPU as `/sys/class/devfreq/<unit>.<chip>`, 
 `17000000.gp10b` (TX2) or `57000000.gpu` (Nano, TX1). All frequencies in these files are in Hz.
 Every path is taken relative to a `root` so that tests can point this module at a fake tree.
 """
+
 from __future__ import annotations
 
 import os

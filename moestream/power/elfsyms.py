@@ -3,6 +3,7 @@
 Used to probe only the llama.cpp functions a given libllama.so really exports (bpftrace refuses the
 whole program when one uprobe target is missing, and older builds lack `llama_process`).
 """
+
 from __future__ import annotations
 
 import struct
@@ -31,11 +32,11 @@ def _sections(fh, order: str, is64: bool) -> list[tuple[int, int, int, int, int]
     fh.seek(0)
     header = fh.read(64)
     if is64:
-        shoff, = struct.unpack_from(order + "Q", header, 0x28)
+        (shoff,) = struct.unpack_from(order + "Q", header, 0x28)
         shentsize, shnum = struct.unpack_from(order + "HH", header, 0x3A)
         fmt = order + "IIQQQQIIQQ"
     else:
-        shoff, = struct.unpack_from(order + "I", header, 0x20)
+        (shoff,) = struct.unpack_from(order + "I", header, 0x20)
         shentsize, shnum = struct.unpack_from(order + "HH", header, 0x2E)
         fmt = order + "IIIIIIIIII"
     if shnum == 0 or shnum > 65535 or shentsize < struct.calcsize(fmt):
@@ -76,13 +77,16 @@ def exported_functions(path: str | Path) -> set[str]:
             step = entsize or struct.calcsize(sym_fmt)
             for pos in range(step, len(symtab) - step + 1, step):  # entry 0 is the null symbol
                 fields = struct.unpack_from(sym_fmt, symtab, pos)
-                name_off, info, other, shndx = (fields[0], fields[1], fields[2], fields[3]) if is64 \
+                name_off, info, other, shndx = (
+                    (fields[0], fields[1], fields[2], fields[3])
+                    if is64
                     else (fields[0], fields[3], fields[4], fields[5])
+                )
                 bind, typ = info >> 4, info & 0xF
                 if shndx == 0 or bind not in (_STB_GLOBAL, _STB_WEAK):
                     continue
                 if typ not in (_STT_FUNC, _STT_GNU_IFUNC) or other & 3 in (_STV_HIDDEN, _STV_INTERNAL):
                     continue
                 end = strtab.find(b"\0", name_off)
-                names.add(strtab[name_off:end if end >= 0 else None].decode("utf-8", "replace"))
+                names.add(strtab[name_off : end if end >= 0 else None].decode("utf-8", "replace"))
         return names

@@ -1,4 +1,5 @@
 """User-facing errors of the GPU clock floor and its daemon."""
+
 from __future__ import annotations
 
 from moestream.errors import MoestreamError

@@ -5,6 +5,7 @@ short bursts and the load governor keeps it at its lowest clock, although it sit
 of every token. The engine brackets each forward pass with `begin()` / `end()`; the floor raises
 `min_freq` at the first `begin()` and lowers it `hold_s` after the last `end()`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -29,7 +30,7 @@ Clock = Callable[[], float]
 
 
 def parse_floor_spec(spec: str) -> str | float:
-    """"auto" / "off" as given, or the floor in MHz as a float. Raises GpuFloorError otherwise."""
+    """ "auto" / "off" as given, or the floor in MHz as a float. Raises GpuFloorError otherwise."""
     text = str(spec).strip().lower()
     if text in ("auto", "off"):
         return text
@@ -50,8 +51,9 @@ class EngineFloor:
     then the caller drives `tick()`, as tests with a fake clock do).
     """
 
-    def __init__(self, floor: ClockFloor, spec: str, *, clock: Clock = time.monotonic,
-                 background: bool = True) -> None:
+    def __init__(
+        self, floor: ClockFloor, spec: str, *, clock: Clock = time.monotonic, background: bool = True
+    ) -> None:
         self._floor = floor
         self._spec = spec
         self._clock = clock
@@ -75,8 +77,10 @@ class EngineFloor:
     def describe(self) -> str:
         """One line for the run's mode line."""
         plan = self._floor.plan
-        return (f"gpu floor {self._spec}: {self._floor.node.name} min_freq {mhz(plan.target_hz)} MHz while "
-                f"computing, {mhz(plan.idle_hz)} MHz after {plan.hold_s:g} s idle")
+        return (
+            f"gpu floor {self._spec}: {self._floor.node.name} min_freq {mhz(plan.target_hz)} MHz while "
+            f"computing, {mhz(plan.idle_hz)} MHz after {plan.hold_s:g} s idle"
+        )
 
     def begin(self) -> None:
         """Inference activity starts (a forward pass, a decode step)."""
@@ -163,10 +167,17 @@ def install_restore_handlers(floor: EngineFloor) -> None:
         signal.signal(signum, handler)
 
 
-def make_engine_floor(spec: str, *, sysfs_root: str = "/", experts_off_gpu: bool = True,
-                      hold_s: float = 1.0, state_dir: str | os.PathLike[str] | None = None,
-                      clock: Clock = time.monotonic, background: bool = True,
-                      handle_signals: bool = True) -> EngineFloor | None:
+def make_engine_floor(
+    spec: str,
+    *,
+    sysfs_root: str = "/",
+    experts_off_gpu: bool = True,
+    hold_s: float = 1.0,
+    state_dir: str | os.PathLike[str] | None = None,
+    clock: Clock = time.monotonic,
+    background: bool = True,
+    handle_signals: bool = True,
+) -> EngineFloor | None:
     """Build the engine's floor from `--gpu-floor` (auto, off, or MHz), or None when none applies.
 
     auto: only on a Jetson whose GPU devfreq `min_freq` this process may write, and only when the
@@ -179,8 +190,10 @@ def make_engine_floor(spec: str, *, sysfs_root: str = "/", experts_off_gpu: bool
     if node is None:
         if mode == "auto":
             return None
-        raise GpuFloorError(f"--gpu-floor {spec} needs a Jetson GPU devfreq node, and none was found "
-                            f"under {Path(sysfs_root) / 'sys/class/devfreq'}.")
+        raise GpuFloorError(
+            f"--gpu-floor {spec} needs a Jetson GPU devfreq node, and none was found "
+            f"under {Path(sysfs_root) / 'sys/class/devfreq'}."
+        )
     if not node.min_writable():
         if mode == "auto":
             log.warning("gpu floor not applied: %s/min_freq is not writable (run as root)", node.path)
@@ -192,9 +205,15 @@ def make_engine_floor(spec: str, *, sysfs_root: str = "/", experts_off_gpu: bool
         raise GpuFloorError(f"--gpu-floor {spec}: {exc}.") from None
     directory = Path(state_dir) if state_dir is not None else default_state_dir(sysfs_root)
     for pid in recover(directory, node):
-        log.warning("another gpu floor (pid %d) also drives %s; they may overwrite each other", pid, node.name)
-    floor = EngineFloor(ClockFloor(node, plan, StateFile(directory)), str(spec).strip().lower(),
-                        clock=clock, background=background)
+        log.warning(
+            "another gpu floor (pid %d) also drives %s; they may overwrite each other", pid, node.name
+        )
+    floor = EngineFloor(
+        ClockFloor(node, plan, StateFile(directory)),
+        str(spec).strip().lower(),
+        clock=clock,
+        background=background,
+    )
     if handle_signals:
         install_restore_handlers(floor)
     return floor

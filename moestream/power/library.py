@@ -4,6 +4,7 @@ A uprobe is bound to the inode it was placed on: after llama.cpp is rebuilt, the
 file and the old probes never fire again. The daemon therefore re-resolves the configured paths every
 few seconds and compares each file's identity (device, inode, size, mtime).
 """
+
 from __future__ import annotations
 
 import glob

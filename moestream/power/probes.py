@@ -5,6 +5,7 @@ board input (mV x mA). Desktop NVIDIA GPUs: NVML through nvidia-ml-py, imported 
 Everywhere: cpufreq `scaling_cur_freq` (kHz), else "cpu MHz" in /proc/cpuinfo.
 A reader is a zero-argument callable returning a float, or None when the value is not available now.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,7 +50,7 @@ def _board_power(root: str | os.PathLike[str]) -> tuple[Reader, str] | None:
         labels = {}
         for label_file in hwmon.glob("in*_label"):
             try:
-                labels[label_file.read_text().strip()] = label_file.name[2:-len("_label")]
+                labels[label_file.read_text().strip()] = label_file.name[2 : -len("_label")]
             except OSError:
                 continue
         for rail in BOARD_RAILS:
@@ -60,6 +61,7 @@ def _board_power(root: str | os.PathLike[str]) -> tuple[Reader, str] | None:
                 def read(volt: Path = volt, curr: Path = curr) -> float | None:
                     mv, ma = _int_file(volt), _int_file(curr)
                     return None if mv is None or ma is None else mv * ma / 1e6
+
                 return read, f"ina3221 {rail}"
     return None
 
@@ -67,9 +69,11 @@ def _board_power(root: str | os.PathLike[str]) -> tuple[Reader, str] | None:
 def _cpu_clock(root: str | os.PathLike[str]) -> tuple[Reader, str] | None:
     files = sorted(sys_path(root, "/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/scaling_cur_freq"))
     if files:
+
         def read_cpufreq() -> float | None:
             values = [v for v in map(_int_file, files) if v is not None]
             return sum(values) / len(values) / 1000.0 if values else None
+
         return read_cpufreq, "cpufreq"
     cpuinfo = sys_path(root, "/proc/cpuinfo")
 
@@ -80,6 +84,7 @@ def _cpu_clock(root: str | os.PathLike[str]) -> tuple[Reader, str] | None:
             return None
         values = [float(l.split(":", 1)[1]) for l in lines if l.lower().startswith("cpu mhz") and ":" in l]
         return sum(values) / len(values) if values else None
+
     return (read_cpuinfo, "/proc/cpuinfo") if read_cpuinfo() is not None else None
 
 
@@ -108,6 +113,7 @@ def _nvml() -> tuple[dict[str, Reader], Callable[[], None]] | None:
                 return call()
             except Exception:
                 return None
+
         readers[name] = read
     return readers, nvml.nvmlShutdown
 

@@ -4,6 +4,7 @@ The daemon runs as root and turns these settings into a bpftrace program, so eve
 against a whitelist of what a path, a symbol name, a command-line flag or a number can contain. Anything
 else (quotes, semicolons, braces, whitespace, newlines, colons) is refused before it gets near bpftrace.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,7 +70,9 @@ class DaemonSettings:
         if not 0 <= self.hold_s <= 3600:
             raise ValueError(f"hold time must be between 0 and 3600 s, got {self.hold_s}")
         if not 0.1 <= self.recheck_s <= 3600:
-            raise ValueError(f"library re-check interval must be between 0.1 and 3600 s, got {self.recheck_s}")
+            raise ValueError(
+                f"library re-check interval must be between 0.1 and 3600 s, got {self.recheck_s}"
+            )
         _check_all("LIBRARIES", self.libraries, PATTERN_RE, "absolute library path")
         _check_all("MOE_FLAGS", self.moe_flags, FLAG_RE, "command-line flag")
         _check_all("SYMBOLS", self.symbols, SYMBOL_RE, "symbol name")
@@ -134,18 +137,21 @@ def build_settings(file_values: dict[str, str], overrides: dict[str, object] | N
 def render_defaults_file(settings: DaemonSettings) -> str:
     """The text `moestream gpu-floor install` writes to /etc/default/moestream-gpu-floor."""
     floor = "max" if settings.floor_mhz is None else f"{settings.floor_mhz:g}"
-    return "\n".join([
-        "# moestream gpu-floor settings (KEY=VALUE; read by the daemon itself, never by a shell).",
-        "# GPU_FLOOR_MHZ: floor while llama.cpp computes MoE experts on the CPU; max = highest available.",
-        f"GPU_FLOOR_MHZ={floor}",
-        "# HOLD_SECONDS: keep the floor this long after the last call returned.",
-        f"HOLD_SECONDS={settings.hold_s:g}",
-        "# LIBRARIES: libllama.so paths to probe, space separated; * and ? match as in a shell glob.",
-        f"LIBRARIES=\"{' '.join(settings.libraries)}\"",
-        "# MOE_FLAGS: only processes whose command line holds one of these are counted.",
-        f"MOE_FLAGS=\"{' '.join(settings.moe_flags)}\"",
-        "# SYMBOLS: exported functions whose calls count as inference activity.",
-        f"SYMBOLS=\"{' '.join(settings.symbols)}\"",
-        f"BPFTRACE={settings.bpftrace}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# moestream gpu-floor settings (KEY=VALUE; read by the daemon itself, never by a shell).",
+            "# GPU_FLOOR_MHZ: floor while llama.cpp computes MoE experts on the CPU; max = highest "
+            "available.",
+            f"GPU_FLOOR_MHZ={floor}",
+            "# HOLD_SECONDS: keep the floor this long after the last call returned.",
+            f"HOLD_SECONDS={settings.hold_s:g}",
+            "# LIBRARIES: libllama.so paths to probe, space separated; * and ? match as in a shell glob.",
+            f'LIBRARIES="{" ".join(settings.libraries)}"',
+            "# MOE_FLAGS: only processes whose command line holds one of these are counted.",
+            f'MOE_FLAGS="{" ".join(settings.moe_flags)}"',
+            "# SYMBOLS: exported functions whose calls count as inference activity.",
+            f'SYMBOLS="{" ".join(settings.symbols)}"',
+            f"BPFTRACE={settings.bpftrace}",
+            "",
+        ]
+    )

@@ -4,6 +4,7 @@ A run that dies with the floor raised (SIGKILL, power cut of the process, a bug)
 The next floor to start finds it, sees the owner is gone and puts the original value back, unless
 someone else has changed `min_freq` since: then the file is stale and only removed.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,7 +81,9 @@ class StateFile:
 def _load(path: Path) -> FloorState | None:
     try:
         data = json.loads(path.read_text())
-        return FloorState(str(data["node"]), int(data["original_hz"]), int(data["written_hz"]), int(data["pid"]))
+        return FloorState(
+            str(data["node"]), int(data["original_hz"]), int(data["written_hz"]), int(data["pid"])
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -111,7 +114,9 @@ def _restore_stale(state: FloorState, node: DevfreqNode) -> None:
         return
     if current != state.written_hz:
         # Someone changed min_freq after that run died; their value wins.
-        log.info("gpu floor state of pid %d is stale (min_freq now %d MHz); left as is", state.pid, mhz(current))
+        log.info(
+            "gpu floor state of pid %d is stale (min_freq now %d MHz); left as is", state.pid, mhz(current)
+        )
         return
     if current == state.original_hz:
         return
@@ -120,5 +125,10 @@ def _restore_stale(state: FloorState, node: DevfreqNode) -> None:
     except OSError as exc:
         log.warning("could not restore min_freq of %s left by pid %d: %s", node.name, state.pid, exc)
         return
-    log.warning("restored %s min_freq to %d MHz (left at %d MHz by pid %d, which died)",
-                node.name, mhz(state.original_hz), mhz(current), state.pid)
+    log.warning(
+        "restored %s min_freq to %d MHz (left at %d MHz by pid %d, which died)",
+        node.name,
+        mhz(state.original_hz),
+        mhz(current),
+        state.pid,
+    )

@@ -1,4 +1,5 @@
 """`moestream gpu-floor install|uninstall`: the systemd unit and the defaults file."""
+
 from __future__ import annotations
 
 import sys
@@ -15,24 +16,28 @@ UNIT_DIR = "/etc/systemd/system"
 def render_unit(python: str) -> str:
     """The unit text; `python` is the interpreter that has moestream installed."""
     if not PATH_RE.fullmatch(python):
-        raise GpuFloorError(f"cannot put interpreter path {python!r} into a systemd unit; "
-                            "install moestream under a path without spaces or special characters.")
-    return "\n".join([
-        "[Unit]",
-        "Description=moestream GPU clock floor while llama.cpp computes MoE experts on the CPU (Jetson)",
-        "After=multi-user.target",
-        "",
-        "[Service]",
-        "Type=simple",
-        f"ExecStart={python} -m moestream gpu-floor --config {DEFAULTS_FILE}",
-        # on a crash systemd restarts it, and the new run restores min_freq from its state file
-        "Restart=on-failure",
-        "RestartSec=5",
-        "",
-        "[Install]",
-        "WantedBy=multi-user.target",
-        "",
-    ])
+        raise GpuFloorError(
+            f"cannot put interpreter path {python!r} into a systemd unit; "
+            "install moestream under a path without spaces or special characters."
+        )
+    return "\n".join(
+        [
+            "[Unit]",
+            "Description=moestream GPU clock floor while llama.cpp computes MoE experts on the CPU (Jetson)",
+            "After=multi-user.target",
+            "",
+            "[Service]",
+            "Type=simple",
+            f"ExecStart={python} -m moestream gpu-floor --config {DEFAULTS_FILE}",
+            # on a crash systemd restarts it, and the new run restores min_freq from its state file
+            "Restart=on-failure",
+            "RestartSec=5",
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )
 
 
 def _write(path: Path, text: str) -> None:
@@ -49,8 +54,11 @@ def install(settings: DaemonSettings, root: str = "/", python: str = sys.executa
     defaults = sys_path(root, DEFAULTS_FILE)
     _write(unit, render_unit(python))
     _write(defaults, render_defaults_file(settings))
-    return [f"wrote {unit}", f"wrote {defaults}",
-            f"next: systemctl daemon-reload && systemctl enable --now {UNIT_NAME}"]
+    return [
+        f"wrote {unit}",
+        f"wrote {defaults}",
+        f"next: systemctl daemon-reload && systemctl enable --now {UNIT_NAME}",
+    ]
 
 
 def uninstall(root: str = "/") -> list[str]:
@@ -64,5 +72,7 @@ def uninstall(root: str = "/") -> list[str]:
             done.append(f"not present: {path}")
         except PermissionError:
             raise GpuFloorError(f"cannot remove {path}; run the uninstall as root (sudo).") from None
-    done.append(f"next: systemctl daemon-reload (stop a running service first: systemctl disable --now {UNIT_NAME})")
+    done.append(
+        f"next: systemctl daemon-reload (stop a running service first: systemctl disable --now {UNIT_NAME})"
+    )
     return done

@@ -8,6 +8,7 @@ numbers the report needs: GPU clock histogram, mean load, mean power, and energy
         tokens = run_decode()
     print(sampler.summary(tokens))
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,14 @@ def _mean(values: list[float]) -> float | None:
 class TelemetrySampler:
     """Background sampler; start()/stop() or use it as a context manager."""
 
-    def __init__(self, interval_s: float = 0.02, sysfs_root: str = "/", *, nvml: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        interval_s: float = 0.02,
+        sysfs_root: str = "/",
+        *,
+        nvml: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0.001 <= interval_s <= 60.0:
             raise ValueError(f"telemetry interval must be between 1 ms and 60 s, got {interval_s}")
         self.interval_s = interval_s
@@ -72,8 +79,10 @@ class TelemetrySampler:
 
         def read(reader: Callable[[], float | None] | None) -> float | None:
             return reader() if reader is not None else None
-        s = Sample(self._clock(), read(p.gpu_clock_mhz), read(p.gpu_load_pct), read(p.power_w),
-                   read(p.cpu_clock_mhz))
+
+        s = Sample(
+            self._clock(), read(p.gpu_clock_mhz), read(p.gpu_load_pct), read(p.power_w), read(p.cpu_clock_mhz)
+        )
         with self._lock:
             self._samples.append(s)
         return s

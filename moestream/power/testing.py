@@ -5,6 +5,7 @@ like the real ones (class/devfreq entry linked to the platform device, `device/l
 cpufreq); `write_fake_elf` writes a minimal ELF shared object whose dynamic symbol table exports the
 given functions, so library probing can be tested without a compiler.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,16 @@ def _put(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def make_fake_jetson(root: str | os.PathLike[str], *, name: str = "17000000.gpu",
-                     freqs_mhz: tuple[int, ...] = ORIN_NANO_MHZ, min_mhz: int | None = None,
-                     max_mhz: int | None = None, tegra: bool = True, cpus: int = 2) -> Path:
+def make_fake_jetson(
+    root: str | os.PathLike[str],
+    *,
+    name: str = "17000000.gpu",
+    freqs_mhz: tuple[int, ...] = ORIN_NANO_MHZ,
+    min_mhz: int | None = None,
+    max_mhz: int | None = None,
+    tegra: bool = True,
+    cpus: int = 2,
+) -> Path:
     """Create a fake Jetson tree under `root`; return the devfreq node directory."""
     root = Path(root)
     device = root / "sys/devices/platform/bus@0" / name
@@ -78,8 +86,11 @@ def write_fake_elf(path: str | os.PathLike[str], functions: list[str]) -> None:
     header += struct.pack("<HHIQQQIHHHHHH", 3, 183, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 5, 3)
     sections = [bytes(64)]
     pos = 64
-    for name_off, kind, data, link, entsize in ((1, 11, dynsym, 2, 24), (9, 3, dynstr, 0, 0),
-                                                (17, 3, shstr, 0, 0)):
+    for name_off, kind, data, link, entsize in (
+        (1, 11, dynsym, 2, 24),
+        (9, 3, dynstr, 0, 0),
+        (17, 3, shstr, 0, 0),
+    ):
         sections.append(struct.pack("<IIQQQQIIQQ", name_off, kind, 2, 0, pos, len(data), link, 1, 8, entsize))
         pos += len(data)
     sections.append(struct.pack("<IIQQQQIIQQ", 27, 1, 6, 0x1000, 0, 0, 0, 0, 16, 0))  # .text (empty)

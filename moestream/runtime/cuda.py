@@ -1,20 +1,21 @@
-"""Experts computed on an NVIDIA GPU: a GPU slot tier fed from pinned host slots by a copy stream.
+"""CUDA device tiers: GPU slots fed from pinned host slots by a copy stream, or unified (mapped) memory.
 
-Tiers, from fast to slow: GPU slots (`GpuTier`, LRU) <- pinned host slots (the `ExpertCache`, LRU,
-O_DIRECT reads land there) <- the checkpoint on disk. A layer forward:
+`GpuSlotTier`, from fast to slow: GPU slots (LRU unless told otherwise) <- pinned host slots (the
+`ExpertCache`; O_DIRECT reads land there) <- the checkpoint on disk. A layer forward:
   * GPU-resident experts are computed at once (no host work but enqueueing kernels);
   * the others go through the host cache as on the CPU; when a kind's bytes are in pinned memory, the
     compute thread enqueues its copy on the copy stream and records an event, and the compute stream
     waits for that event on the GPU, so the copy of one expert overlaps the compute of another and the
     host never waits for the GPU;
-  * the layer's routing goes to the GPU in one asynchronous copy (`ExpertRuntime._routes`);
-  * in a GPU slot, gate and up are adjacent ([2I,H], gate rows first), so gate+up is one matmul, the
-    same operation transformers' eager experts run.
-The one host synchronisation per layer is the readback of the routing (`top_k_index.tolist()`).
+  * in a GPU slot, a family's fusions (gate and up) are adjacent, so they are one matmul, the same
+    operation transformers' eager experts run.
+The one host synchronisation per layer is the readback of the routing, in the runtime.
 Reusing a pinned host slot whose copy to the GPU might still be running waits for that copy's event;
-those waits are counted in `CudaStats.host_syncs` (a slot is reused long after its copy, so they are
-normally zero).
+those waits are counted in `TierStats.host_syncs` (a slot is reused long after its copy, so they are
+normally zero). `UnifiedTier` (integrated GPUs: Jetson) has one tier of pinned, device-mapped host
+slots that kernels read in place, with no staging copy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,24 +23,16 @@ from typing import Any
 
 import torch
 
+from moestream.cache.admission import admission_blocked
 from moestream.cache.expert_cache import ExpertCache, LayerJob
-from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet
+from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet, slots_for_budget
 from moestream.errors import CacheBudgetError
 from moestream.io.memory import AlignedBuffer
-from moestream.runtime.experts import ExpertRuntime, Route
-from moestream.runtime.weights import TORCH_DTYPES
+from moestream.runtime.tiers import DeviceTier
 from moestream.store.experts import ExpertMap
 from moestream.units import format_size, round_up
 
-_ALIGN = 256  # start of every kind in a GPU slot (the gate->up boundary excepted)
-
-
-@dataclass
-class CudaStats:
-    gpu_hits: int = 0
-    gpu_misses: int = 0  # experts copied host -> GPU
-    copy_bytes: int = 0
-    host_syncs: int = 0  # waits on a copy event before reusing a pinned host slot
+_ALIGN = 256  # start of every kind in a GPU slot (inside a fusion excepted)
 
 
 @dataclass
@@ -50,11 +43,15 @@ class GpuSlot:
     last_use: torch.cuda.Event | None = None  # compute done reading this slot
 
 
-def gpu_layout(emap: ExpertMap, key: tuple[int, int]) -> tuple[dict[str, list[tuple[int, Any]]], int]:
-    """Offsets of every part of one expert in a GPU slot: kind -> [(offset, ref)], and the slot size."""
+def gpu_layout(
+    emap: ExpertMap, key: tuple[int, int], fusions: dict[str, tuple[str, ...]]
+) -> tuple[dict[str, list[tuple[int, Any]]], int]:
+    """Offsets of every part of one expert in a GPU slot: kind -> [(offset, ref)], and the slot size.
+    Kinds of one fusion follow each other with no gap, so their bytes are one matrix."""
+    fused_tail = {kinds[i] for kinds in fusions.values() for i in range(1, len(kinds))}
     cursor, layout = 0, {}
     for kind in emap.kinds:
-        if kind != "up":  # up must directly follow gate so that [gate; up] is one [2I,H] matrix
+        if kind not in fused_tail:
             cursor = round_up(cursor, _ALIGN)
         layout[kind] = []
         for ref in emap.units[key][kind]:
@@ -63,50 +60,27 @@ def gpu_layout(emap: ExpertMap, key: tuple[int, int]) -> tuple[dict[str, list[tu
     return layout, round_up(cursor, _ALIGN)
 
 
-class GpuTier:
-    """GPU slots in one allocation (LRU unless told otherwise), with per-slot copy and last-use events."""
-
-    def __init__(self, emap: ExpertMap, budget_bytes: int, device: torch.device, top_k: int,
-                 policy: EvictionPolicy | None = None) -> None:
-        self.layouts = {k: gpu_layout(emap, k)[0] for k in emap.units}
-        self.slot_bytes = max(gpu_layout(emap, k)[1] for k in emap.units)
-        capacity = min(len(emap.units), budget_bytes // self.slot_bytes)
-        if capacity < top_k:
-            raise CacheBudgetError(
-                f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
-                f"{format_size(self.slot_bytes)}; use a GPU cache of at least {format_size(top_k * self.slot_bytes)}")
-        self.capacity, self.device = capacity, device
-        self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.residents = ResidentSet(capacity, policy or LRUPolicy())
-        self.slots: dict[tuple[int, int], GpuSlot] = {}
-
-    def victim_free(self, protected: set[tuple[int, int]]) -> bool:
-        """Whether admitting one more expert would not evict a slot in use by the current layer."""
-        victim = self.residents.next_victim(protected)
-        return victim is None or self.slots[victim].pins == 0
-
-    def admit(self, key: tuple[int, int], protected: set[tuple[int, int]]) -> GpuSlot:
-        slot, evicted = self.residents.admit(key, protected)
-        previous = self.slots.pop(evicted, None) if evicted is not None else None
-        state = GpuSlot(slot, pins=1)
-        if previous is not None:
-            state.last_use = previous.last_use  # a copy into this slot must wait for its old readers
-        self.slots[key] = state
-        return state
+def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
+    """Page-lock an existing host allocation (cudaHostRegister) for asynchronous copies, or, `mapped`,
+    for kernels to read it in place (cudaHostRegisterMapped)."""
+    err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 2 if mapped else 0)
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}"
+        )
 
 
-class _PinnedHostRuntime(ExpertRuntime):
-    """What both CUDA runtimes share: the host cache's slots page-locked (unpinned on close), routes sent
-    to the GPU asynchronously, and waits on GPU events before a host slot is refilled (counted)."""
+class _PinnedHost(DeviceTier):
+    """What both CUDA tiers share: the host cache's slots page-locked (unpinned on close), and waits on
+    GPU events before a host slot is refilled (counted)."""
 
-    def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, mapped: bool, **kwargs: Any) -> None:
-        super().__init__(cache, act_fn, **kwargs)
+    def __init__(self, cache: ExpertCache, device: torch.device, mapped: bool) -> None:
+        super().__init__(cache)
         self.device = device
-        self.cuda_stats = CudaStats()
         self._registered = [c.buffer for c in cache.classes]
         for buffer in self._registered:
             register_pinned(buffer, mapped=mapped)
-        # id(host slot state) -> the last GPU work reading it; one stream per runtime orders the rest before it
+        # id(host slot state) -> the last GPU work reading it; one stream orders the rest before it
         self._host_events: dict[int, torch.cuda.Event] = {}
         cache.on_evict = self._before_host_reuse
 
@@ -123,165 +97,176 @@ class _PinnedHostRuntime(ExpertRuntime):
     def _before_host_reuse(self, host_state: Any) -> None:
         event = self._host_events.pop(id(host_state), None)
         if event is not None and not event.query():
-            self.cuda_stats.host_syncs += 1
+            self.stats.host_syncs += 1
             event.synchronize()
 
 
-class CudaExpertRuntime(_PinnedHostRuntime):
-    """Routed experts on a CUDA device, fed by `GpuTier` <- pinned `ExpertCache` <- disk."""
+class GpuSlotTier(_PinnedHost):
+    """GPU slots in one allocation, with per-slot copy and last-use events, fed from pinned host slots."""
 
-    def __init__(self, cache: ExpertCache, gpu: GpuTier, act_fn: Any, **kwargs: Any) -> None:
-        super().__init__(cache, act_fn, gpu.device, mapped=False, **kwargs)
-        self.gpu = gpu
-        self.copy_stream = torch.cuda.Stream(device=self.device)
-        self._compute_stream = torch.cuda.current_stream(self.device)
+    fuses = True
+
+    def __init__(
+        self,
+        cache: ExpertCache,
+        budget_bytes: int,
+        device: torch.device,
+        top_k: int,
+        fusions: dict[str, tuple[str, ...]],
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        emap = cache.emap
+        layouts = {k: gpu_layout(emap, k, fusions) for k in emap.units}
+        self.layouts = {k: layout for k, (layout, _) in layouts.items()}
+        self.slot_bytes = max(size for _, size in layouts.values())
+        capacity = min(len(emap.units), slots_for_budget(budget_bytes, self.slot_bytes))
+        if capacity < top_k:
+            raise CacheBudgetError(
+                f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
+                f"{format_size(self.slot_bytes)}; use a GPU cache of at least "
+                f"{format_size(top_k * self.slot_bytes)}"
+            )
+        super().__init__(cache, device, mapped=False)
+        self.capacity, self.fusions = capacity, fusions
+        self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.residents = ResidentSet(capacity, policy or LRUPolicy())
+        self.slots: dict[tuple[int, int], GpuSlot] = {}
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self._compute_stream = torch.cuda.current_stream(device)
         self._layer_keys: set[tuple[int, int]] = set()
 
-    def _stage_kinds(self) -> list[tuple[str, ...]]:
-        if self.emap.family == "swiglu":
-            return [("gate", "up"), ("down",)]
-        return [(kind,) for kind in self.emap.kinds]
-
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
-                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
+    def split(self, layer: int, order: list[int]) -> tuple[list[int], list[int]]:
         self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)
         self._layer_keys = {(layer, e) for e in order}  # never evicted from the GPU for each other
-        resident = [e for e in order if (layer, e) in self.gpu.residents]
-        rest = [e for e in order if (layer, e) not in self.gpu.residents]
-        self.cuda_stats.gpu_hits += len(resident)
-        outputs = {}
-        for expert in resident:  # GPU hits: computed at once
+        ready = [e for e in order if (layer, e) in self.residents]
+        for expert in ready:
             key = (layer, expert)
-            self.gpu.residents.touch(key)
-            self.cache.touch_if_resident(key)  # keep the host copy warm, so a GPU eviction can fall back to it
-            carry = None
-            for index in range(len(self.stages)):
-                carry = self._stage(_GpuOnly(layer), expert, index, hidden, routes[expert], carry)
-            outputs[expert] = carry
-            self._mark_used(key)
-        if rest:
-            job = self.cache.open_layer(layer, rest)
-            self._prefetch(predicted)
-            outputs.update(self._run(job, hidden, routes, rest))
-        else:
-            self._prefetch(predicted)
-        return outputs
+            self.residents.touch(key)
+            self.cache.touch_if_resident(
+                key
+            )  # keep the host copy warm, so a GPU eviction can fall back to it
+            self.slots[key].pins += 1
+        self.stats.gpu_hits += len(ready)
+        return ready, [e for e in order if (layer, e) not in self.residents]
 
-    def _prefetch(self, predicted: tuple[int, list[int]] | None) -> None:
-        if predicted is not None:  # read ahead into the host tier only what the GPU tier lacks
-            layer, experts = predicted
-            self.cache.prefetch(layer, [e for e in experts if (layer, e) not in self.gpu.residents])
+    def missing(self, layer: int, experts: list[int]) -> list[int]:
+        return [e for e in experts if (layer, e) not in self.residents]
 
-    def _prepare(self, job: LayerJob, expert: int, stage: int) -> bool:
+    def prepare(self, job: LayerJob, expert: int, kinds: tuple[str, ...]) -> bool:
         key = (job.layer, expert)
-        state = self.gpu.slots.get(key)
+        state = self.slots.get(key)
         if state is None:
-            if not self.gpu.victim_free(self._layer_keys):
+            if admission_blocked(self.residents, self._layer_keys, self._pinned):
                 return False  # every GPU slot is held by this layer's unfinished experts
-            state = self.gpu.admit(key, self._layer_keys)
-            self.cuda_stats.gpu_misses += 1
-        missing = [kind for kind in self.stages[stage] if kind not in state.copied]
+            slot, evicted = self.residents.admit(key, self._layer_keys)
+            previous = self.slots.pop(evicted, None) if evicted is not None else None
+            state = self.slots[key] = GpuSlot(slot, pins=1)
+            if previous is not None:
+                state.last_use = previous.last_use  # a copy into this slot must wait for its old readers
+            self.stats.gpu_misses += 1
+        missing = [kind for kind in kinds if kind not in state.copied]
         if missing:
             with torch.cuda.stream(self.copy_stream):
                 for kind in missing:
                     self._copy(job, key, kind, state)
-        for kind in self.stages[stage]:
+        for kind in kinds:
             self._compute_stream.wait_event(state.copied[kind])
         return True
+
+    def _pinned(self, key: object) -> bool:
+        state = self.slots.get(key)  # type: ignore[arg-type]
+        return state is not None and state.pins > 0
 
     def _copy(self, job: LayerJob, key: tuple[int, int], kind: str, state: GpuSlot) -> None:
         """Enqueue host slot -> GPU slot for one kind on the copy stream (current); record its event."""
         if state.last_use is not None:
             self.copy_stream.wait_event(state.last_use)
         host_state = self.cache.state_of(key)
-        for (buffer, offset, part), (gpu_offset, ref) in zip(job.tensor_parts(key[1], kind), self.gpu.layouts[key][kind]):
-            src = self._views.bytes_of(buffer)[offset:offset + ref.nbytes]
-            dst_start = state.slot * self.gpu.slot_bytes + gpu_offset
-            self.gpu.buffer[dst_start:dst_start + ref.nbytes].copy_(src, non_blocking=True)
-            self.cuda_stats.copy_bytes += ref.nbytes
+        for (buffer, offset, _), (gpu_offset, ref) in zip(
+            job.tensor_parts(key[1], kind), self.layouts[key][kind]
+        ):
+            src = self._views.bytes_of(buffer)[offset : offset + ref.nbytes]
+            dst_start = state.slot * self.slot_bytes + gpu_offset
+            self.buffer[dst_start : dst_start + ref.nbytes].copy_(src, non_blocking=True)
+            self.stats.copy_bytes += ref.nbytes
         event = torch.cuda.Event()
         event.record(self.copy_stream)
         state.copied[kind] = event
         self._note_host_use(host_state, event)
 
-    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
-        key = (job.layer, expert)
-        state = self.gpu.slots.get(key)
+    def release(self, layer: int, expert: int, job: LayerJob | None, failed: bool) -> None:
+        key = (layer, expert)
+        state = self.slots.get(key)
         if state is None:
             return
         state.pins -= 1
         if failed:
-            self.gpu.residents.remove(key)
-            del self.gpu.slots[key]
+            self.residents.remove(key)
+            del self.slots[key]
         else:
-            self._mark_used(key)
+            event = torch.cuda.Event()
+            event.record(self._compute_stream)
+            state.last_use = event
 
-    def _mark_used(self, key: tuple[int, int]) -> None:
-        event = torch.cuda.Event()
-        event.record(self._compute_stream)
-        self.gpu.slots[key].last_use = event
+    def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
+        key = (layer, expert)
+        base = self.slots[key].slot * self.slot_bytes
+        layout = self.layouts[key]
+        if kind in self.fusions:  # the fused kinds' parts, back to back: one byte range
+            first, *_ = layout[self.fusions[kind][0]]
+            size = sum(ref.nbytes for part in self.fusions[kind] for _, ref in layout[part])
+            return [self.buffer[base + first[0] : base + first[0] + size]]
+        return [self.buffer[base + offset : base + offset + ref.nbytes] for offset, ref in layout[kind]]
 
-    def _weight(self, job: Any, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        key = (job.layer, expert)
-        if kind == "gate_up" and self.emap.family == "swiglu":
-            (gate_off, gate), (_, up) = self.gpu.layouts[key]["gate"][0], self.gpu.layouts[key]["up"][0]
-            start = self.gpu.slots[key].slot * self.gpu.slot_bytes + gate_off
-            raw = self.gpu.buffer[start:start + gate.nbytes + up.nbytes]
-            weight = raw.view(TORCH_DTYPES[gate.dtype]).view(gate.shape[0] + up.shape[0], gate.shape[1])
-            return weight if weight.dtype == dtype else weight.to(dtype)
-        parts = []
-        for offset, ref in self.gpu.layouts[key][kind]:
-            start = self.gpu.slots[key].slot * self.gpu.slot_bytes + offset
-            parts.append(self.gpu.buffer[start:start + ref.nbytes].view(TORCH_DTYPES[ref.dtype]).view(ref.shape))
-        return self._assemble(parts, dtype)
-
-
-@dataclass
-class _GpuOnly:
-    """Stands in for a LayerJob when an expert is computed straight from the GPU tier."""
-
-    layer: int
+    def describe(self) -> str:
+        return (
+            f"gpu cache {format_size(self.capacity * self.slot_bytes)} = {self.capacity} slots, "
+            f"pinned host cache {format_size(self.cache.allocated_bytes)} = {self.cache.capacity} slots"
+        )
 
 
-def register_pinned(buffer: AlignedBuffer, mapped: bool = False) -> None:
-    """Page-lock an existing host allocation (cudaHostRegister) for asynchronous copies, or, `mapped`,
-    for kernels to read it in place (cudaHostRegisterMapped)."""
-    err = torch.cuda.cudart().cudaHostRegister(buffer.address, buffer.nbytes, 2 if mapped else 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {format_size(buffer.nbytes)} failed with CUDA error {int(err)}")
-
-
-class UnifiedExpertRuntime(_PinnedHostRuntime):
-    """One tier for integrated GPUs (Jetson): pinned, device-mapped host slots that kernels read in place.
+class UnifiedTier(_PinnedHost):
+    """One tier for integrated GPUs: pinned, device-mapped host slots that kernels read in place.
 
     O_DIRECT reads land in the slots; the GPU computes straight from them (no staging copy). A slot is
     refilled only after the kernels that read its previous expert are done (their event is waited for;
     the waits are counted in `host_syncs`).
     """
 
-    def __init__(self, cache: ExpertCache, act_fn: Any, device: torch.device, **kwargs: Any) -> None:
-        super().__init__(cache, act_fn, device, mapped=True, **kwargs)
+    def __init__(self, cache: ExpertCache, device: torch.device) -> None:
+        super().__init__(cache, device, mapped=True)
         self._aliases = {id(buffer): device_alias(buffer, device) for buffer in self._registered}
 
-    def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        parts = []
-        for buffer, offset, part in job.tensor_parts(expert, kind):
-            raw = self._aliases[id(buffer)][offset:offset + part.ref.nbytes]
-            parts.append(raw.view(TORCH_DTYPES[part.ref.dtype]).view(part.ref.shape))
-        return self._assemble(parts, dtype)
+    def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
+        return [
+            self._aliases[id(buffer)][offset : offset + part.ref.nbytes]
+            for buffer, offset, part in job.tensor_parts(expert, kind)
+        ]
 
-    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
+    def release(self, layer: int, expert: int, job: LayerJob | None, failed: bool) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._note_host_use(self.cache.state_of((job.layer, expert)), event)
+        self._note_host_use(self.cache.state_of((layer, expert)), event)
+
+    def describe(self) -> str:
+        c = self.cache
+        return (
+            f"unified memory cache {format_size(c.budget_bytes)} = {c.capacity} slots "
+            f"(pinned, device-mapped, no staging copy)"
+        )
 
 
 class _CudaArray:
     """`__cuda_array_interface__` for a device-visible byte range, so torch can alias it."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def device_alias(buffer: AlignedBuffer, device: torch.device) -> torch.Tensor:

@@ -1,27 +1,31 @@
-"""One MoE layer's routed experts, computed as their bytes land in the cache.
+"""One MoE layer's routed experts, computed as their bytes land, over any device tier.
 
 Shapes: T tokens, K experts per token, H hidden, I expert intermediate, t tokens routed to one expert.
 Schedule per layer forward:
-  * every distinct expert is asked of the cache in execution order; cached ones are ready at once
-    and so are computed first;
-  * each readiness event (expert, kind) arrives exactly once; an expert advances through its stages
-    (CPU swiglu: gate -> up -> down; gpt-oss: gate_up -> down) as soon as the kinds a stage needs are
-    in, so a late expert waits only for its own bytes, never for the rest of the layer;
+  * the routing is read back to the host once (with prefetch on, together with the next layer's
+    stale-gate guess);
+  * experts the tier holds are computed at once; every other distinct expert is asked of the cache
+    in execution order; cached ones are ready at once and so are computed first;
+  * each readiness event (expert, kind) arrives exactly once; an expert advances through its family's
+    stages as soon as the kinds a stage needs are in, so a late expert waits only for its own bytes,
+    never for the rest of the layer;
   * contributions are summed in ascending expert order at the end, so the result does not depend on
     the order reads complete in.
-Subclasses (the CUDA runtime) change where weights come from through `_prepare`, `_weight`, `_finish`.
 """
+
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from moestream.cache.expert_cache import ExpertCache, LayerJob
 from moestream.cache.policy import execution_order
-from moestream.runtime.weights import SlotTensors, dequantize_mxfp4
+from moestream.runtime.families import ExpertFamily
+from moestream.runtime.formats import WeightFormat, layer_formats
+from moestream.runtime.tiers import DeviceTier
 
 
 @dataclass
@@ -45,10 +49,15 @@ class Routing:
     by_expert: dict[int, Route]
 
 
-@dataclass(frozen=True)
-class GptOssParams:
-    alpha: float
-    limit: float
+@dataclass
+class LayerRouting:
+    """What observers (the trace recorder) see of one layer forward."""
+
+    layer: int
+    hidden: torch.Tensor  # [T,H] the experts' input
+    rows: list[list[int]]  # per token, its experts in router order
+    weights: torch.Tensor  # [T,K]
+    ahead: object | None  # the next MoE layer's router applied to `hidden` (the stale gate), when computed
 
 
 @dataclass
@@ -65,39 +74,47 @@ class _Progress:
 
 
 class ExpertRuntime:
-    """Computes routed experts for every streamed layer, fed by an `ExpertCache` (CPU)."""
+    """Computes routed experts for every streamed layer over a `DeviceTier`, fed by an `ExpertCache`."""
 
-    def __init__(
-        self,
-        cache: ExpertCache,
-        act_fn: Callable[[torch.Tensor], torch.Tensor] | None,
-        *,
-        gpt_oss: GptOssParams | None = None,
-        biases: dict[tuple[int, str], torch.Tensor] | None = None,
-    ) -> None:
-        self.cache, self.emap = cache, cache.emap
-        self.act_fn, self.gpt_oss, self.biases = act_fn, gpt_oss, biases or {}
-        self.stages = self._stage_kinds()
-        self._views = SlotTensors()
-        # called as observe(layer, hidden [T,H], rows (experts per token, router order), weights [T,K])
-        self.observers: list[Callable[[int, torch.Tensor, list[list[int]], torch.Tensor], None]] = []
-        self._prefetch_routers: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next layer, its router)
+    def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
+        self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
+        self.formats = self._formats(tier.fuses)
+        self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
+        self.observers: list[Callable[[LayerRouting], None]] = []
+        self.prefetch = False
+        self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
 
-    def enable_prefetch(self, routers: dict[int, torch.nn.Module]) -> None:
-        """Read ahead, while layer L computes, the experts that layer L+1's router picks for L's input
-        (the stale gate). `routers` maps every MoE layer to its router module."""
+    def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
+        formats = layer_formats(self.emap)
+        if fuses:
+            for layer in self.emap.layers:
+                for name, kinds in self.family.fusions.items():
+                    fused = formats[(layer, kinds[0])]
+                    for kind in kinds[1:]:
+                        fused = fused.fused(formats[(layer, kind)]) if fused is not None else None
+                    if fused is None:
+                        raise NotImplementedError(
+                            f"layer {layer}: {', '.join(kinds)} cannot be computed as one"
+                        )
+                    formats[(layer, name)] = fused
+        return formats
+
+    def set_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
+        """Apply, once per layer forward, layer L+1's router to layer L's input (the stale gate): for
+        `prefetch` and for observers. `routers` maps every MoE layer to its router module."""
         layers = sorted(routers)
-        self._prefetch_routers = {a: (b, routers[b]) for a, b in zip(layers, layers[1:])}
+        self._ahead = {a: (b, routers[b]) for a, b in itertools.pairwise(layers)}
 
-    def _stage_kinds(self) -> list[tuple[str, ...]]:
-        """The kinds each compute stage needs, in order."""
-        return [(kind,) for kind in self.emap.kinds]
-
-    def forward(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
-        rows, predicted = self._readback(layer, hidden, top_k_index)
-        for observe in self.observers:
-            observe(layer, hidden, rows, top_k_weights)
+        ahead = self._lookahead(layer, hidden)
+        rows, predicted = self._readback(layer, top_k_index, ahead)
+        if self.observers:
+            event = LayerRouting(layer, hidden, rows, top_k_weights, ahead[1] if ahead else None)
+            for observe in self.observers:
+                observe(event)
         order = execution_order(rows)
         routing = self._routes(rows, hidden.device)
         outputs = self._compute(layer, order, hidden, routing.by_expert, predicted)
@@ -109,32 +126,58 @@ class ExpertRuntime:
             out.index_add_(0, route.tokens, weighted.to(out.dtype))
         return out
 
-    def _readback(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor
-                  ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
-        """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
-        ahead = self._prefetch_routers.get(layer)
-        if ahead is None:
-            return top_k_index.tolist(), None  # the one host readback of the routing
-        next_layer, router = ahead
+    def _lookahead(self, layer: int, hidden: torch.Tensor) -> tuple[int, object] | None:
+        """(next MoE layer, its router's output on `hidden`), computed once, when prefetch or an observer
+        needs it."""
+        ahead = self._ahead.get(layer)
+        if ahead is None or not (self.prefetch or self.observers):
+            return None
         with torch.no_grad():
-            out = router(hidden)
-        guess = out[-1] if isinstance(out, tuple) else torch.topk(out, top_k_index.shape[1], dim=-1).indices
+            return ahead[0], ahead[1](hidden)
+
+    def _readback(
+        self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
+    ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
+        """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
+        if ahead is None or not self.prefetch:
+            return top_k_index.tolist(), None  # the one host readback of the routing
+        next_layer, out = ahead
         k = top_k_index.shape[1]
+        guess = out[-1] if isinstance(out, tuple) else torch.topk(out, k, dim=-1).indices
         both = torch.cat([top_k_index, guess.to(top_k_index.dtype)], dim=1).tolist()  # still one readback
         return [row[:k] for row in both], (next_layer, execution_order(row[k:] for row in both))
 
-    def _compute(self, layer: int, order: list[int], hidden: torch.Tensor, routes: dict[int, Route],
-                 predicted: tuple[int, list[int]] | None = None) -> dict[int, torch.Tensor]:
-        job = self.cache.open_layer(layer, order)
-        self._prefetch(predicted)
-        return self._run(job, hidden, routes, order)
+    def _compute(
+        self,
+        layer: int,
+        order: list[int],
+        hidden: torch.Tensor,
+        routes: dict[int, Route],
+        predicted: tuple[int, list[int]] | None,
+    ) -> dict[int, torch.Tensor]:
+        ready, rest = self.tier.split(layer, order)
+        outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
+        job = self.cache.open_layer(layer, rest) if rest else None
+        if predicted is not None:  # read ahead into the host cache only what the tier lacks
+            self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
+        if job is not None:
+            outputs.update(self._run(job, hidden, routes, rest))
+        return outputs
 
-    def _prefetch(self, predicted: tuple[int, list[int]] | None) -> None:
-        if predicted is not None:
-            self.cache.prefetch(*predicted)
+    def _resident(self, layer: int, expert: int, hidden: torch.Tensor, route: Route) -> torch.Tensor:
+        """An expert the tier holds: every stage at once."""
+        carry = None
+        for kinds in self.stages:
+            carry = self._stage(layer, expert, kinds, hidden, route, carry, None)
+        self.tier.release(layer, expert, None, failed=False)
+        return carry
 
-    def _run(self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]) -> dict[int, torch.Tensor]:
-        p = _Progress(stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts))
+    def _run(
+        self, job: LayerJob, hidden: torch.Tensor, routes: dict[int, Route], experts: list[int]
+    ) -> dict[int, torch.Tensor]:
+        p = _Progress(
+            stage=dict.fromkeys(experts, 0), ready={e: set() for e in experts}, remaining=len(experts)
+        )
         while p.remaining:
             expert, kind, failure = job.next_event()
             if failure is not None and p.error is None:
@@ -151,33 +194,45 @@ class ExpertRuntime:
             raise p.error
         return p.carry
 
-    def _advance(self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress) -> bool:
+    def _advance(
+        self, job: LayerJob, expert: int, hidden: torch.Tensor, routes: dict[int, Route], p: _Progress
+    ) -> bool:
         """Run every stage of `expert` whose kinds are in. Returns True when the expert finished."""
         if expert in p.finished or expert in p.stalled:
             return False  # already done, or queued for a retry when a slot frees
         while p.stage[expert] < len(self.stages) and p.ready[expert].issuperset(self.stages[p.stage[expert]]):
+            kinds = self.stages[p.stage[expert]]
             if p.error is None:
-                if not self._prepare(job, expert, p.stage[expert]):
+                if not self.tier.prepare(job, expert, kinds):
                     p.stalled.append(expert)
                     return False
-                p.carry[expert] = self._stage(job, expert, p.stage[expert], hidden, routes[expert], p.carry.get(expert))
+                p.carry[expert] = self._stage(
+                    job.layer, expert, kinds, hidden, routes[expert], p.carry.get(expert), job
+                )
             p.stage[expert] += 1
         if p.stage[expert] < len(self.stages):
             return False
         p.finished.add(expert)
-        self._finish(job, expert, failed=p.error is not None)
+        self.tier.release(job.layer, expert, job, failed=p.error is not None)
         job.release(expert)
         p.remaining -= 1
         return True
 
-    # --- hooks for other devices ---------------------------------------------------------------
+    def _stage(
+        self,
+        layer: int,
+        expert: int,
+        kinds: tuple[str, ...],
+        hidden: torch.Tensor,
+        route: Route,
+        carry: torch.Tensor | None,
+        job: LayerJob | None,
+    ) -> torch.Tensor:
+        def linear(kind: str, x: torch.Tensor) -> torch.Tensor:
+            fmt = self.formats[(layer, kind)]
+            return fmt.linear(x, fmt.view(self.tier.raws(layer, expert, kind, job)))
 
-    def _prepare(self, job: LayerJob, expert: int, stage: int) -> bool:
-        """Make a stage's weights usable; False when it must wait for another expert to finish."""
-        return True
-
-    def _finish(self, job: LayerJob, expert: int, failed: bool) -> None:
-        """The expert's last stage has been issued."""
+        return self.family.stage(kinds, route.rows(hidden), carry, linear, layer, expert)
 
     def _routes(self, rows: list[list[int]], device: torch.device) -> Routing:
         """Token and top-k position of every (token, expert) pair, grouped by expert; views, no kernels."""
@@ -197,43 +252,11 @@ class ExpertRuntime:
             both = both.pin_memory().to(device, non_blocking=True)
         tokens, positions = both[0], both[1]
         whole = len(rows)
-        return Routing(tokens, positions, {
-            e: Route(tokens[span], positions[span], span, span.stop - span.start == whole) for e, span in spans.items()
-        })
-
-    # --- the math ------------------------------------------------------------------------------
-
-    def _stage(self, job: LayerJob, expert: int, index: int, hidden: torch.Tensor, route: Route,
-               carry: torch.Tensor | None) -> torch.Tensor:
-        kinds = self.stages[index]
-        if self.gpt_oss is not None:
-            return self._gpt_oss_stage(job.layer, expert, index, hidden, route, carry,
-                                       self._weight(job, expert, kinds[0], hidden.dtype))
-        if kinds == ("gate", "up"):  # fused [2I,H], gate rows first: one matmul, like transformers
-            gate, up = F.linear(route.rows(hidden), self._weight(job, expert, "gate_up", hidden.dtype)).chunk(2, dim=-1)
-            return self.act_fn(gate) * up
-        weight = self._weight(job, expert, kinds[0], hidden.dtype)
-        if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
-            return F.linear(route.rows(hidden), weight)
-        if kinds == ("up",):  # up [I,H]: act(gate) * up
-            return self.act_fn(carry) * F.linear(route.rows(hidden), weight)
-        return F.linear(carry, weight)  # down [H,I]: [t,I] -> [t,H]
-
-    def _gpt_oss_stage(self, layer: int, expert: int, index: int, hidden: torch.Tensor, route: Route,
-                       carry: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        if index == 0:  # gate_up [H,2I], columns interleaved gate/up
-            gate_up = route.rows(hidden) @ weight + self.biases[(layer, "gate_up_proj_bias")][expert]
-            gate = gate_up[..., ::2].clamp(max=self.gpt_oss.limit)
-            up = gate_up[..., 1::2].clamp(min=-self.gpt_oss.limit, max=self.gpt_oss.limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * self.gpt_oss.alpha))
-        return carry @ weight + self.biases[(layer, "down_proj_bias")][expert]  # down [I,H]
-
-    def _weight(self, job: LayerJob, expert: int, kind: str, dtype: torch.dtype) -> torch.Tensor:
-        parts = [self._views.view(buf, off, part) for buf, off, part in job.tensor_parts(expert, kind)]
-        return self._assemble(parts, dtype)
-
-    def _assemble(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        if self.emap.quant == "mxfp4":
-            return dequantize_mxfp4(parts[0], parts[1], dtype).T  # [R,K] -> [K,R] like transformers
-        weight = parts[0]
-        return weight if weight.dtype == dtype else weight.to(dtype)
+        return Routing(
+            tokens,
+            positions,
+            {
+                e: Route(tokens[span], positions[span], span, span.stop - span.start == whole)
+                for e, span in spans.items()
+            },
+        )

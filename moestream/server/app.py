@@ -9,6 +9,7 @@
 No route opens a file named by a request: the model is loaded once at start and a request's `model`
 is only compared with the served names.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -34,8 +35,13 @@ from moestream.server.prompts import Prompts
 from moestream.server.worker import Worker
 
 log = logging.getLogger("moestream.server")
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/models": "models",
-             "/health": "health", "/metrics": "metrics"}
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
 
 
 @dataclass
@@ -93,8 +99,11 @@ def require_key(request: Request) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY'",
-                       code="invalid_api_key")
+        raise APIError(
+            401,
+            "a valid API key is required: send the header 'Authorization: Bearer KEY'",
+            code="invalid_api_key",
+        )
 
 
 router = APIRouter()
@@ -110,8 +119,18 @@ async def health(request: Request) -> dict[str, Any]:
 @router.get("/v1/models", dependencies=guarded)
 async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
-                                        "owned_by": "moestream", "context_length": state.prompts.context}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_id,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "moestream",
+                "context_length": state.prompts.context,
+            }
+        ],
+    }
 
 
 @router.get("/metrics", dependencies=guarded)
@@ -159,8 +178,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     try:  # "\ud800" is valid JSON but no text: tokenizers and our own UTF-8 responses would fail on it
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, "the request body contains an unpaired surrogate escape, which is not text",
-                       code="invalid_json") from None
+        raise APIError(
+            400,
+            "the request body contains an unpaired surrogate escape, which is not text",
+            code="invalid_json",
+        ) from None
     return body
 
 
@@ -170,8 +192,9 @@ def _no_constant(name: str) -> Any:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                    code="request_too_large")
+    return APIError(
+        413, f"the request body is larger than the server's limit of {limit} bytes", code="request_too_large"
+    )
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
@@ -188,8 +211,11 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         count(request, exc.status_code)
         message = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
-        return APIError(exc.status_code, f"{message}: {request.method} {request.url.path}",
-                        headers=dict(exc.headers or {})).response()
+        return APIError(
+            exc.status_code,
+            f"{message}: {request.method} {request.url.path}",
+            headers=dict(exc.headers or {}),
+        ).response()
 
     @app.exception_handler(ClientDisconnect)
     async def gone(request: Request, exc: ClientDisconnect) -> JSONResponse:

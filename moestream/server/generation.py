@@ -1,4 +1,5 @@
 """One generation request end to end: validate, tokenize, queue, then stream SSE or answer once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,9 @@ class Pending:
     started: float
 
 
-async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: float) -> tuple[Pending, bool]:
+async def submit(
+    state: ServerState, body: dict[str, Any], chat: bool, started: float
+) -> tuple[Pending, bool]:
     """Validate `body`, build the prompt and queue it; returns the pending job and whether to stream.
 
     Raises:
@@ -48,8 +51,12 @@ async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: 
     except ValidationError as exc:
         raise from_validation(exc) from None
     if req.model is not None and req.model not in state.model_names:
-        raise APIError(404, f"the model {req.model[:200]!r} is not served here; this server serves "
-                            f"{state.model_id!r}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {req.model[:200]!r} is not served here; this server serves {state.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     refusal = req.refusal()
     if refusal is not None:
         raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
@@ -60,8 +67,15 @@ async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: 
         ids = await state.prompts.completion(req.prompt)
         max_tokens = state.prompts.budget(len(ids), req.limit(), COMPLETION_DEFAULT_MAX_TOKENS)
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+        )
     except ValueError as exc:  # SamplingParams has the last word on values
         raise APIError(400, str(exc), code="invalid_value") from None
     shape = Shape(state.model_id, chat)
@@ -69,9 +83,13 @@ async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: 
     try:
         state.worker.submit(job)
     except Busy as exc:
-        raise APIError(503, f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
-                            f"retry after {exc.retry_after} s", code="server_busy",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        raise APIError(
+            503,
+            f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
+            f"retry after {exc.retry_after} s",
+            code="server_busy",
+            headers={"Retry-After": str(exc.retry_after)},
+        ) from None
     endpoint = "chat" if chat else "completions"
     return Pending(job, shape, params.stop, endpoint, started), req.stream
 
@@ -79,9 +97,12 @@ async def submit(state: ServerState, body: dict[str, Any], chat: bool, started: 
 def stream(state: ServerState, pending: Pending) -> StreamingResponse:
     """The SSE response: text deltas, then a last chunk with usage, timings and moe, then [DONE]."""
     # the background task also cancels a job whose client left before the first chunk was even asked for
-    return StreamingResponse(_sse(state, pending), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(pending.job.cancel))
+    return StreamingResponse(
+        _sse(state, pending),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(pending.job.cancel),
+    )
 
 
 async def answer(state: ServerState, pending: Pending, request: Request) -> Response:

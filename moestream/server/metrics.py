@@ -4,6 +4,7 @@ Each app gets its own registry, so several servers (tests) can live in one proce
 counters are read from the engine at scrape time rather than copied after every request, so a scrape
 during a long generation already shows its reads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -28,7 +29,11 @@ class _EngineCollector:
         c = self.counters()
         for name, doc, value in (
             ("moestream_expert_cache_hits", "Routed-expert lookups served from the cache.", c.hits),
-            ("moestream_expert_cache_misses", "Routed-expert lookups that had to be read from disk.", c.misses),
+            (
+                "moestream_expert_cache_misses",
+                "Routed-expert lookups that had to be read from disk.",
+                c.misses,
+            ),
             ("moestream_expert_bytes_read", "Bytes of expert weights read from disk.", c.bytes_read),
             ("moestream_expert_read_wait_seconds", "Seconds compute waited for expert reads.", c.read_wait_s),
         ):
@@ -43,16 +48,31 @@ class Metrics:
     def __init__(self, counters: Callable[[], Counters], waiting: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("moestream_requests", "Requests answered, by endpoint and HTTP status (499: the client left).",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("moestream_generations", "Generations finished, by finish reason.",
-                                ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "moestream_requests",
+            "Requests answered, by endpoint and HTTP status (499: the client left).",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "moestream_generations", "Generations finished, by finish reason.", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("moestream_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generated_tokens = Counter("moestream_generated_tokens", "Tokens generated.", registry=r)
-        self.latency = Histogram("moestream_request_latency_seconds", "Request arrival to last token.",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("moestream_time_to_first_token_seconds", "Request arrival to first token.",
-                              ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "moestream_request_latency_seconds",
+            "Request arrival to last token.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "moestream_time_to_first_token_seconds",
+            "Request arrival to first token.",
+            ["endpoint"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         queued = Gauge("moestream_queue_waiting", "Requests waiting for the model.", registry=r)
         queued.set_function(waiting)
         r.register(_EngineCollector(counters))

@@ -4,6 +4,7 @@ The worker thread decodes with the engine's tokenizer after every token. A Huggi
 may not be used from two threads at once, so the server loads its own copy from the checkpoint and uses
 it on one dedicated thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,12 @@ class Prompts:
         if isinstance(prompt, list):
             bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
             if bad is not None:
-                raise APIError(400, f"token id {bad} in 'prompt' is outside the vocabulary (0..{self.vocab - 1})",
-                               param="prompt", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"token id {bad} in 'prompt' is outside the vocabulary (0..{self.vocab - 1})",
+                    param="prompt",
+                    code="invalid_value",
+                )
             return list(prompt)
         self._need_tokenizer("prompt")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt)
@@ -43,8 +48,12 @@ class Prompts:
         """Ids of the messages rendered by the tokenizer's chat template, with the assistant turn opened."""
         self._need_tokenizer("messages")
         if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                           param="messages", code="no_chat_template")
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._render, messages)
 
     def _encode(self, text: str) -> list[int]:
@@ -53,22 +62,28 @@ class Prompts:
         try:
             ids = list(tok.encode(text, add_special_tokens=False))
         except Exception as exc:  # the request's text, not the server, is at fault
-            raise APIError(400, f"the prompt could not be tokenized: {exc}", param="prompt",
-                           code="invalid_value") from None
+            raise APIError(
+                400, f"the prompt could not be tokenized: {exc}", param="prompt", code="invalid_value"
+            ) from None
         return ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # templates raise on message orders they do not accept (jinja exceptions)
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                           code="invalid_value") from None
+            raise APIError(
+                400, f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
+            ) from None
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send 'prompt' as a list of token ids to /v1/completions",
-                           param=param, code="no_tokenizer")
+            raise APIError(
+                400,
+                "this model has no tokenizer; send 'prompt' as a list of token ids to /v1/completions",
+                param=param,
+                code="no_tokenizer",
+            )
 
     def budget(self, prompt_n: int, requested: int | None, default: int | None, param: str = "prompt") -> int:
         """max_tokens for a prompt of `prompt_n` tokens: the request's, or `default`, or all the context left.
@@ -77,19 +92,31 @@ class Prompts:
             APIError: max_tokens < 1, or the prompt or prompt + max_tokens does not fit in the context.
         """
         if requested is not None and requested < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {requested}", param="max_tokens",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"max_tokens must be at least 1, got {requested}",
+                param="max_tokens",
+                code="invalid_value",
+            )
         room = self.context - prompt_n
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_n} tokens, more than the context of {self.context} "
-                                f"leaves room for (at most {self.context - 1})",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {prompt_n} tokens, more than the context of {self.context} "
+                f"leaves room for (at most {self.context - 1})",
+                param=param,
+                code="context_length_exceeded",
+            )
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
-            raise APIError(400, f"max_tokens {requested} plus the prompt's {prompt_n} tokens exceeds the context "
-                                f"of {self.context} tokens (at most {room} here)",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens {requested} plus the prompt's {prompt_n} tokens exceeds the context "
+                f"of {self.context} tokens (at most {room} here)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ Fields that OpenAI clients send routinely and that change nothing here (user, pr
 accepted and ignored; fields whose meaning we cannot honour (n > 1, logprobs, echo, tools) are refused
 with a message, so a client never silently gets something other than what it asked for.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -105,8 +106,12 @@ class ChatMessage(BaseModel):
         if isinstance(value, list):
             parts = []
             for part in value:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise ValueError('only text content parts ({"type": "text", "text": ...}) are supported')
                 parts.append(part["text"])
             return "".join(parts)
         raise ValueError("must be a string or a list of text parts")

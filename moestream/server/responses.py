@@ -3,6 +3,7 @@
 The last chunk of a stream, and every non-streamed response, also carry `usage`, llama-server's
 `timings` and a `moe` object (see timings.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,13 @@ class Shape:
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
         if self.chat:
@@ -60,8 +67,12 @@ class Shape:
     def whole(self, gen: Generation) -> dict[str, Any]:
         """The non-streamed response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
-                      "finish_reason": gen.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+            }
             return {**self._envelope("chat.completion", choice), **_extras(gen)}
         choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
         return {**self._envelope("text_completion", choice), **_extras(gen)}

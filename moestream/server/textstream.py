@@ -5,6 +5,7 @@ an incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives, and 
 only partly generated is cut off once it completes. Holding back such a tail makes the streamed deltas
 join to exactly the final text.
 """
+
 from __future__ import annotations
 
 
@@ -30,10 +31,10 @@ class DeltaTracker:
         end = len(text) - self._held(text)
         if end <= self.sent:
             return ""
-        out, self.sent = text[self.sent:end], end
+        out, self.sent = text[self.sent : end], end
         return out
 
     def final(self, text: str) -> str:
         """Everything not sent yet of the final text."""
-        out, self.sent = text[self.sent:], len(text)
+        out, self.sent = text[self.sent :], len(text)
         return out

@@ -6,6 +6,7 @@ predicted_n counts every generated token (N) and predicted_ms covers tokens 2..N
 predicted_per_second = N / predicted_ms, exactly what llama-server reports. `moestream generate` prints
 decode tok/s = (N - 1) / the same seconds; `predicted_n - 1` over `predicted_ms` reproduces it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,11 +44,19 @@ def timings(gen: Generation) -> dict[str, Any]:
 def moe(gen: Generation) -> dict[str, Any]:
     """What the expert cache did for this request (prompt and generation together)."""
     s = gen.stats
-    return {"bytes_read": s.bytes_read, "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate,
-            "read_wait_ms": s.read_wait_ms}
+    return {
+        "bytes_read": s.bytes_read,
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_rate": s.hit_rate,
+        "read_wait_ms": s.read_wait_ms,
+    }
 
 
 def usage(gen: Generation) -> dict[str, int]:
     """OpenAI's token counts."""
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": len(gen.tokens),
-            "total_tokens": gen.prompt_tokens + len(gen.tokens)}
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": len(gen.tokens),
+        "total_tokens": gen.prompt_tokens + len(gen.tokens),
+    }

@@ -5,6 +5,7 @@ the worker runs jobs one at a time and hands each token back to the event loop t
 whose client has gone is skipped if still queued and stopped within one token if running (the engine
 polls `cancelled()` once per token).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +85,9 @@ class Job:
 class Worker:
     """Runs jobs one at a time on a dedicated thread; at most `queue_size` jobs wait."""
 
-    def __init__(self, engine: Engine, queue_size: int = 16,
-                 on_done: Callable[[Generation], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, queue_size: int = 16, on_done: Callable[[Generation], None] | None = None
+    ) -> None:
         if queue_size < 1:
             raise ValueError(f"queue size must be at least 1, got {queue_size}")
         self.engine = engine
@@ -93,7 +95,8 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.running: Job | None = None
         self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
-        # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded with
+        # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded
+        # with
         self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="moestream-worker", daemon=True)
 
@@ -147,7 +150,9 @@ class Worker:
                 self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - start)
 
     def _generate(self, job: Job) -> None:
-        for gen in self.engine.stream(job.ids, job.params, cancelled=job.stop.is_set, request_id=job.request_id):
+        for gen in self.engine.stream(
+            job.ids, job.params, cancelled=job.stop.is_set, request_id=job.request_id
+        ):
             # the same Generation object grows: read what we need now, before the next token changes it
             if not gen.done:
                 job.emit(Token(gen.text, len(gen.tokens)))

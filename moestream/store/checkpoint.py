@@ -1,4 +1,5 @@
 """A checkpoint directory: its config, its safetensors shards and every tensor's location."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,9 @@ def resolve_path(path_or_id: str) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)")
+        raise CheckpointError(
+            f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)"
+        )
     if path_or_id.count("/") == 1 and not path_or_id.startswith((".", "/", "~")):
         return _from_hub(path_or_id)
     raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -48,7 +51,9 @@ def _from_hub(repo_id: str) -> Path:
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
-        raise CheckpointError(f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})") from None
+        raise CheckpointError(
+            f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})"
+        ) from None
 
 
 def shard_files(path: Path) -> list[str]:
@@ -58,15 +63,18 @@ def shard_files(path: Path) -> list[str]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except KeyError:
-            raise CheckpointError(f"{index} is not a valid safetensors index (it has no weight_map)") \
-                from None
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (it has no weight_map)"
+            ) from None
         except (ValueError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
         except OSError as exc:
             raise CheckpointError(f"cannot read {index}: {exc.strerror}") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index} is not a valid safetensors index (its weight_map must map tensor "
-                                  "names to shard file names)")
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (its weight_map must map tensor "
+                "names to shard file names)"
+            )
         files = sorted({str(path / name) for name in weight_map.values()})
         for name in files:
             if not os.path.exists(name):

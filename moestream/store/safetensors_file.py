@@ -4,6 +4,7 @@ The safetensors library reads tensors but does not expose where they sit in the 
 what O_DIRECT streaming needs, so the (documented, tiny) header format is parsed here: an 8-byte
 little-endian header length, a JSON object, then the data section that `data_offsets` index into.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,21 @@ from moestream.errors import CheckpointError
 
 # safetensors dtype string -> bytes per element
 DTYPE_BYTES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -53,7 +67,9 @@ def read_header(path: str | Path) -> dict[str, TensorRef]:
                 raise CheckpointError(f"{path} is not a safetensors file: it is only {size} bytes long")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
-                raise CheckpointError(f"{path} has a corrupt safetensors header (declared length {header_len})")
+                raise CheckpointError(
+                    f"{path} has a corrupt safetensors header (declared length {header_len})"
+                )
             raw = f.read(header_len)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} does not exist") from None
@@ -78,13 +94,16 @@ def _tensor_refs(path: str, header: dict, data_start: int, size: int) -> dict[st
         begin, end = (int(v) for v in info["data_offsets"])
         dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
         if dtype not in DTYPE_BYTES or begin < 0 or end < begin or min(shape, default=0) < 0:
-            raise ValueError(f"tensor {name} has dtype {dtype}, shape {list(shape)} and offsets "
-                             f"{begin}..{end}")
+            raise ValueError(
+                f"tensor {name} has dtype {dtype}, shape {list(shape)} and offsets {begin}..{end}"
+            )
         expected = DTYPE_BYTES[dtype]
         for dim in shape:
             expected *= dim
         if expected != end - begin:
-            raise ValueError(f"tensor {name} spans {end - begin} bytes but shape {list(shape)} needs {expected}")
+            raise ValueError(
+                f"tensor {name} spans {end - begin} bytes but shape {list(shape)} needs {expected}"
+            )
         refs[name] = TensorRef(path, data_start + begin, end - begin, dtype, shape, name)
     _check_disjoint(refs)
     return refs
@@ -95,8 +114,10 @@ def _check_disjoint(refs: dict[str, TensorRef]) -> None:
     previous: TensorRef | None = None
     for ref in sorted((r for r in refs.values() if r.nbytes), key=lambda r: (r.offset, r.end)):
         if previous is not None and ref.offset < previous.end:
-            raise ValueError(f"tensors {previous.name} (bytes {previous.offset}..{previous.end}) and "
-                             f"{ref.name} (bytes {ref.offset}..{ref.end}) overlap")
+            raise ValueError(
+                f"tensors {previous.name} (bytes {previous.offset}..{previous.end}) and "
+                f"{ref.name} (bytes {ref.offset}..{ref.end}) overlap"
+            )
         previous = ref
 
 

@@ -5,11 +5,20 @@
 
 Imports are lazy so that `import moestream.synth` does not pull in torch or transformers.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["synthesize", "routing_stats", "routing_measures", "SAMPLE_TEXT", "PRESETS", "ARCHS", "SYNTH_MARKER"]
+__all__ = [
+    "ARCHS",
+    "PRESETS",
+    "SAMPLE_TEXT",
+    "SYNTH_MARKER",
+    "routing_measures",
+    "routing_stats",
+    "synthesize",
+]
 
 _LAZY = {
     "synthesize": "moestream.synth.build",

@@ -3,6 +3,7 @@
 Everything goes into a hidden sibling directory first and is renamed into place at the end, so an
 interrupted synth leaves no half checkpoint under the requested name.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,25 @@ SYNTH_MARKER = "moestream_synth.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
-def synthesize(out_dir: str | os.PathLike[str], *, arch: str | None = None, layers: int | None = None,
-               experts: int | None = None, top_k: int | None = None, hidden: int | None = None,
-               moe_intermediate: int | None = None, dtype: str = "bf16", preset: str | None = None,
-               seed: int = 0, shard_bytes: int = DEFAULT_SHARD_BYTES, mxfp4: bool = False,
-               realistic_routing: bool = True, vocab_size: int | None = None, force: bool = False,
-               on_progress: Callable[[int, int], None] | None = None) -> Path:
+def synthesize(
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: str | None = None,
+    layers: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+    hidden: int | None = None,
+    moe_intermediate: int | None = None,
+    dtype: str = "bf16",
+    preset: str | None = None,
+    seed: int = 0,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    mxfp4: bool = False,
+    realistic_routing: bool = True,
+    vocab_size: int | None = None,
+    force: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write a random-weight checkpoint of `arch` (or of `preset`, overridden by explicit sizes).
 
     The directory gets a genuine transformers config.json and generation_config.json, a byte-level
@@ -45,9 +59,20 @@ def synthesize(out_dir: str | os.PathLike[str], *, arch: str | None = None, laye
     Raises:
         MoestreamError: bad sizes or names, or `out_dir` exists and is not empty (without `force`).
     """
-    spec = resolve_spec(preset, arch=arch, layers=layers, experts=experts, top_k=top_k, hidden=hidden,
-                        moe_intermediate=moe_intermediate, dtype=dtype, seed=seed, mxfp4=mxfp4,
-                        realistic_routing=realistic_routing, vocab_size=vocab_size)
+    spec = resolve_spec(
+        preset,
+        arch=arch,
+        layers=layers,
+        experts=experts,
+        top_k=top_k,
+        hidden=hidden,
+        moe_intermediate=moe_intermediate,
+        dtype=dtype,
+        seed=seed,
+        mxfp4=mxfp4,
+        realistic_routing=realistic_routing,
+        vocab_size=vocab_size,
+    )
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise MoestreamError(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
     out = Path(out_dir)
@@ -82,8 +107,9 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_all(tmp: Path, spec: SynthSpec, shard_bytes: int,
-               on_progress: Callable[[int, int], None] | None) -> None:
+def _write_all(
+    tmp: Path, spec: SynthSpec, shard_bytes: int, on_progress: Callable[[int, int], None] | None
+) -> None:
     """Tokenizer, configs, weights and the synth marker, in that order, into `tmp`."""
     t0 = time.perf_counter()
     tok = save_tokenizer(tmp, DEFAULT_VOCAB)
@@ -94,19 +120,29 @@ def _write_all(tmp: Path, spec: SynthSpec, shard_bytes: int,
     cfg.save_pretrained(str(tmp))
     _save_generation_config(tmp, eos_ids=[tok["eos"], tok["im_end"]], pad_id=tok["eos"])
     model = meta_model(cfg, spec.dtype)
-    specs = checkpoint_tensors(model, spec.arch, spec.dtype, experts=spec.experts, hidden=spec.hidden,
-                               moe_intermediate=spec.moe_intermediate, mxfp4=spec.mxfp4)
+    specs = checkpoint_tensors(
+        model,
+        spec.arch,
+        spec.dtype,
+        experts=spec.experts,
+        hidden=spec.hidden,
+        moe_intermediate=spec.moe_intermediate,
+        mxfp4=spec.mxfp4,
+    )
     scheme = InitScheme() if spec.realistic_routing else InitScheme.plain()
     source = NoiseSource(spec.seed)
-    data = [TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, scheme, source, model, spec.seed))
-            for s in specs]
+    data = [
+        TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, scheme, source, model, spec.seed))
+        for s in specs
+    ]
     files = write_checkpoint(tmp, data, shard_bytes, _progress_counter(data, on_progress))
     marker = synth_marker(spec, scheme, specs, files, vocab, tok["size"], time.perf_counter() - t0)
     (tmp / SYNTH_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _progress_counter(data: list[TensorData], on_progress: Callable[[int, int], None] | None
-                      ) -> Callable[[int], None] | None:
+def _progress_counter(
+    data: list[TensorData], on_progress: Callable[[int, int], None] | None
+) -> Callable[[int], None] | None:
     """Turn per-chunk byte counts into on_progress(done, total) calls."""
     if on_progress is None:
         return None
@@ -137,19 +173,34 @@ def _save_generation_config(tmp: Path, eos_ids: list[int], pad_id: int) -> None:
     GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id).save_pretrained(str(tmp))
 
 
-def synth_marker(spec: SynthSpec, scheme: InitScheme, specs: list[TensorSpec], files: list[str],
-                 vocab: int, tokenizer_size: int, seconds: float) -> dict[str, Any]:
+def synth_marker(
+    spec: SynthSpec,
+    scheme: InitScheme,
+    specs: list[TensorSpec],
+    files: list[str],
+    vocab: int,
+    tokenizer_size: int,
+    seconds: float,
+) -> dict[str, Any]:
     """Contents of moestream_synth.json: the synth parameters, byte counts and `"synthetic": true`."""
     expert_bytes = sum(s.nbytes for s in specs if s.routed)
     return {
         "synthetic": True,
         "generator": f"moestream synth {moestream.__version__}",
-        "preset": spec.preset, "arch": spec.arch, "layers": spec.layers, "experts": spec.experts,
-        "top_k": spec.top_k, "hidden": spec.hidden, "moe_intermediate": spec.moe_intermediate,
-        "dtype": spec.dtype, "seed": spec.seed, "mxfp4": spec.mxfp4,
+        "preset": spec.preset,
+        "arch": spec.arch,
+        "layers": spec.layers,
+        "experts": spec.experts,
+        "top_k": spec.top_k,
+        "hidden": spec.hidden,
+        "moe_intermediate": spec.moe_intermediate,
+        "dtype": spec.dtype,
+        "seed": spec.seed,
+        "mxfp4": spec.mxfp4,
         "realistic_routing": spec.realistic_routing,
         "init": {"std": scheme.std, "embed_scale": scheme.embed_scale, "out_scale": scheme.out_scale},
-        "vocab_size": vocab, "tokenizer_size": tokenizer_size,
+        "vocab_size": vocab,
+        "tokenizer_size": tokenizer_size,
         "expert_layout": expert_layout(spec.arch, spec.mxfp4),
         "moe_layers": len({s.layer for s in specs if s.routed}),
         "expert_bytes": expert_bytes,

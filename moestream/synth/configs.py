@@ -4,9 +4,11 @@ Each architecture gets the keyword arguments of its config class; sizes that the
 (dense MLP width, MLA ranks, linear-attention heads) follow the ratios of the real checkpoints of the
 family. Only the routed experts must match the spec exactly: they are what moestream streams.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from moestream.synth.shapes import SynthSpec, with_attention_shape
 
@@ -19,7 +21,7 @@ _N_SHARED = {"deepseek_v2": 2, "deepseek_v3": 1, "glm4_moe": 1}
 _VLM_ARCHITECTURE = {"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
-def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int) -> "PretrainedConfig":
+def build_config(spec: SynthSpec, vocab_size: int, eos_id: int, pad_id: int) -> PretrainedConfig:
     """The transformers config object for `spec` (dtype set), ready for `save_pretrained`."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -59,7 +61,7 @@ def mxfp4_quantization_config() -> dict[str, Any]:
     return Mxfp4Config(modules_to_not_convert=keep).to_dict()
 
 
-def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec) -> "PretrainedConfig":
+def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: SynthSpec) -> PretrainedConfig:
     """Qwen3.5-MoE ships a composite (vision + text) config; its text model loads as a CausalLM."""
     text = transformers.Qwen3_5MoeTextConfig(**text_kwargs)
     cfg = transformers.Qwen3_5MoeConfig(text_config=text.to_dict(), dtype=spec.torch_dtype_name)
@@ -68,36 +70,63 @@ def _qwen3_5_composite(transformers: Any, text_kwargs: dict[str, Any], spec: Syn
 
 
 def _qwen3_moe(s: SynthSpec) -> dict[str, Any]:
-    return {"head_dim": s.head_dim, "intermediate_size": 4 * s.moe_intermediate,
-            "moe_intermediate_size": s.moe_intermediate, "num_experts": s.experts,
-            "num_experts_per_tok": s.top_k, "norm_topk_prob": True}
+    return {
+        "head_dim": s.head_dim,
+        "intermediate_size": 4 * s.moe_intermediate,
+        "moe_intermediate_size": s.moe_intermediate,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "norm_topk_prob": True,
+    }
 
 
 def _qwen2_moe(s: SynthSpec) -> dict[str, Any]:
     # Qwen1.5-MoE-A2.7B: shared expert 4x the routed expert width, no top-k renormalisation
-    return {"intermediate_size": 4 * s.moe_intermediate, "moe_intermediate_size": s.moe_intermediate,
-            "shared_expert_intermediate_size": 4 * s.moe_intermediate, "num_experts": s.experts,
-            "num_experts_per_tok": s.top_k, "norm_topk_prob": False}
+    return {
+        "intermediate_size": 4 * s.moe_intermediate,
+        "moe_intermediate_size": s.moe_intermediate,
+        "shared_expert_intermediate_size": 4 * s.moe_intermediate,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "norm_topk_prob": False,
+    }
 
 
 def _mixtral(s: SynthSpec) -> dict[str, Any]:
-    return {"head_dim": s.head_dim, "intermediate_size": s.moe_intermediate,
-            "num_local_experts": s.experts, "num_experts_per_tok": s.top_k}
+    return {
+        "head_dim": s.head_dim,
+        "intermediate_size": s.moe_intermediate,
+        "num_local_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+    }
 
 
 def _olmoe(s: SynthSpec) -> dict[str, Any]:
-    return {"intermediate_size": s.moe_intermediate, "num_experts": s.experts,
-            "num_experts_per_tok": s.top_k, "norm_topk_prob": False}
+    return {
+        "intermediate_size": s.moe_intermediate,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "norm_topk_prob": False,
+    }
 
 
 def _deepseek(s: SynthSpec) -> dict[str, Any]:
     """DeepSeek-V2/V3 with MLA ranks in V3's proportions to the head size (128 -> 512/1536)."""
     hd = s.head_dim or 64
-    kwargs = {"intermediate_size": 4 * s.moe_intermediate, "moe_intermediate_size": s.moe_intermediate,
-              "n_routed_experts": s.experts, "num_experts_per_tok": s.top_k,
-              "n_shared_experts": _N_SHARED[s.arch], "first_k_dense_replace": 1 if s.layers > 1 else 0,
-              "num_key_value_heads": s.heads, "kv_lora_rank": 4 * hd, "q_lora_rank": 12 * hd,
-              "qk_rope_head_dim": hd // 2, "qk_nope_head_dim": hd, "v_head_dim": hd}
+    kwargs = {
+        "intermediate_size": 4 * s.moe_intermediate,
+        "moe_intermediate_size": s.moe_intermediate,
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "n_shared_experts": _N_SHARED[s.arch],
+        "first_k_dense_replace": 1 if s.layers > 1 else 0,
+        "num_key_value_heads": s.heads,
+        "kv_lora_rank": 4 * hd,
+        "q_lora_rank": 12 * hd,
+        "qk_rope_head_dim": hd // 2,
+        "qk_nope_head_dim": hd,
+        "v_head_dim": hd,
+    }
     if s.arch == "deepseek_v2":
         kwargs.update(head_dim=hd // 2, n_group=1, topk_group=1, topk_method="greedy")
     else:
@@ -113,35 +142,59 @@ def _expert_groups(s: SynthSpec) -> dict[str, int]:
 
 
 def _glm4_moe(s: SynthSpec) -> dict[str, Any]:
-    return {"head_dim": s.head_dim, "intermediate_size": 4 * s.moe_intermediate,
-            "moe_intermediate_size": s.moe_intermediate, "n_routed_experts": s.experts,
-            "num_experts_per_tok": s.top_k, "n_shared_experts": _N_SHARED["glm4_moe"],
-            "first_k_dense_replace": 1 if s.layers > 1 else 0, "n_group": 1, "topk_group": 1,
-            "use_qk_norm": True}
+    return {
+        "head_dim": s.head_dim,
+        "intermediate_size": 4 * s.moe_intermediate,
+        "moe_intermediate_size": s.moe_intermediate,
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "n_shared_experts": _N_SHARED["glm4_moe"],
+        "first_k_dense_replace": 1 if s.layers > 1 else 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "use_qk_norm": True,
+    }
 
 
 def _qwen3_linear(s: SynthSpec) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5: gated-delta-net layers (3 of every 4) plus a shared expert."""
     hd = s.head_dim or 64
     key_heads = max(1, (s.heads or 2) // 2)
-    kwargs = {"head_dim": hd, "moe_intermediate_size": s.moe_intermediate,
-              "shared_expert_intermediate_size": s.moe_intermediate, "num_experts": s.experts,
-              "num_experts_per_tok": s.top_k, "linear_key_head_dim": hd, "linear_value_head_dim": hd,
-              "linear_num_key_heads": key_heads, "linear_num_value_heads": 2 * key_heads}
+    kwargs = {
+        "head_dim": hd,
+        "moe_intermediate_size": s.moe_intermediate,
+        "shared_expert_intermediate_size": s.moe_intermediate,
+        "num_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "linear_key_head_dim": hd,
+        "linear_value_head_dim": hd,
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": 2 * key_heads,
+    }
     if s.arch == "qwen3_next":
         kwargs.update(intermediate_size=4 * s.moe_intermediate, norm_topk_prob=True)
     return kwargs
 
 
 def _gpt_oss(s: SynthSpec) -> dict[str, Any]:
-    return {"head_dim": s.head_dim, "intermediate_size": s.moe_intermediate,
-            "num_local_experts": s.experts, "num_experts_per_tok": s.top_k,
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s.layers)]}
+    return {
+        "head_dim": s.head_dim,
+        "intermediate_size": s.moe_intermediate,
+        "num_local_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
+    }
 
 
 _ARCH_KWARGS: dict[str, Callable[[SynthSpec], dict[str, Any]]] = {
-    "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe, "mixtral": _mixtral, "olmoe": _olmoe,
-    "deepseek_v2": _deepseek, "deepseek_v3": _deepseek, "glm4_moe": _glm4_moe,
-    "qwen3_next": _qwen3_linear, "qwen3_5_moe": _qwen3_linear, "gpt_oss": _gpt_oss,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
+    "glm4_moe": _glm4_moe,
+    "qwen3_next": _qwen3_linear,
+    "qwen3_5_moe": _qwen3_linear,
+    "gpt_oss": _gpt_oss,
 }
-

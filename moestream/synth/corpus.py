@@ -4,6 +4,7 @@ It is kept in a module rather than a data file so that it ships with the package
 package-data configuration. The text only has to give the BPE trainer common English and Korean
 byte pairs to merge; nothing depends on its meaning.
 """
+
 from __future__ import annotations
 
 ENGLISH = """\
@@ -73,5 +74,5 @@ KOREAN = """\
 
 
 def corpus_lines() -> list[str]:
-    """The corpus as a list of non-empty lines, English first, in a fixed order (training is deterministic)."""
+    """The corpus as a list of non-empty lines, English first, in a fixed order (deterministic training)."""
     return [line for line in (ENGLISH + KOREAN).splitlines() if line.strip()]

@@ -13,6 +13,7 @@ renamed to their on-disk names. Routed experts are written in the family's origi
   `gate_up_proj_bias` [E,2I], `down_proj` [E,I,H], `down_proj_bias` [E,H]; with MXFP4,
   `{gate_up,down}_proj_blocks` [E,R,K/32,16] u8 and `_scales` [E,R,K/32] u8 replace the matrices.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,7 +62,7 @@ def checkpoint_name(arch: str, param: str) -> str:
     if arch == "mixtral":
         param = param.replace(".mlp.gate.", ".block_sparse_moe.gate.")
     if arch == "qwen3_5_moe" and param.startswith("model."):
-        param = "model.language_model." + param[len("model."):]
+        param = "model.language_model." + param[len("model.") :]
     return param
 
 
@@ -80,8 +81,16 @@ def role_of(param: str, ndim: int) -> str:
     return "matrix"
 
 
-def checkpoint_tensors(model: Any, arch: str, dtype: str, *, experts: int, hidden: int,
-                       moe_intermediate: int, mxfp4: bool = False) -> list[TensorSpec]:
+def checkpoint_tensors(
+    model: Any,
+    arch: str,
+    dtype: str,
+    *,
+    experts: int,
+    hidden: int,
+    moe_intermediate: int,
+    mxfp4: bool = False,
+) -> list[TensorSpec]:
     """All tensors of the checkpoint, in file order: each layer's experts follow its other tensors.
 
     `model` is the transformers model built on the meta device from the synth config.
@@ -100,28 +109,41 @@ def checkpoint_tensors(model: Any, arch: str, dtype: str, *, experts: int, hidde
             continue
         # DeepSeek-V3 / GLM keep the routing bias in fp32 on disk, like the real checkpoints
         tdtype = "F32" if param.endswith("e_score_correction_bias") else sd_dtype
-        out.append(TensorSpec(checkpoint_name(arch, param), tuple(tensor.shape), tdtype,
-                              role_of(param, tensor.dim()), param=param, layer=layer))
+        out.append(
+            TensorSpec(
+                checkpoint_name(arch, param),
+                tuple(tensor.shape),
+                tdtype,
+                role_of(param, tensor.dim()),
+                param=param,
+                layer=layer,
+            )
+        )
     return out
 
 
-def expert_tensors(arch: str, prefix: str, layer: int, experts: int, hidden: int, inter: int,
-                   dtype: str, mxfp4: bool = False) -> list[TensorSpec]:
+def expert_tensors(
+    arch: str, prefix: str, layer: int, experts: int, hidden: int, inter: int, dtype: str, mxfp4: bool = False
+) -> list[TensorSpec]:
     """The routed-expert tensors of one MoE layer; `prefix` is e.g. "model.layers.3."."""
     E, H, I = experts, hidden, inter
     if arch == "gpt_oss":
         return _gpt_oss_experts(prefix + "mlp.experts.", layer, E, H, I, dtype, mxfp4)
     if arch == "qwen3_5_moe":
         p = prefix + "mlp.experts."
-        return [TensorSpec(p + "gate_up_proj", (E, 2 * I, H), dtype, "matrix", True, layer=layer),
-                TensorSpec(p + "down_proj", (E, H, I), dtype, "down", True, layer=layer)]
+        return [
+            TensorSpec(p + "gate_up_proj", (E, 2 * I, H), dtype, "matrix", True, layer=layer),
+            TensorSpec(p + "down_proj", (E, H, I), dtype, "down", True, layer=layer),
+        ]
     block, (gate, up, down) = _PER_EXPERT.get(arch, _DEFAULT_PER_EXPERT)
     out = []
     for e in range(E):
         p = f"{prefix}{block}.experts.{e}."
-        out += [TensorSpec(p + gate + ".weight", (I, H), dtype, "matrix", True, layer=layer, expert=e),
-                TensorSpec(p + up + ".weight", (I, H), dtype, "matrix", True, layer=layer, expert=e),
-                TensorSpec(p + down + ".weight", (H, I), dtype, "down", True, layer=layer, expert=e)]
+        out += [
+            TensorSpec(p + gate + ".weight", (I, H), dtype, "matrix", True, layer=layer, expert=e),
+            TensorSpec(p + up + ".weight", (I, H), dtype, "matrix", True, layer=layer, expert=e),
+            TensorSpec(p + down + ".weight", (H, I), dtype, "down", True, layer=layer, expert=e),
+        ]
     return out
 
 
@@ -130,20 +152,25 @@ def _gpt_oss_experts(p: str, layer: int, E: int, H: int, I: int, dtype: str, mxf
     gate_up_bias = TensorSpec(p + "gate_up_proj_bias", (E, 2 * I), dtype, "zeros", True, layer=layer)
     down_bias = TensorSpec(p + "down_proj_bias", (E, H), dtype, "zeros", True, layer=layer)
     if not mxfp4:
-        return [TensorSpec(p + "gate_up_proj", (E, H, 2 * I), dtype, "matrix", True, layer=layer),
-                gate_up_bias,
-                TensorSpec(p + "down_proj", (E, I, H), dtype, "down", True, layer=layer),
-                down_bias]
+        return [
+            TensorSpec(p + "gate_up_proj", (E, H, 2 * I), dtype, "matrix", True, layer=layer),
+            gate_up_bias,
+            TensorSpec(p + "down_proj", (E, I, H), dtype, "down", True, layer=layer),
+            down_bias,
+        ]
+
     # blocks [E, rows, in/32, 16]: 32 FP4 values in 16 bytes; scales [E, rows, in/32]: E8M0 exponents
     def packed(name: str, shape: tuple[int, ...], role: str, part: str) -> TensorSpec:
         return TensorSpec(p + name, shape, "U8", role, True, layer=layer, mxfp4=part)
 
-    return [packed("gate_up_proj_blocks", (E, 2 * I, H // 32, 16), "matrix", "blocks"),
-            packed("gate_up_proj_scales", (E, 2 * I, H // 32), "matrix", "scales"),
-            gate_up_bias,
-            packed("down_proj_blocks", (E, H, I // 32, 16), "down", "blocks"),
-            packed("down_proj_scales", (E, H, I // 32), "down", "scales"),
-            down_bias]
+    return [
+        packed("gate_up_proj_blocks", (E, 2 * I, H // 32, 16), "matrix", "blocks"),
+        packed("gate_up_proj_scales", (E, 2 * I, H // 32), "matrix", "scales"),
+        gate_up_bias,
+        packed("down_proj_blocks", (E, H, I // 32, 16), "down", "blocks"),
+        packed("down_proj_scales", (E, H, I // 32), "down", "scales"),
+        down_bias,
+    ]
 
 
 def expert_layout(arch: str, mxfp4: bool = False) -> str:

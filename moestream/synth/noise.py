@@ -15,6 +15,7 @@ at offset (start + k * step) mod PERIOD, where k counts the chunks written so fa
   a period of 2**k elements would hide;
 - the output depends only on the seed and the order of the tensors, so a synth is reproducible.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ class NoiseSource:
         while remaining > 0:
             n = min(chunk, remaining)
             start = self._offset()
-            yield buf[start:start + n].view(torch.uint8)
+            yield buf[start : start + n].view(torch.uint8)
             remaining -= n
 
     def uniform_bytes(self, nbytes: int) -> Iterator[torch.Tensor]:
@@ -69,7 +70,7 @@ class NoiseSource:
         while remaining > 0:
             n = min(PERIOD, remaining)
             start = self._offset()
-            yield self._bytes[start:start + n]
+            yield self._bytes[start : start + n]
             remaining -= n
 
 

@@ -10,6 +10,7 @@ Two measures decide how flattering a cache figure is:
 The picks are read from the router modules (`mlp.gate`, `mlp.router` for gpt-oss) with forward
 hooks, so the measure works on the stock model and on one whose experts modules were replaced.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ import torch
 
 from moestream.synth.sample_text import SAMPLE_TEXT
 
-__all__ = ["routing_stats", "routing_measures", "hot_share", "adjacent_overlap", "SAMPLE_TEXT"]
+__all__ = ["SAMPLE_TEXT", "adjacent_overlap", "hot_share", "routing_measures", "routing_stats"]
 
 # router modules of every supported family, e.g. "model.layers.3.mlp.gate", "model.layers.0.mlp.router"
 _ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|router)$")
@@ -47,8 +48,10 @@ def routing_measures(picks: Mapping[int, torch.Tensor], num_experts: int | None 
 
     With `num_experts`, the values of uniform independent routing are included for comparison.
     """
-    layers = [{"layer": layer, "hot8_share": hot_share(p), "adjacent_overlap": adjacent_overlap(p)}
-              for layer, p in sorted(picks.items())]
+    layers = [
+        {"layer": layer, "hot8_share": hot_share(p), "adjacent_overlap": adjacent_overlap(p)}
+        for layer, p in sorted(picks.items())
+    ]
     if not layers:
         raise ValueError("no router picks to measure")
     first = picks[layers[0]["layer"]]
@@ -66,8 +69,14 @@ def routing_measures(picks: Mapping[int, torch.Tensor], num_experts: int | None 
     return out
 
 
-def routing_stats(model: Any, tokenizer: Any, text: str = SAMPLE_TEXT, *, top_k: int | None = None,
-                  max_tokens: int | None = None) -> dict[str, Any]:
+def routing_stats(
+    model: Any,
+    tokenizer: Any,
+    text: str = SAMPLE_TEXT,
+    *,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
     """Run `model` once on `text` and measure its routing (see `routing_measures` for the result).
 
     Works with any transformers MoE whose routers return `(logits, weights, indices)` (5.x) or plain
@@ -75,7 +84,9 @@ def routing_stats(model: Any, tokenizer: Any, text: str = SAMPLE_TEXT, *, top_k:
     """
     routers = [(int(m.group(1)), mod) for name, mod in model.named_modules() if (m := _ROUTER.search(name))]
     if not routers:
-        raise ValueError(f"no router modules (...layers.N.mlp.gate / .router) found in {type(model).__name__}")
+        raise ValueError(
+            f"no router modules (...layers.N.mlp.gate / .router) found in {type(model).__name__}"
+        )
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     k = top_k or getattr(cfg, "num_experts_per_tok", None)
@@ -88,6 +99,7 @@ def routing_stats(model: Any, tokenizer: Any, text: str = SAMPLE_TEXT, *, top_k:
             picks[layer] = idx.detach().reshape(-1, idx.shape[-1]).cpu()
             if logits is not None:
                 widths.add(int(logits.shape[-1]))
+
         return hook
 
     handles = [mod.register_forward_hook(capture(layer)) for layer, mod in routers]
@@ -119,9 +131,13 @@ def _indices(output: Any, k: int | None) -> tuple[torch.Tensor, torch.Tensor | N
 
 def format_stats(stats: dict[str, Any]) -> str:
     """Per-layer table and means, as printed by `python -m moestream.synth.routing`."""
-    lines = [f"{stats['tokens']} tokens, top-{stats['top_k']} of {stats.get('num_experts', '?')} experts",
-             "layer  hot8_share  adjacent_overlap"]
-    lines += [f"{r['layer']:5d}  {r['hot8_share']:10.3f}  {r['adjacent_overlap']:16.3f}" for r in stats["layers"]]
+    lines = [
+        f"{stats['tokens']} tokens, top-{stats['top_k']} of {stats.get('num_experts', '?')} experts",
+        "layer  hot8_share  adjacent_overlap",
+    ]
+    lines += [
+        f"{r['layer']:5d}  {r['hot8_share']:10.3f}  {r['adjacent_overlap']:16.3f}" for r in stats["layers"]
+    ]
     lines.append(f" mean  {stats['hot8_share']:10.3f}  {stats['adjacent_overlap']:16.3f}")
     if "uniform_hot8_share" in stats:
         lines.append(f"uniform {stats['uniform_hot8_share']:8.3f}  {stats['uniform_adjacent_overlap']:16.3f}")

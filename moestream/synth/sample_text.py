@@ -1,4 +1,5 @@
 """A plain English sample text (about 400 words) on which routing is measured (`info`, docs/synth.md)."""
+
 from __future__ import annotations
 
 SAMPLE_TEXT = """\

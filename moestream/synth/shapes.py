@@ -4,6 +4,7 @@ A preset fixes every shape of a real model (attention heads, head size, context 
 arguments override it, so `--preset qwen3-30b-a3b --layers 8 --experts 32` keeps Qwen3-30B-A3B's
 attention and expert size with fewer layers and experts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -12,8 +13,16 @@ from typing import Any
 from moestream.errors import MoestreamError
 
 ARCHS: tuple[str, ...] = (
-    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3",
-    "glm4_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "gpt_oss",
 )
 DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -72,21 +81,46 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "qwen3-30b-a3b": Preset(
-        "qwen3_moe", layers=48, experts=128, top_k=8, hidden=2048, moe_intermediate=768,
-        heads=32, kv_heads=4, head_dim=128,
-        extra={"intermediate_size": 6144, "max_position_embeddings": 40960, "norm_topk_prob": True,
-               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+        "qwen3_moe",
+        layers=48,
+        experts=128,
+        top_k=8,
+        hidden=2048,
+        moe_intermediate=768,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        extra={
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "norm_topk_prob": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
         about="Qwen3-30B-A3B: 48 layers x 128 experts, top-8, 32 heads / 4 kv heads of 128",
     ),
     "olmoe-1b-7b": Preset(
-        "olmoe", layers=16, experts=64, top_k=8, hidden=2048, moe_intermediate=1024,
-        heads=16, kv_heads=16, head_dim=128,
+        "olmoe",
+        layers=16,
+        experts=64,
+        top_k=8,
+        hidden=2048,
+        moe_intermediate=1024,
+        heads=16,
+        kv_heads=16,
+        head_dim=128,
         extra={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
         about="OLMoE-1B-7B: 16 layers x 64 experts, top-8, 16 heads of 128",
     ),
     "gpt-oss-20b": Preset(
-        "gpt_oss", layers=24, experts=32, top_k=4, hidden=2880, moe_intermediate=2880,
-        heads=64, kv_heads=8, head_dim=64,
+        "gpt_oss",
+        layers=24,
+        experts=32,
+        top_k=4,
+        hidden=2880,
+        moe_intermediate=2880,
+        heads=64,
+        kv_heads=8,
+        head_dim=64,
         # GptOssConfig's default RoPE is already gpt-oss's YaRN (theta 150000, factor 32)
         extra={"max_position_embeddings": 131072, "sliding_window": 128},
         about="gpt-oss-20b: 24 layers x 32 experts, top-4, 64 heads / 8 kv heads of 64",
@@ -95,8 +129,15 @@ PRESETS: dict[str, Preset] = {
     # --layers 11 gives 2 GiB); one token's working set, 5 layers x top-8 x 3 MiB = 120 MiB, fits the
     # 128 MiB cache of `moestream demo`
     "demo": Preset(
-        "qwen3_moe", layers=5, experts=64, top_k=8, hidden=1024, moe_intermediate=512,
-        heads=16, kv_heads=4, head_dim=64,
+        "qwen3_moe",
+        layers=5,
+        experts=64,
+        top_k=8,
+        hidden=1024,
+        moe_intermediate=512,
+        heads=16,
+        kv_heads=4,
+        head_dim=64,
         extra={"max_position_embeddings": 4096, "norm_topk_prob": True},
         about="small Qwen3-MoE with 960 MiB of bf16 experts, for `moestream demo`",
     ),
@@ -122,7 +163,9 @@ def resolve_spec(preset: str | None = None, **given: Any) -> SynthSpec:
             merged.update(heads=None, kv_heads=None, head_dim=None)
         merged.update(values)
         values = merged
-    missing = [k for k in ("arch", "layers", "experts", "top_k", "hidden", "moe_intermediate") if k not in values]
+    missing = [
+        k for k in ("arch", "layers", "experts", "top_k", "hidden", "moe_intermediate") if k not in values
+    ]
     if missing:
         flags = ", ".join("--" + k.replace("_", "-") for k in missing)
         raise MoestreamError(f"give a --preset or all of the sizes; missing: {flags}")
@@ -141,11 +184,14 @@ def normalize_dtype(name: str) -> str:
 def with_attention_shape(spec: SynthSpec) -> SynthSpec:
     """Fill in heads, kv_heads and head_dim derived from `hidden` where the spec leaves them open."""
     head_dim = spec.head_dim or next(
-        (d for d in (128, 64, 32, 16, 8) if spec.hidden % d == 0 and spec.hidden // d >= 4), None)
+        (d for d in (128, 64, 32, 16, 8) if spec.hidden % d == 0 and spec.hidden // d >= 4), None
+    )
     if head_dim is None:
         raise MoestreamError(f"hidden size {spec.hidden} must be a multiple of 8 and at least 32")
     heads = spec.heads or max(1, spec.hidden // head_dim)
-    kv_heads = spec.kv_heads or max(d for d in range(1, heads + 1) if heads % d == 0 and d <= max(2, heads // 4))
+    kv_heads = spec.kv_heads or max(
+        d for d in range(1, heads + 1) if heads % d == 0 and d <= max(2, heads // 4)
+    )
     if heads % kv_heads:
         raise MoestreamError(f"{heads} attention heads are not a multiple of {kv_heads} kv heads")
     return replace(spec, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
@@ -167,7 +213,8 @@ def _validate(spec: SynthSpec) -> None:
     if spec.mxfp4 and (spec.hidden % 32 or spec.moe_intermediate % 32):
         raise MoestreamError(
             f"--mxfp4 packs blocks of 32 values: hidden ({spec.hidden}) and moe-intermediate "
-            f"({spec.moe_intermediate}) must both be multiples of 32")
+            f"({spec.moe_intermediate}) must both be multiples of 32"
+        )
     if spec.vocab_size is not None and spec.vocab_size < 1:
         raise MoestreamError(f"vocab size must be positive, not {spec.vocab_size}")
     if spec.seed < 0:

@@ -3,6 +3,7 @@
 Byte-level means every UTF-8 byte has a token, so any text round-trips exactly, whatever the corpus
 covered. Training is deterministic: the same corpus and vocabulary size give the same tokenizer.json.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB) -> "PreTrainedTokenizerFast":
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on the embedded corpus and wrap it as a transformers fast tokenizer.
 
     The result has at most `vocab_size` tokens (fewer if the corpus runs out of pairs to merge),

@@ -8,6 +8,7 @@ routed, shared and dense) down, so the residual stream stays dominated by the to
 layer routes by token: flat expert load and little overlap between neighbouring tokens, like real
 2025-26 MoEs. docs/synth.md has the measurements behind the factors.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,7 +41,7 @@ class InitScheme:
     out_scale: float = 0.02
 
     @classmethod
-    def plain(cls) -> "InitScheme":
+    def plain(cls) -> InitScheme:
         """transformers' own init: every matrix N(0, 0.02)."""
         return cls(embed_scale=1.0, out_scale=1.0)
 
@@ -69,8 +70,9 @@ def transformers_init(model: Any, param: str, seed: int) -> torch.Tensor:
     return getattr(owner, attr).detach()
 
 
-def chunks_for(spec: TensorSpec, scheme: InitScheme, source: _noise.NoiseSource,
-               model: Any, seed: int) -> Iterable[torch.Tensor]:
+def chunks_for(
+    spec: TensorSpec, scheme: InitScheme, source: _noise.NoiseSource, model: Any, seed: int
+) -> Iterable[torch.Tensor]:
     """The bytes of one tensor, produced lazily in chunks of at most 64 MiB."""
     if spec.role == "zeros":
         return _noise.zeros(spec.nbytes)

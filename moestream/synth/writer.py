@@ -5,6 +5,7 @@ File format (safetensors): 8-byte little-endian header length N, N bytes of JSON
 to a multiple of 8, then the tensor bytes back to back in header order. Because every tensor's size
 is known before any data exists, each shard's header is written first and its data streamed after.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,11 @@ def header_bytes(tensors: list[TensorData], metadata: dict[str, str] | None = No
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -97,8 +102,9 @@ def _checked(t: TensorData) -> Iterator[torch.Tensor]:
         yield chunk
 
 
-def write_checkpoint(out_dir: Path, tensors: list[TensorData], shard_bytes: int,
-                     on_bytes: Callable[[int], None] | None = None) -> list[str]:
+def write_checkpoint(
+    out_dir: Path, tensors: list[TensorData], shard_bytes: int, on_bytes: Callable[[int], None] | None = None
+) -> list[str]:
     """Write all tensors into `out_dir` as one file or as shards plus the index; return file names."""
     shards = plan_shards(tensors, shard_bytes)
     names = shard_names(len(shards))

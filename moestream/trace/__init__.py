@@ -1,4 +1,5 @@
-"""Router traces: the format (`TraceWriter`, `read_trace`), importers, the cache simulator, predictor evaluation.
+"""Router traces: the format (`TraceWriter`, `read_trace`), importers, the cache simulator, predictor
+evaluation.
 
 Nothing here imports torch, so `moestream simulate` runs on any machine with pyarrow.
 
@@ -9,6 +10,7 @@ Recording (the engine):
 Reading: `read_trace(path) -> Trace` (any format, detected from the content); `load_traces(paths)` also
 merges several vLLM-MoE-Logger files into one model.
 """
+
 from __future__ import annotations
 
 from moestream.trace.errors import TraceError
@@ -17,5 +19,14 @@ from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
 from moestream.trace.writer import TraceWriter, partial_path
 
-__all__ = ["PHASES", "Trace", "TraceError", "TraceHeader", "TraceWriter", "detect_format", "load_traces",
-           "partial_path", "read_trace"]
+__all__ = [
+    "PHASES",
+    "Trace",
+    "TraceError",
+    "TraceHeader",
+    "TraceWriter",
+    "detect_format",
+    "load_traces",
+    "partial_path",
+    "read_trace",
+]

@@ -4,6 +4,7 @@ A trace or an export is written to a temporary name beside its final name and re
 complete, so a reader never sees half a file; if writing fails (a full disk, say) the temporary file is
 removed, so nothing is left behind but what was there before.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The one error type of the trace package: a file a user named is missing, cut, or not a trace."""
+
 from __future__ import annotations
 
 from moestream.errors import MoestreamError

@@ -6,6 +6,7 @@
 
 It carries exactly what the Parquet file carries, for people who want to read a trace with `jq`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,13 @@ def _rows(trace: Trace) -> Iterator[dict[str, Any]]:
     optional = {name: getattr(trace, name) for name in PREDICTION_COLUMNS if getattr(trace, name) is not None}
     for i in range(len(trace)):
         row: dict[str, Any] = {
-            "request": trace.request_names[trace.request[i]], "token": int(trace.token[i]),
-            "phase": PHASES[trace.phase[i]], "layer": int(trace.layer[i]), "step": int(trace.step[i]),
-            "experts": experts[i], "weights": weights[i],
+            "request": trace.request_names[trace.request[i]],
+            "token": int(trace.token[i]),
+            "phase": PHASES[trace.phase[i]],
+            "layer": int(trace.layer[i]),
+            "step": int(trace.step[i]),
+            "experts": experts[i],
+            "weights": weights[i],
         }
         for name, values in optional.items():
             kept = [v for v in values[i].tolist() if not (isinstance(v, float) and math.isnan(v)) and v != -1]

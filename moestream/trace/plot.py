@@ -1,4 +1,5 @@
 """PNG of MiB read per token against cache budget, one line per policy (decode, and prefill beside it)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,16 +23,30 @@ def plot_curves(records: list[dict[str, Any]], out: str | Path, title: str, synt
     for ax, phase in zip(axes[0], phases):
         for policy in policies:
             scope = "second-half" if policy == "static" else "all"
-            pts = sorted((r["budget_bytes"] / GiB, r["mib_per_token"]) for r in records
-                         if r["policy"] == policy and r["phase"] == phase and r["scope"] == scope)
+            pts = sorted(
+                (r["budget_bytes"] / GiB, r["mib_per_token"])
+                for r in records
+                if r["policy"] == policy and r["phase"] == phase and r["scope"] == scope
+            )
             if pts:
-                label = policy + (" (2nd half)" if policy == "static" else "") + (" (bound)" if policy == "opt" else "")
+                label = (
+                    policy
+                    + (" (2nd half)" if policy == "static" else "")
+                    + (" (bound)" if policy == "opt" else "")
+                )
                 style = "--" if policy == "opt" else "-"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label,
-                        color=colour[policy])
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    style,
+                    marker="o",
+                    label=label,
+                    color=colour[policy],
+                )
         ax.set_xscale("log", base=2)
-        ax.set_xticks([b / GiB for b in budgets], [format_size(b).replace(".0 ", " ") for b in budgets],
-                      fontsize=8)
+        ax.set_xticks(
+            [b / GiB for b in budgets], [format_size(b).replace(".0 ", " ") for b in budgets], fontsize=8
+        )
         ax.minorticks_off()
         ax.set_xlabel("cache budget (log scale)")
         ax.set_ylabel("MiB read per token")

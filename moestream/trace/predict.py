@@ -9,6 +9,7 @@ On synthetic checkpoints the residual stream barely changes between layers, so t
 are an upper bound, not an estimate (99% top-8 on a synthetic 12-layer Qwen3-MoE shape vs 80.5% on the
 seed's real model); every record carries `upper_bound` so no report can drop that label.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,7 +41,7 @@ def overlap(guess: np.ndarray, actual: np.ndarray, chunk: int = 65536) -> int:
     matches). Chunked so the [R, m, k] comparison stays small."""
     total = 0
     for a in range(0, len(guess), chunk):
-        g, t = guess[a:a + chunk, :, None], actual[a:a + chunk, None, :]
+        g, t = guess[a : a + chunk, :, None], actual[a : a + chunk, None, :]
         total += int(((g == t) & (t >= 0)).any(axis=1).sum())
     return total
 
@@ -55,7 +56,7 @@ def evaluate(trace: Trace) -> list[dict[str, Any]]:
         if guesses is None:
             continue
         target = _lookup(key, key + ahead)
-        for m in ((k, int(round(1.5 * k)), 2 * k) if ahead == 1 else (k,)):
+        for m in (k, int(round(1.5 * k)), 2 * k) if ahead == 1 else (k,):
             if m <= guesses.shape[1]:
                 label = f"stale gate L+{ahead}, top-{m}" + (f" ({m / k:g}k)" if m != k else " (k)")
                 out += _records(trace, label, m, guesses[:, :m], target, trace.header.synthetic)
@@ -69,8 +70,9 @@ def evaluate(trace: Trace) -> list[dict[str, Any]]:
     return out
 
 
-def _records(trace: Trace, label: str, m: int, guess: np.ndarray, target: np.ndarray, upper_bound: bool
-             ) -> list[dict[str, Any]]:
+def _records(
+    trace: Trace, label: str, m: int, guess: np.ndarray, target: np.ndarray, upper_bound: bool
+) -> list[dict[str, Any]]:
     """One record per phase: recall of the rows at `target` (-1 = no such row) by `guess`."""
     k = trace.header.top_k
     valid = (target >= 0) & (guess >= 0).any(axis=1)
@@ -81,7 +83,16 @@ def _records(trace: Trace, label: str, m: int, guess: np.ndarray, target: np.nda
             continue
         matched = overlap(guess[rows], trace.experts[target[rows]])
         total = int(rows.sum()) * k
-        out.append({"metric": label, "phase": PHASES[phase], "k": k, "guess_size": m,
-                    "recall": matched / total, "matched": matched, "rows": int(rows.sum()),
-                    "upper_bound": upper_bound})
+        out.append(
+            {
+                "metric": label,
+                "phase": PHASES[phase],
+                "k": k,
+                "guess_size": m,
+                "recall": matched / total,
+                "matched": matched,
+                "rows": int(rows.sum()),
+                "upper_bound": upper_bound,
+            }
+        )
     return out

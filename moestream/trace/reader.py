@@ -3,6 +3,7 @@
 Formats: moestream Parquet (a closed writer), moestream Arrow stream (`PATH.partial`, a writer that did
 not close), moestream JSONL, speculative-moe JSONL and vLLM-MoE-Logger JSONL (see `importers`).
 """
+
 from __future__ import annotations
 
 import json
@@ -92,12 +93,16 @@ def load_traces(paths: Sequence[str | os.PathLike[str]]) -> Trace:
         try:
             return import_speculative_moe(paths[0], _records(paths[0]))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise TraceError(f"{paths[0]} does not look like a speculative-moe routing file ({exc!r})") from None
+            raise TraceError(
+                f"{paths[0]} does not look like a speculative-moe routing file ({exc!r})"
+            ) from None
     logs = []
     for path in paths:
         fmt = detect_format_or_missing(path)
         if fmt != VLLM:
-            raise TraceError(f"{path} is a {fmt} file; only vLLM-MoE-Logger files (one layer each) can be merged")
+            raise TraceError(
+                f"{path} is a {fmt} file; only vLLM-MoE-Logger files (one layer each) can be merged"
+            )
         records = _records(path)
         meta = records[0] if records and records[0].get("type") == "meta" else {}
         logs.append((path, meta, [r for r in records if r.get("type", "route") == "route"]))
@@ -125,8 +130,10 @@ def _read_parquet(path: Path) -> Trace:
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise TraceError(f"{path} is not a complete Parquet file ({exc}); a writer killed before closing "
-                         f"leaves its rows in {partial_path(path).name} instead") from None
+        raise TraceError(
+            f"{path} is not a complete Parquet file ({exc}); a writer killed before closing "
+            f"leaves its rows in {partial_path(path).name} instead"
+        ) from None
     header = header_from_schema(table.schema)
     if header is None:
         raise TraceError(f"{path} is a Parquet file without a moestream trace header")
@@ -140,7 +147,9 @@ def _read_stream(path: Path) -> Trace:
         try:
             reader = pa.ipc.open_stream(source)
         except (pa.ArrowInvalid, OSError):
-            raise TraceError(f"{path} was cut before its schema was complete ({size} bytes): it holds no rows") from None
+            raise TraceError(
+                f"{path} was cut before its schema was complete ({size} bytes): it holds no rows"
+            ) from None
         header = header_from_schema(reader.schema)
         if header is None:
             raise TraceError(f"{path} is an Arrow stream without a moestream trace header")
@@ -159,15 +168,21 @@ def _read_stream(path: Path) -> Trace:
             finished = handle.read() == _STREAM_END
     rows = sum(b.num_rows for b in batches)
     if not rows:  # the writer's opening batch is empty: it only carries the schema
-        raise TraceError(f"{path} holds no complete batch of rows (the writer stopped before its first flush"
-                         + (f"; cut at byte {size})" if torn else ")"))
+        raise TraceError(
+            f"{path} holds no complete batch of rows (the writer stopped before its first flush"
+            + (f"; cut at byte {size})" if torn else ")")
+        )
     notes = []
     if torn:
-        notes.append(f"{path.name} was cut inside a batch at byte {size}; read the {rows} rows of the "
-                     f"{len(batches)} complete batches before byte {good_end}, the torn batch is ignored")
+        notes.append(
+            f"{path.name} was cut inside a batch at byte {size}; read the {rows} rows of the "
+            f"{len(batches)} complete batches before byte {good_end}, the torn batch is ignored"
+        )
     elif not finished:
-        notes.append(f"{path.name} is the stream of a writer that did not close (killed?); read the {rows} "
-                     f"rows of its {len(batches)} flushed batches, rows appended after the last flush are lost")
+        notes.append(
+            f"{path.name} is the stream of a writer that did not close (killed?); read the {rows} "
+            f"rows of its {len(batches)} flushed batches, rows appended after the last flush are lost"
+        )
     return _from_table(path, pa.Table.from_batches(batches, schema=reader.schema), header, notes)
 
 

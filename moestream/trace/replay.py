@@ -5,6 +5,7 @@ order), and the keys are `[(layer, e) for e in execution_order(rows)]`, the dist
 appearance order, exactly what the engine hands `ResidentSet.access_group`. So a prefill forward
 touches each distinct expert of its layer once, and decode goes token by token, layer by layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
         rank = np.empty(n_req, dtype=np.int64)
         rank[np.argsort(first_row, kind="stable")] = np.arange(n_req)
         cut = n_req // 2
-        return (rank[trace.request] >= cut).astype(np.int8), f"requests 1-{cut} / {cut + 1}-{n_req} (of {n_req})"
+        return (rank[trace.request] >= cut).astype(
+            np.int8
+        ), f"requests 1-{cut} / {cut + 1}-{n_req} (of {n_req})"
     steps = np.unique(trace.step)
     cut = steps[len(steps) // 2]
     return (trace.step >= cut).astype(np.int8), f"forward steps before / from step {cut} (of {len(steps)})"
@@ -87,8 +90,9 @@ def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
     cell = (2 * half[order][starts] + trace.phase[order][starts]).tolist()
     predicted = None
     if prefetch_top and trace.pred_experts is not None:
-        predicted = _predictions(trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers,
-                                 layer_keys, n_exp)
+        predicted = _predictions(
+            trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers, layer_keys, n_exp
+        )
     return Replay(keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)))
 
 
@@ -99,23 +103,37 @@ def check_ids(trace: Trace) -> None:
     if len(trace) == 0:
         raise TraceError(f"the trace {name} holds no rows")
     h = trace.header
-    columns = [("expert", trace.experts, 0, h.n_experts, "expert"),
-               ("layer", trace.layer, 0, h.n_layers, "layer")]
-    columns += [(f"predicted expert ({col})", getattr(trace, col), -1, h.n_experts, "expert")
-                for col in ("pred_experts", "pred2_experts") if getattr(trace, col) is not None]
+    columns = [
+        ("expert", trace.experts, 0, h.n_experts, "expert"),
+        ("layer", trace.layer, 0, h.n_layers, "layer"),
+    ]
+    columns += [
+        (f"predicted expert ({col})", getattr(trace, col), -1, h.n_experts, "expert")
+        for col in ("pred_experts", "pred2_experts")
+        if getattr(trace, col) is not None
+    ]
     for what, ids, low, bound, noun in columns:
         bad = (ids < low) | (ids >= bound)
         if bad.any():
             row = int(np.flatnonzero(bad.reshape(len(trace), -1).any(axis=1))[0])
             value = int(ids[row][bad[row]][0]) if ids.ndim > 1 else int(ids[row])
             request = trace.request_names[trace.request[row]]
-            raise TraceError(f"the trace {name} has {what} id {value} at row {row} (request {request!r}, "
-                             f"token {int(trace.token[row])}, layer {int(trace.layer[row])}), outside "
-                             f"0..{bound - 1} (the header's {bound} {noun}s)")
+            raise TraceError(
+                f"the trace {name} has {what} id {value} at row {row} (request {request!r}, "
+                f"token {int(trace.token[row])}, layer {int(trace.layer[row])}), outside "
+                f"0..{bound - 1} (the header's {bound} {noun}s)"
+            )
 
 
-def _predictions(pred: np.ndarray, starts: list[int], ends: list[int], step_s: np.ndarray, layers: list[int],
-                 layer_keys: dict[int, list[Key]], n_exp: int) -> list[list[Key] | None]:
+def _predictions(
+    pred: np.ndarray,
+    starts: list[int],
+    ends: list[int],
+    step_s: np.ndarray,
+    layers: list[int],
+    layer_keys: dict[int, list[Key]],
+    n_exp: int,
+) -> list[list[Key] | None]:
     """Keys of layer+1 named by each forward's predictions, where the next forward is that layer."""
     rows = np.where(pred < n_exp, pred, -1).tolist()
     out: list[list[Key] | None] = []

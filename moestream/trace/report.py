@@ -1,4 +1,5 @@
 """Plain-text tables for `moestream simulate` and `moestream predict-eval` (pipe-friendly, no colour)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,17 +9,21 @@ from moestream.trace.simulator import Sizes
 from moestream.trace.table import Trace
 from moestream.units import format_size
 
-SYNTHETIC_NOTE = ("UPPER BOUND: this trace was recorded on a synthetic (random-weight) checkpoint, where the "
-                  "residual stream barely changes between layers; its predictions and prefetch gains are far "
-                  "easier than on a real model")
+SYNTHETIC_NOTE = (
+    "UPPER BOUND: this trace was recorded on a synthetic (random-weight) checkpoint, where the "
+    "residual stream barely changes between layers; its predictions and prefetch gains are far "
+    "easier than on a real model"
+)
 
 
 def describe(trace: Trace) -> list[str]:
     """Header lines shared by both verbs: source, model shape, what was assumed."""
     h = trace.header
-    lines = [f"trace: {h.source or h.model_id}",
-             f"model: {h.model_id}; {h.n_layers} layers, {h.n_experts} experts, top-{h.top_k}; dtype {h.dtype}; "
-             f"{len(trace)} rows"]
+    lines = [
+        f"trace: {h.source or h.model_id}",
+        f"model: {h.model_id}; {h.n_layers} layers, {h.n_experts} experts, top-{h.top_k}; dtype {h.dtype}; "
+        f"{len(trace)} rows",
+    ]
     if h.synthetic:
         lines.append(SYNTHETIC_NOTE)
     notes = trace.all_notes
@@ -28,8 +33,14 @@ def describe(trace: Trace) -> list[str]:
     return lines
 
 
-def simulate_table(records: list[dict[str, Any]], trace: Trace, replay: Replay, sizes: Sizes,
-                   budgets: list[int], policies: list[str]) -> str:
+def simulate_table(
+    records: list[dict[str, Any]],
+    trace: Trace,
+    replay: Replay,
+    sizes: Sizes,
+    budgets: list[int],
+    policies: list[str],
+) -> str:
     """The simulate report: MiB read per token (hit rate) per policy and budget, decode then prefill."""
     slot = format_size(sizes.slot_bytes)
     units = sorted({sizes.unit[lay] for lay in replay.layers})
@@ -42,23 +53,40 @@ def simulate_table(records: list[dict[str, Any]], trace: Trace, replay: Replay, 
     ]
     index = {(r["policy"], r["budget_bytes"], r["phase"], r["scope"]): r for r in records}
     for phase in ("decode", "prefill"):
-        for scope, title in (("all", "whole trace"), ("second-half", "second half only (static's evaluation set)")):
+        for scope, title in (
+            ("all", "whole trace"),
+            ("second-half", "second half only (static's evaluation set)"),
+        ):
             rows = [p for p in policies if (p, budgets[0], phase, scope) in index]
             if scope == "second-half" and "static" not in rows:
                 continue
             if rows:
-                lines += ["", f"{phase}, {title}: MiB read per token (hit rate)",
-                          *_grid(index, rows, budgets, phase, scope)]
+                lines += [
+                    "",
+                    f"{phase}, {title}: MiB read per token (hit rate)",
+                    *_grid(index, rows, budgets, phase, scope),
+                ]
         if "lru-prefetch" in policies and ("lru-prefetch", budgets[0], phase, "all") in index:
-            lines += ["", f"{phase}, lru-prefetch: MiB/token read = waited for + prefetched; prefetches used",
-                      *_prefetch_grid(index, budgets, phase)]
-    lines += ["", "opt is Belady's bound on the misses of the whole trace (it knows the future); within one "
-              "phase or half another policy can come out below it."]
+            lines += [
+                "",
+                f"{phase}, lru-prefetch: MiB/token read = waited for + prefetched; prefetches used",
+                *_prefetch_grid(index, budgets, phase),
+            ]
+    lines += [
+        "",
+        "opt is Belady's bound on the misses of the whole trace (it knows the future); within one "
+        "phase or half another policy can come out below it.",
+    ]
     return "\n".join(lines)
 
 
-def _grid(index: dict[tuple[Any, ...], dict[str, Any]], policies: list[str], budgets: list[int], phase: str,
-          scope: str) -> list[str]:
+def _grid(
+    index: dict[tuple[Any, ...], dict[str, Any]],
+    policies: list[str],
+    budgets: list[int],
+    phase: str,
+    scope: str,
+) -> list[str]:
     head = f"{'policy':<16}" + "".join(f"{format_size(b):>20}" for b in budgets)
     out = [head]
     for policy in policies:
@@ -75,8 +103,10 @@ def _prefetch_grid(index: dict[tuple[Any, ...], dict[str, Any]], budgets: list[i
     for budget in budgets:
         r = index[("lru-prefetch", budget, phase, "all")]
         used = "-" if r["prefetch_used_fraction"] is None else f"{r['prefetch_used_fraction']:.0%}"
-        out.append(f"{format_size(budget):<12}{r['mib_per_token']:>10.1f}{r['wait_mib_per_token']:>10.1f}"
-                   f"{r['prefetch_mib_per_token']:>10.1f}{used:>8}")
+        out.append(
+            f"{format_size(budget):<12}{r['mib_per_token']:>10.1f}{r['wait_mib_per_token']:>10.1f}"
+            f"{r['prefetch_mib_per_token']:>10.1f}{used:>8}"
+        )
     return out
 
 
@@ -84,8 +114,10 @@ def predict_table(records: list[dict[str, Any]], trace: Trace) -> str:
     """The predict-eval report: recall per metric and phase."""
     lines = describe(trace)
     if not any(r["metric"].startswith("stale gate") for r in records):
-        lines.append("this trace has no stale-gate predictions (recorded by `--trace` on a real run); "
-                     "only the previous-token baseline is shown")
+        lines.append(
+            "this trace has no stale-gate predictions (recorded by `--trace` on a real run); "
+            "only the previous-token baseline is shown"
+        )
     if not records:
         lines.append("nothing to evaluate: no predictions, and token order within requests is unknown")
         return "\n".join(lines)
@@ -93,6 +125,9 @@ def predict_table(records: list[dict[str, Any]], trace: Trace) -> str:
     for r in records:
         flag = "  (upper bound: synthetic)" if r["upper_bound"] else ""
         lines.append(f"{r['metric']:<34}{r['phase']:<9}{r['recall']:>8.1%}{r['rows']:>10}{flag}")
-    lines += ["", "recall = share of the layer's actual top-k found in the guess; seed's real model "
-              "(Qwen3.6-35B-A3B): stale gate 80.5% at top-8, 91.2% top-12, 94.8% top-16, 74.1% two ahead"]
+    lines += [
+        "",
+        "recall = share of the layer's actual top-k found in the guess; seed's real model "
+        "(Qwen3.6-35B-A3B): stale gate 80.5% at top-8, 91.2% top-12, 94.8% top-16, 74.1% two ahead",
+    ]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ Row layout (the same columns in Parquet, in the Arrow stream a writer appends to
 
 The header lives in the Parquet/Arrow schema metadata under `HEADER_KEY`, and as the first JSONL line.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,7 +79,9 @@ class TraceHeader:
                 value = [value] * self.n_layers
             value = [int(v) for v in value]
             if len(value) != self.n_layers or min(value) < 1:
-                raise ValueError(f"trace header: {name} needs {self.n_layers} positive sizes, got {value[:4]}...")
+                raise ValueError(
+                    f"trace header: {name} needs {self.n_layers} positive sizes, got {value[:4]}..."
+                )
             setattr(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,7 +93,9 @@ class TraceHeader:
         """Inverse of `to_dict`; unknown keys (from newer writers) are ignored."""
         version = int(data.get("version", FORMAT_VERSION))
         if version > FORMAT_VERSION:
-            raise ValueError(f"trace format version {version} is newer than this moestream ({FORMAT_VERSION})")
+            raise ValueError(
+                f"trace format version {version} is newer than this moestream ({FORMAT_VERSION})"
+            )
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -9,6 +9,7 @@ Policies: lru, lfu, partitioned-lru (per-layer quotas), static (pinned from the 
 evaluated on the second), opt (Belady, the bound: needs the future) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -17,7 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from moestream.cache.policy import (
-    BeladyPolicy, LFUPolicy, LRUPolicy, PartitionedResidentSet, PinnedResidentSet, ResidentSet, prefetch,
+    BeladyPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PartitionedResidentSet,
+    PinnedResidentSet,
+    ResidentSet,
+    prefetch,
     split_evenly,
 )
 from moestream.errors import CacheBudgetError
@@ -28,7 +35,12 @@ from moestream.trace.table import Trace
 from moestream.units import MiB, format_size
 
 POLICIES = ("lru", "lfu", "partitioned-lru", "static", "opt", "lru-prefetch")
-ALIASES = {"belady": "opt", "plru": "partitioned-lru", "prefetch": "lru-prefetch", "lru+prefetch": "lru-prefetch"}
+ALIASES = {
+    "belady": "opt",
+    "plru": "partitioned-lru",
+    "prefetch": "lru-prefetch",
+    "lru+prefetch": "lru-prefetch",
+}
 _COUNTERS = ("hits", "misses", "bytes_read", "prefetch_bytes", "prefetched", "prefetch_used")
 
 
@@ -53,8 +65,9 @@ def capacity_for(budget_bytes: int, slot_bytes: int) -> int:
     """Slots a budget buys; a budget below one slot is a user error."""
     capacity = budget_bytes // slot_bytes
     if capacity < 1:
-        raise CacheBudgetError(f"a budget of {format_size(budget_bytes)} holds no expert slot "
-                               f"of {format_size(slot_bytes)}")
+        raise CacheBudgetError(
+            f"a budget of {format_size(budget_bytes)} holds no expert slot of {format_size(slot_bytes)}"
+        )
     return capacity
 
 
@@ -75,8 +88,12 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
     if policy == "static":
         first = [i for i, c in enumerate(replay.cell) if c < 2]
         second = [i for i, c in enumerate(replay.cell) if c >= 2]
-        return _run(PinnedResidentSet(capacity, rank_by_frequency(replay.keys[i] for i in first)),
-                    replay, unit, second)
+        return _run(
+            PinnedResidentSet(capacity, rank_by_frequency(replay.keys[i] for i in first)),
+            replay,
+            unit,
+            second,
+        )
     if policy == "lru-prefetch":
         return _run_prefetch(ResidentSet(capacity, LRUPolicy()), replay, unit)
     raise ValueError(f"unknown policy {policy!r}")
@@ -90,8 +107,9 @@ def rank_by_frequency(groups: Iterable[list[tuple[int, int]]]) -> list[tuple[int
     return [key for key, _ in counts.most_common()]  # most_common keeps insertion order among ties
 
 
-def _run(resident: ResidentSet, replay: Replay, unit: list[int], indices: Iterable[int] | None = None
-         ) -> list[Counters]:
+def _run(
+    resident: ResidentSet, replay: Replay, unit: list[int], indices: Iterable[int] | None = None
+) -> list[Counters]:
     # plain int lists instead of Counters objects in the hot loop: this loop is the simulator's speed
     hits, misses, nbytes = [0] * 4, [0] * 4, [0] * 4
     access, keys, layer, cell = resident.access_group, replay.keys, replay.layer, replay.cell
@@ -111,8 +129,13 @@ def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> lis
         raise ValueError("lru-prefetch needs a replay built with predictions")
     out = [Counters() for _ in range(4)]
     pending: tuple[set[tuple[int, int]], Counters] | None = None
-    access, keys, layer, cell, predicted = (resident.access_group, replay.keys, replay.layer, replay.cell,
-                                            replay.predicted)
+    access, keys, layer, cell, predicted = (
+        resident.access_group,
+        replay.keys,
+        replay.layer,
+        replay.cell,
+        replay.predicted,
+    )
     for i in range(len(keys)):
         h, m = access(keys[i])
         counters = out[cell[i]]
@@ -136,6 +159,7 @@ def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> lis
 
 # --- from a trace to result records ------------------------------------------------------------------
 
+
 @dataclass
 class Sizes:
     """Bytes the replay counts: `unit[layer]` per miss, and the slot size that sets the capacity."""
@@ -155,17 +179,25 @@ def resolve_sizes(header: TraceHeader, layers: list[int], unit_bytes: int | None
     elif header.expert_bytes:
         unit = list(header.expert_bytes)
     else:
-        raise TraceError(f"the trace ({header.source or header.model_id}) records no expert byte size; "
-                         "pass --unit-bytes")
+        raise TraceError(
+            f"the trace ({header.source or header.model_id}) records no expert byte size; pass --unit-bytes"
+        )
     slots = header.slot_bytes or unit
     slot_bytes = max(slots[lay] for lay in layers)
     if len({slots[lay] for lay in layers}) > 1:
-        notes.append(f"slot sizes differ between layers; every slot is counted at the largest, {slot_bytes} B")
+        notes.append(
+            f"slot sizes differ between layers; every slot is counted at the largest, {slot_bytes} B"
+        )
     return Sizes(unit, slot_bytes, notes)
 
 
-def simulate(trace: Trace, policies: list[str], budgets: list[int], unit_bytes: int | None = None,
-             prefetch_top: int | None = None) -> tuple[list[dict[str, Any]], Replay, Sizes]:
+def simulate(
+    trace: Trace,
+    policies: list[str],
+    budgets: list[int],
+    unit_bytes: int | None = None,
+    prefetch_top: int | None = None,
+) -> tuple[list[dict[str, Any]], Replay, Sizes]:
     """Replay `trace` under every (budget, policy). Returns (records, the replay, the sizes used).
 
     Each record: policy, budget_bytes, capacity_slots, phase, scope ("all", or "second-half": the half
@@ -173,8 +205,9 @@ def simulate(trace: Trace, policies: list[str], budgets: list[int], unit_bytes: 
     reads, prefetches included), wait_mib_per_token (demand misses only), prefetch figures, synthetic.
     """
     if "lru-prefetch" in policies and not trace.has_predictions:
-        raise TraceError(f"{trace.header.source or 'the trace'} has no stale-gate predictions, which "
-                         "lru-prefetch needs")
+        raise TraceError(
+            f"{trace.header.source or 'the trace'} has no stale-gate predictions, which lru-prefetch needs"
+        )
     top = (prefetch_top or trace.header.top_k) if "lru-prefetch" in policies else None
     replay = build_replay(trace, top)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
@@ -183,11 +216,19 @@ def simulate(trace: Trace, policies: list[str], budgets: list[int], unit_bytes: 
         capacity = capacity_for(budget, sizes.slot_bytes)
         for policy in policies:
             cells = run_policy(replay, policy, capacity, sizes.unit)
-            base = {"policy": policy, "budget_bytes": budget, "capacity_slots": capacity,
-                    "synthetic": trace.header.synthetic}
+            base = {
+                "policy": policy,
+                "budget_bytes": budget,
+                "capacity_slots": capacity,
+                "synthetic": trace.header.synthetic,
+            }
             scopes = ("second-half",) if policy == "static" else ("all", "second-half")
-            records += [_record(base, scope, phase, cells, replay.tokens) for scope in scopes
-                        for phase in (1, 0) if _tokens(scope, phase, replay.tokens)]
+            records += [
+                _record(base, scope, phase, cells, replay.tokens)
+                for scope in scopes
+                for phase in (1, 0)
+                if _tokens(scope, phase, replay.tokens)
+            ]
     return records, replay, sizes
 
 
@@ -195,8 +236,9 @@ def _tokens(scope: str, phase: int, tokens: list[int]) -> int:
     return tokens[2 + phase] + (tokens[phase] if scope == "all" else 0)
 
 
-def _record(base: dict[str, Any], scope: str, phase: int, cells: list[Counters], tokens: list[int]
-            ) -> dict[str, Any]:
+def _record(
+    base: dict[str, Any], scope: str, phase: int, cells: list[Counters], tokens: list[int]
+) -> dict[str, Any]:
     total = Counters()
     total += cells[2 + phase]
     if scope == "all":
@@ -204,11 +246,18 @@ def _record(base: dict[str, Any], scope: str, phase: int, cells: list[Counters],
     n_tok = _tokens(scope, phase, tokens)
     accesses = total.hits + total.misses
     return {
-        **base, "phase": PHASES[phase], "scope": scope, "tokens": n_tok,
-        "hits": total.hits, "misses": total.misses, "hit_rate": total.hits / accesses if accesses else 0.0,
-        "bytes_read": total.bytes_read, "mib_per_token": total.bytes_read / MiB / n_tok,
+        **base,
+        "phase": PHASES[phase],
+        "scope": scope,
+        "tokens": n_tok,
+        "hits": total.hits,
+        "misses": total.misses,
+        "hit_rate": total.hits / accesses if accesses else 0.0,
+        "bytes_read": total.bytes_read,
+        "mib_per_token": total.bytes_read / MiB / n_tok,
         "wait_mib_per_token": (total.bytes_read - total.prefetch_bytes) / MiB / n_tok,
         "prefetch_mib_per_token": total.prefetch_bytes / MiB / n_tok,
-        "prefetched": total.prefetched, "prefetch_used": total.prefetch_used,
+        "prefetched": total.prefetched,
+        "prefetch_used": total.prefetch_used,
         "prefetch_used_fraction": total.prefetch_used / total.prefetched if total.prefetched else None,
     }

@@ -1,4 +1,5 @@
 """`Trace`: a whole router trace in memory, as numpy columns (the simulator's and the evaluator's input)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,15 +91,20 @@ class Trace:
         columns = {
             "request": pa.DictionaryArray.from_arrays(pa.array(self.request), names).cast(pa.string()),
             "token": pa.array(self.token, pa.int64()),
-            "phase": pa.DictionaryArray.from_arrays(pa.array(self.phase.astype(np.int32)), pa.array(PHASES))
-            .cast(pa.string()),
+            "phase": pa.DictionaryArray.from_arrays(
+                pa.array(self.phase.astype(np.int32)), pa.array(PHASES)
+            ).cast(pa.string()),
             "layer": pa.array(self.layer, pa.int32()),
             "step": pa.array(self.step, pa.int64()),
             "experts": array_to_lists(self.experts, pa.int32()),
             "weights": array_to_lists(self.weights, pa.float32()),
         }
-        for name, kind in (("pred_experts", pa.int32()), ("pred_scores", pa.float32()),
-                           ("pred2_experts", pa.int32()), ("pred2_scores", pa.float32())):
+        for name, kind in (
+            ("pred_experts", pa.int32()),
+            ("pred_scores", pa.float32()),
+            ("pred2_experts", pa.int32()),
+            ("pred2_scores", pa.float32()),
+        ):
             value = getattr(self, name)
             if value is None:
                 columns[name] = pa.nulls(len(self), pa.list_(kind))
@@ -141,8 +147,11 @@ def array_to_lists(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | No
     return pa.ListArray.from_arrays(pa.array(offsets), flat, mask=pa.array(counts == 0))
 
 
-def trace_from_pylists(header: TraceHeader, columns: dict[str, list], notes: list[str] | None = None) -> Trace:
-    """A Trace from plain Python column lists (as importers collect them); absent prediction columns are null."""
+def trace_from_pylists(
+    header: TraceHeader, columns: dict[str, list], notes: list[str] | None = None
+) -> Trace:
+    """A Trace from plain Python column lists (as importers collect them); absent prediction columns are
+    null."""
     schema = arrow_schema(header)
     n = len(columns["layer"])
     data = {f.name: columns.get(f.name, [None] * n) for f in schema}

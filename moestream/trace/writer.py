@@ -14,6 +14,7 @@ write that fails later (a full disk) raises `TraceError` once, saying which rows
 that the writer takes no more rows, and `close()` leaves the stream, readable up to its last complete
 batch, instead of a Parquet file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,9 @@ class TraceWriter:
         fsync: also fsync after every batch (survives power loss, not only a killed process).
     """
 
-    def __init__(self, path: str | os.PathLike[str], header: TraceHeader, flush_rows: int = 4096,
-                 fsync: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], header: TraceHeader, flush_rows: int = 4096, fsync: bool = False
+    ) -> None:
         if flush_rows < 1:
             raise ValueError(f"flush_rows must be >= 1, got {flush_rows}")
         self.path = Path(path)
@@ -74,7 +76,7 @@ class TraceWriter:
         self.failure: TraceError | None = None  # set by the first write that failed
         check_output_path(self.path)
         try:
-            self._file = open(self.partial, "wb")  # noqa: SIM115 - lives until close()
+            self._file = open(self.partial, "wb")
         except OSError as exc:
             raise TraceError(f"cannot write the trace {self.partial}: {describe(exc)}") from None
         try:
@@ -93,18 +95,29 @@ class TraceWriter:
     def __enter__(self) -> TraceWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             self.close()  # the rows appended before an exception are still valid
         except TraceError:
             if exc is None:
                 raise  # else the exception in flight says more; the stream keeps what was written
 
-    def append(self, request: str, token: int, phase: str, layer: int, experts: Sequence[int],
-               weights: Sequence[float], step: int | None = None, pred_experts: Sequence[int] | None = None,
-               pred_scores: Sequence[float] | None = None, pred2_experts: Sequence[int] | None = None,
-               pred2_scores: Sequence[float] | None = None) -> None:
+    def append(
+        self,
+        request: str,
+        token: int,
+        phase: str,
+        layer: int,
+        experts: Sequence[int],
+        weights: Sequence[float],
+        step: int | None = None,
+        pred_experts: Sequence[int] | None = None,
+        pred_scores: Sequence[float] | None = None,
+        pred2_experts: Sequence[int] | None = None,
+        pred2_scores: Sequence[float] | None = None,
+    ) -> None:
         """Add one (request, token, phase, layer) row.
 
         Args:
@@ -120,31 +133,59 @@ class TraceWriter:
         if phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         if len(experts) != self.header.top_k or len(weights) != len(experts):
-            raise ValueError(f"a row needs top_k={self.header.top_k} experts and as many weights, "
-                             f"got {len(experts)} and {len(weights)}")
+            raise ValueError(
+                f"a row needs top_k={self.header.top_k} experts and as many weights, "
+                f"got {len(experts)} and {len(weights)}"
+            )
         if step is None:
             step = self._derive_step(request, phase, token)
-        values = (str(request), int(token), phase, int(layer), int(step), [int(e) for e in experts],
-                  [float(w) for w in weights], _ints(pred_experts), _floats(pred_scores),
-                  _ints(pred2_experts), _floats(pred2_scores))
+        values = (
+            str(request),
+            int(token),
+            phase,
+            int(layer),
+            int(step),
+            [int(e) for e in experts],
+            [float(w) for w in weights],
+            _ints(pred_experts),
+            _floats(pred_scores),
+            _ints(pred2_experts),
+            _floats(pred2_scores),
+        )
         for name, value in zip(_COLUMNS, values):
             self._buffer[name].append(value)
         if len(self._buffer["layer"]) >= self.flush_rows:
             self.flush()
 
-    def append_forward(self, request: str, tokens: Sequence[int], phase: str, layer: int,
-                       experts: Sequence[Sequence[int]], weights: Sequence[Sequence[float]],
-                       step: int | None = None, pred_experts: Sequence[Sequence[int]] | None = None,
-                       pred_scores: Sequence[Sequence[float]] | None = None,
-                       pred2_experts: Sequence[Sequence[int]] | None = None,
-                       pred2_scores: Sequence[Sequence[float]] | None = None) -> None:
+    def append_forward(
+        self,
+        request: str,
+        tokens: Sequence[int],
+        phase: str,
+        layer: int,
+        experts: Sequence[Sequence[int]],
+        weights: Sequence[Sequence[float]],
+        step: int | None = None,
+        pred_experts: Sequence[Sequence[int]] | None = None,
+        pred_scores: Sequence[Sequence[float]] | None = None,
+        pred2_experts: Sequence[Sequence[int]] | None = None,
+        pred2_scores: Sequence[Sequence[float]] | None = None,
+    ) -> None:
         """Add the rows of one layer forward of one request: T tokens, experts/weights shaped [T, top_k],
         predictions [T, 2k] (numpy arrays work; pass `tensor.tolist()` for torch tensors)."""
         experts, weights = _rows(experts), _rows(weights)
         extra = [_rows(v) for v in (pred_experts, pred_scores, pred2_experts, pred2_scores)]
         for i, token in enumerate(tokens):
-            self.append(request, int(token), phase, layer, experts[i], weights[i], step,
-                        *(None if column is None else column[i] for column in extra))
+            self.append(
+                request,
+                int(token),
+                phase,
+                layer,
+                experts[i],
+                weights[i],
+                step,
+                *(None if column is None else column[i] for column in extra),
+            )
 
     def flush(self) -> None:
         """Write the buffered rows as one record batch and hand it to the kernel."""
@@ -161,7 +202,8 @@ class TraceWriter:
             self.failure = TraceError(
                 f"writing the trace {self.partial} failed ({describe(exc)}): recording stopped; the "
                 f"{self.rows_written} rows written before are kept there (`moestream simulate` reads it), "
-                f"the {n} rows of the failed batch and any later ones are lost")
+                f"the {n} rows of the failed batch and any later ones are lost"
+            )
             raise self.failure from None
         finally:
             for column in self._buffer.values():
@@ -182,7 +224,8 @@ class TraceWriter:
             except OSError as exc:  # the end-of-stream marker did not fit: the batches before it are whole
                 self.failure = TraceError(
                     f"finishing the trace {self.partial} failed ({describe(exc)}); its {self.rows_written} "
-                    "rows are kept there (`moestream simulate` reads it)")
+                    "rows are kept there (`moestream simulate` reads it)"
+                )
         self._closed = True
         if self.failure is not None:
             with contextlib.suppress(OSError):
@@ -191,8 +234,10 @@ class TraceWriter:
         try:
             stream_to_parquet(self.partial, self.path)
         except TraceError as exc:
-            self.failure = TraceError(f"{exc}; its {self.rows_written} rows are kept in {self.partial} "
-                                      "(`moestream simulate` and `moestream trace-convert` read it)")
+            self.failure = TraceError(
+                f"{exc}; its {self.rows_written} rows are kept in {self.partial} "
+                "(`moestream simulate` and `moestream trace-convert` read it)"
+            )
             raise self.failure from None
         self.partial.unlink()
 

@@ -1,0 +1,159 @@
+"""Expert families: the order of an expert's compute stages and the math between them.
+
+A stage is the tuple of kinds it needs; it computes from the routed rows x [t, H] and the previous
+stage's value (`carry`). `linear(kind, x)` multiplies by the expert's weight of that kind in
+whatever format and tier it lives. `fusions` names kinds that a tier may lay out back to back and
+compute as one matrix (gate and up: [2I, H], gate rows first, the matmul transformers runs).
+This module is the only place that looks at family names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers.activations import ACT2FN
+
+from moestream.model.arch import text_config
+from moestream.store.experts import ExpertMap
+from moestream.store.tensors import read_tensor
+
+Linear = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+class ExpertFamily(ABC):
+    kinds: tuple[str, ...]
+    fusions: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def stages(self, fused: bool) -> list[tuple[str, ...]]:
+        """The kinds each stage needs, in execution order; `fused`: the tier computes `fusions` as one."""
+        return [(kind,) for kind in self.kinds]
+
+    @staticmethod
+    @abstractmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        """kind -> the [out, in] matrix its stage multiplies by, for hidden size H and expert size I."""
+
+    @staticmethod
+    def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the per-layer tensors kept resident beside the streamed experts."""
+        return {}
+
+    @abstractmethod
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
+        """Run the stage of `stages(...)` that needs `kinds`; the last returns the expert's output [t, H]."""
+
+
+class SwiGLU(ExpertFamily):
+    """down(act(gate(x)) * up(x)): Qwen, Mixtral, OLMoE, DeepSeek, GLM. Stages gate -> up -> down (the
+    order the seed found fastest to read in), or gate+up -> down when the tier fuses them."""
+
+    kinds = ("gate", "up", "down")
+    fusions: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate", "up")}
+
+    def __init__(self, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.act_fn = act_fn
+
+    def stages(self, fused: bool) -> list[tuple[str, ...]]:
+        return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
+
+    @staticmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
+        if kinds == ("gate", "up"):  # gate_up [2I,H], gate rows first: one matmul, like transformers
+            gate, up = linear("gate_up", x).chunk(2, dim=-1)
+            return self.act_fn(gate) * up
+        if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
+            return linear("gate", x)
+        if kinds == ("up",):  # up [I,H]: act(gate) * up
+            return self.act_fn(carry) * linear("up", x)
+        return linear("down", carry)  # down [H,I]: [t,I] -> [t,H]
+
+
+@dataclass(frozen=True)
+class GptOssParams:
+    alpha: float
+    limit: float
+
+
+class GptOss(ExpertFamily):
+    """gpt-oss: gate_up [H,2I] with gate/up interleaved by column and a bias, a clamped SwiGLU, then
+    down [I,H] with a bias. The biases are small and stay resident on the compute device."""
+
+    kinds = ("gate_up", "down")
+
+    def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
+        self.params, self.biases = params, biases
+
+    @staticmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        return {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+
+    @staticmethod
+    def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
+        return {"gate_up_proj_bias": (experts, 2 * inter), "down_proj_bias": (experts, hidden)}
+
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
+        if kinds == ("gate_up",):  # [t,H] @ [H,2I]
+            gate_up = linear("gate_up", x) + self.biases[(layer, "gate_up_proj_bias")][expert]
+            gate = gate_up[..., ::2].clamp(max=self.params.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.params.limit, max=self.params.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.params.alpha))
+        return linear("down", carry) + self.biases[(layer, "down_proj_bias")][expert]  # [t,I] @ [I,H]
+
+
+def _swiglu(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> SwiGLU:
+    return SwiGLU(ACT2FN[text_config(config).hidden_act])
+
+
+def _gpt_oss(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> GptOss:
+    cfg = text_config(config)
+    biases = {key: read_tensor(ref).to(dtype).to(device) for key, ref in emap.resident.items()}
+    # transformers < 5.2x hard-codes these two constants of gpt-oss's clamped SwiGLU
+    params = GptOssParams(
+        alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(getattr(cfg, "swiglu_limit", 7.0))
+    )
+    return GptOss(params, biases)
+
+
+_FAMILIES: dict[str, Callable[[Any, ExpertMap, torch.device, torch.dtype], ExpertFamily]] = {
+    "swiglu": _swiglu,
+    "gpt_oss": _gpt_oss,
+}
+
+
+FAMILY_CLASSES: dict[str, type[ExpertFamily]] = {"swiglu": SwiGLU, "gpt_oss": GptOss}
+
+
+def make_family(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> ExpertFamily:
+    """The family object computing `emap`'s experts on `device` in `dtype`."""
+    return _FAMILIES[emap.family](config, emap, device, dtype)

@@ -1,0 +1,179 @@
+"""Weight formats: how one stored matrix type is viewed in slot memory and multiplied.
+
+A format is chosen per (layer, kind) from the `StoredFormat` the checkpoint source recorded, because
+one file may mix types (a GGUF Q4_K_M keeps some `ffn_down` at Q6_K). A `WeightFormat` instance knows
+the shapes of its parts, the alignment its kernels need, how to view slot bytes as a weight without
+copying, and computes `linear(x, weight)` = x @ W^T for W [out, in]. This module is the only place that
+looks at format names; a new stored type is one subclass registered here (or by a test).
+
+Shapes: t tokens routed to the expert, `out` x `in` the logical matrix.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moestream.errors import UnsupportedModelError
+from moestream.store.experts import ExpertMap, Parts, StoredFormat
+from moestream.store.tensors import TORCH_DTYPES
+
+# E2M1 values indexed by a 4-bit code (sign bit 3)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class WeightFormat(ABC):
+    """One stored matrix type, for the parts of one (layer, kind)."""
+
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
+        self.stored, self.shapes, self.part_bytes = stored, shapes, part_bytes
+
+    @property
+    def alignment(self) -> int:
+        """A part's first byte must sit at a multiple of this for `view` to be zero-copy."""
+        return 1
+
+    @abstractmethod
+    def view(self, raws: list[torch.Tensor]) -> Any:
+        """uint8 tensors over each part's bytes (slot memory, any device) -> the weight, zero-copy when
+        the bytes are aligned."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """x [t, in] -> [t, out]."""
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        """The format of this matrix with `other`'s rows appended right after its bytes (one matmul for
+        both, e.g. gate and up), or None when the two cannot be computed as one."""
+        return None
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(stored dtype, shape) of each part of a logical [out, in] matrix in this format, for the check
+        at load; None: the format does not say (its parts are not checked)."""
+        return None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row of the first part."""
+        return self.part_bytes[0] // self.shapes[0][0]
+
+    def describe(self) -> str:
+        return self.stored.name
+
+
+class Dense(WeightFormat):
+    """Plain floating-point matrices: a view of the bytes, cast to the compute dtype when it differs."""
+
+    name = "dense"
+
+    def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
+        super().__init__(stored, shapes, part_bytes)
+        self.storage = TORCH_DTYPES[stored.name]
+
+    @property
+    def alignment(self) -> int:
+        return self.storage.itemsize
+
+    def view(self, raws: list[torch.Tensor]) -> torch.Tensor:
+        raw = raws[0]
+        if raw.data_ptr() % self.alignment:
+            raw = raw.clone()  # misaligned for the element type (odd header padding): copy once
+        return raw.view(self.storage).view(self.shapes[0])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (inp, out) if self.stored.transposed else (out, inp))]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return x @ weight if self.stored.transposed else F.linear(x, weight)  # [in,out] or [out,in]
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        if (
+            not isinstance(other, Dense)
+            or other.stored != self.stored
+            or self.stored.transposed
+            or other.shapes[0][1:] != self.shapes[0][1:]
+        ):
+            return None
+        rows = self.shapes[0][0] + other.shapes[0][0]
+        return Dense(self.stored, [(rows, *self.shapes[0][1:])], [self.part_bytes[0] + other.part_bytes[0]])
+
+
+class MXFP4(WeightFormat):
+    """OCP MXFP4 as gpt-oss safetensors store it: blocks [R, K/32, 16] u8 (low nibble = even element) and
+    E8M0 scales [R, K/32] u8, two parts; dequantized after each read, then multiplied densely."""
+
+    name = "mxfp4"
+
+    def view(self, raws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return raws[0].view(self.shapes[0]), raws[1].view(self.shapes[1])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        groups = inp // 32  # 32 elements per E8M0 scale, packed two per byte
+        return [("U8", (out, groups, 16)), ("U8", (out, groups))]
+
+    def linear(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x @ dequantize_mxfp4(*weight, x.dtype).T  # [R,K] -> [K,R], as transformers computes it
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 -> dense. blocks [R, K/32, 16] u8, scales [R, K/32] u8 (E8M0). Returns [R, K] in `dtype`."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    rows, groups, _ = blocks.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(rows, groups, 32)
+    values = lut[codes.long()]  # [R, G, 32]
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents[..., None]).to(dtype).reshape(rows, groups * 32)
+
+
+_REGISTRY: dict[str, type[WeightFormat]] = {
+    "F32": Dense,
+    "F16": Dense,
+    "BF16": Dense,
+    "F64": Dense,
+    "mxfp4": MXFP4,
+}
+
+
+def register(stored_name: str, cls: type[WeightFormat]) -> type[WeightFormat] | None:
+    """Make `cls` compute parts stored as `stored_name`. Returns the class it replaces (or None)."""
+    previous = _REGISTRY.get(stored_name)
+    _REGISTRY[stored_name] = cls
+    return previous
+
+
+def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> None:
+    """Undo `register` (restoring `previous` when given)."""
+    if previous is None:
+        _REGISTRY.pop(stored_name, None)
+    else:
+        _REGISTRY[stored_name] = previous
+
+
+def make_format(stored: StoredFormat, parts: Parts) -> WeightFormat:
+    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's).
+
+    Raises:
+        UnsupportedModelError: no format computes this stored type.
+    """
+    cls = _REGISTRY.get(stored.name)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))})"
+        )
+    return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
+
+
+def layer_formats(emap: ExpertMap) -> dict[tuple[int, str], WeightFormat]:
+    """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
+    their formats and shapes, so expert 0's parts describe them all)."""
+    return {
+        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
+        for (layer, kind), stored in emap.formats.items()
+    }

@@ -1,0 +1,177 @@
+"""`ExpertStreaming`: everything that streams routed experts, owned in one place below the engine.
+
+It owns the reader (checkpoint file descriptors, I/O threads), the expert cache (locked slots), the
+device tier and the runtime that computes experts over them, and it describes and counts them (the
+mode line's streaming part, cumulative counters). The engine builds one, binds the model's
+`StreamingExperts` modules to its runtime, and closes it; `restream` is a new one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moestream.cache.expert_cache import ExpertCache, budget_requirements
+from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
+from moestream.io.reader import Reader
+from moestream.runtime.experts import ExpertRuntime
+from moestream.runtime.families import ExpertFamily
+from moestream.runtime.tiers import DeviceTier, HostTier
+from moestream.store.experts import ExpertMap
+from moestream.units import format_size
+
+POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+ReaderFactory = Callable[[str, int], Reader]  # (io_mode, io_threads) -> Reader
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How experts are streamed (validated by `EngineOptions`; sizes in bytes)."""
+
+    cache: int
+    io_mode: str = "direct"
+    io_threads: int = 4
+    piece: int = 128 * 1024
+    lock_memory: bool = True
+    policy: str = "lru"
+    prefetch: bool = False
+    gpu_cache: int | None = None  # CUDA: GPU expert slots (None: `cache`)
+    host_cache: int = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
+    unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
+
+
+@dataclass
+class StreamCounters:
+    """A snapshot of the cumulative streaming counters. A hit is an expert not read from disk."""
+
+    bytes_read: int
+    hits: int
+    misses: int
+    read_wait_s: float
+    prefetches: int = 0
+    prefetch_used: int = 0
+
+
+class ExpertStreaming:
+    """Reader + cache + tier + runtime for one `ExpertMap`, on one device."""
+
+    def __init__(
+        self,
+        emap: ExpertMap,
+        family: ExpertFamily,
+        config: StreamConfig,
+        *,
+        top_k: int,
+        device: torch.device,
+        make_reader: ReaderFactory = Reader,
+    ) -> None:
+        self.emap, self.config, self.device = emap, config, device
+        self.reader = make_reader(config.io_mode, config.io_threads)
+        self.tier: DeviceTier | None = None
+        try:
+            for name in emap.files:
+                self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
+            self.cache, self.tier = self._tier(top_k, family)
+            self.runtime = ExpertRuntime(self.cache, self.tier, family)
+        except BaseException:
+            self.close()
+            raise
+        self.runtime.prefetch = config.prefetch
+
+    def _tier(self, top_k: int, family: ExpertFamily) -> tuple[ExpertCache, DeviceTier]:
+        c, policy = self.config, POLICY_CLASSES[self.config.policy]
+        if self.device.type != "cuda":
+            cache = self._cache(c.cache, top_k, policy)
+            return cache, HostTier(cache)
+        from moestream.runtime.cuda import GpuSlotTier, UnifiedTier
+
+        if uses_unified_memory(c.unified, self.device):
+            cache = self._cache(c.cache, top_k, policy)
+            return cache, UnifiedTier(cache, self.device)
+        minimum, working_set = budget_requirements(self.emap, top_k)
+        # pinned host tier between disk and GPU; 0 means staging only: one layer's worst case, or two with
+        # prefetch (the next layer's reads need slots while this layer's are still pinned)
+        host = max(c.host_cache, minimum * (2 if c.prefetch else 1))
+        cache = self._cache(host, top_k, policy, warn_working_set=False)
+        gpu = GpuSlotTier(
+            cache,
+            c.cache if c.gpu_cache is None else c.gpu_cache,
+            self.device,
+            top_k,
+            family.fusions,
+            policy(),
+        )
+        if gpu.capacity * gpu.slot_bytes + cache.allocated_bytes < working_set:
+            warnings.warn(
+                f"GPU + host cache ({format_size(gpu.capacity * gpu.slot_bytes + cache.allocated_bytes)})"
+                f" is smaller than one token's working set ({format_size(working_set)})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return cache, gpu
+
+    def _cache(
+        self, budget: int, top_k: int, policy: type[EvictionPolicy], warn_working_set: bool = True
+    ) -> ExpertCache:
+        c = self.config
+        return ExpertCache(
+            self.emap,
+            budget,
+            self.reader,
+            top_k=top_k,
+            piece_bytes=c.piece,
+            lock_memory=c.lock_memory,
+            policy_factory=policy,
+            warn_working_set=warn_working_set,
+        )
+
+    def enable_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
+        """Give the runtime the routers of the streamed layers (stale-gate prefetch and trace predictions)."""
+        self.runtime.set_lookahead(
+            {layer: router for layer, router in routers.items() if layer in set(self.emap.layers)}
+        )
+
+    def bind(self, modules: list[tuple[int, Any]]) -> None:
+        """Point every `StreamingExperts` module (layer, module) at this runtime."""
+        for layer, module in modules:
+            module.bind(layer, self.runtime)
+
+    def describe(self) -> str:
+        """The streaming part of the mode line: io mode, threads, pieces, prefetch, memory, policy."""
+        c = self.config
+        io = self.reader.io_mode + (
+            f" (fallback: {self.reader.fallback_reason})" if self.reader.fallback_reason else ""
+        )
+        return (
+            f"io {io}, {c.io_threads} io threads, {c.piece // 1024} KiB pieces"
+            f"{', next-layer prefetch' if c.prefetch else ''} | {self.tier.describe()}"
+            f"{'' if c.policy == 'lru' else ', ' + c.policy.upper() + ' eviction'}"
+        )
+
+    def counters(self) -> StreamCounters:
+        s = self.cache.stats
+        return StreamCounters(
+            self.reader.bytes_read,
+            s.hits + self.tier.stats.gpu_hits,
+            s.misses,
+            s.read_wait_s,
+            s.prefetches,
+            s.prefetch_used,
+        )
+
+    def close(self) -> None:
+        """Release the tier (GPU memory, page-locking), stop the I/O threads, close the files."""
+        if self.tier is not None:
+            self.tier.close()
+        self.reader.close()
+
+
+def uses_unified_memory(unified: bool | None, device: torch.device) -> bool:
+    """--unified, or by default on integrated GPUs (Jetson), whose memory is the host's."""
+    if unified is not None:
+        return unified
+    return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))

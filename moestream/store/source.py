@@ -1,0 +1,53 @@
+"""Checkpoint sources: everything the engine needs from a checkpoint, whatever its file format.
+
+A source gives the transformers config, the tokenizer, every tensor's location (file, byte range,
+stored type), the routed-expert table (`ExpertMap`) and the trunk (every non-expert tensor, named as
+transformers names it, read lazily). The engine builds the model from these alone, so a new on-disk
+format is one module implementing `CheckpointSource`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from moestream.errors import CheckpointError
+from moestream.store.experts import ExpertMap
+from moestream.store.safetensors_file import TensorRef
+
+
+class CheckpointSource(Protocol):
+    path: Path  # the checkpoint as opened (a directory, or a file)
+    files: list[str]  # files holding tensors
+    tensors: dict[str, TensorRef]  # every tensor by its name in the checkpoint
+    synthetic: bool  # written by `moestream synth` (random weights)
+
+    def config(self) -> Any:
+        """The transformers config of the model (quantization entries that moestream handles removed)."""
+
+    def generation_config(self) -> Any | None:
+        """transformers GenerationConfig from the checkpoint, or None to derive it from the config."""
+
+    def tokenizer(self) -> Any | None:
+        """The tokenizer (with its chat template), or None when the checkpoint has none."""
+
+    def expert_map(self, family: str, num_experts: int) -> ExpertMap:
+        """Every routed expert of every MoE layer: byte ranges and stored formats."""
+
+    def trunk_state_dict(self, emap: ExpertMap) -> dict[str, Any]:
+        """Non-expert tensors by name, as values transformers materializes with `value[...]`."""
+
+
+def open_source(path_or_id: str | Path) -> CheckpointSource:
+    """Open a checkpoint: a local directory, or a hub id resolved through the local HF cache.
+
+    Raises:
+        CheckpointError: nothing usable at `path_or_id`.
+    """
+    from moestream.store.checkpoint import resolve_path
+    from moestream.store.safetensors_dir import SafetensorsSource
+
+    path = resolve_path(str(path_or_id))
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    return SafetensorsSource(path)

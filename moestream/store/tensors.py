@@ -1,0 +1,82 @@
+"""Reading whole tensors out of a checkpoint into anonymous memory (for the trunk and resident biases).
+
+The trunk is read with plain file reads, not memory-mapped: a mapped file's pages can be reclaimed and
+read again under a memory limit, and a file shrunk under a running process turns a page fault into a
+SIGBUS. Read bytes are owned by the process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moestream.errors import CheckpointError
+from moestream.store.safetensors_file import TensorRef
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+
+
+def read_bytes(ref: TensorRef) -> torch.Tensor:
+    """The tensor's bytes as a fresh uint8 tensor [nbytes] (64-byte aligned, anonymous memory)."""
+    out = torch.empty(ref.nbytes, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    fd = os.open(ref.file, os.O_RDONLY)
+    try:
+        got = 0
+        while got < ref.nbytes:
+            n = os.preadv(fd, [view[got:]], ref.offset + got)
+            if n == 0:
+                raise CheckpointError(f"{ref.file} ends inside tensor {ref.name} (the file is truncated)")
+            got += n
+    finally:
+        os.close(fd)
+    return out
+
+
+def read_tensor(ref: TensorRef) -> torch.Tensor:
+    """A dense tensor of the ref's dtype and shape, read into memory the process owns."""
+    dtype = TORCH_DTYPES.get(ref.dtype)
+    if dtype is None:
+        raise CheckpointError(f"tensor {ref.name} has dtype {ref.dtype}, which moestream cannot load")
+    return read_bytes(ref).view(dtype).view(ref.shape)
+
+
+class LazyTensor:
+    """A checkpoint tensor read on first use (`t[...]`), like safetensors' slices, so transformers reads
+    only the tensors its model has a place for. Exposes the dtype and shape without reading."""
+
+    def __init__(self, ref: TensorRef) -> None:
+        self.ref = ref
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES.get(self.ref.dtype, torch.uint8)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.ref.shape)
+
+    def get_shape(self) -> list[int]:
+        return list(self.ref.shape)
+
+    def get_dtype(self) -> str:
+        return self.ref.dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        tensor = read_tensor(self.ref)
+        return tensor if index is Ellipsis else tensor[index]
