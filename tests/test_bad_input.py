@@ -285,3 +285,10 @@ def test_a_single_shard_under_another_name_loads(capsys, tiny_dir, tmp_path):
     (ckpt / "model.safetensors").rename(ckpt / "weights.safetensors")
     code2, out2, _ = _cli(capsys, "generate", ckpt, *args)
     assert code == code2 == 0 and json.loads(out2)["tokens"] == json.loads(out)["tokens"]
+
+
+def test_generation_config_that_is_not_json(capsys, tiny_dir, tmp_path):
+    ckpt = _copy(tiny_dir("qwen3_moe"), tmp_path / "ckpt")
+    (ckpt / "generation_config.json").write_text("{nope")
+    code, err = _generate(capsys, ckpt)
+    assert code == 2 and "generation_config.json is not valid JSON" in err
