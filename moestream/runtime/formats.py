@@ -52,6 +52,11 @@ class WeightFormat(ABC):
         both, e.g. gate and up), or None when the two cannot be computed as one."""
         return None
 
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(stored dtype, shape) of each part of a logical [out, in] matrix in this format, for the check
+        at load; None: the format does not say (its parts are not checked)."""
+        return None
+
     @property
     def row_bytes(self) -> int:
         """Bytes of one stored row of the first part."""
@@ -80,6 +85,9 @@ class Dense(WeightFormat):
             raw = raw.clone()  # misaligned for the element type (odd header padding): copy once
         return raw.view(self.storage).view(self.shapes[0])
 
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (inp, out) if self.stored.transposed else (out, inp))]
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
@@ -105,6 +113,10 @@ class MXFP4(WeightFormat):
 
     def view(self, raws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return raws[0].view(self.shapes[0]), raws[1].view(self.shapes[1])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        groups = inp // 32  # 32 elements per E8M0 scale, packed two per byte
+        return [("U8", (out, groups, 16)), ("U8", (out, groups))]
 
     def linear(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return x @ dequantize_mxfp4(*weight, x.dtype).T  # [R,K] -> [K,R], as transformers computes it
