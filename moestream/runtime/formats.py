@@ -29,6 +29,7 @@ class WeightFormat(ABC):
     """One stored matrix type, for the parts of one (layer, kind)."""
 
     name: ClassVar[str] = "abstract"
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
         self.stored, self.shapes, self.part_bytes = stored, shapes, part_bytes
@@ -156,24 +157,43 @@ def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> 
         _REGISTRY[stored_name] = previous
 
 
-def make_format(stored: StoredFormat, parts: Parts) -> WeightFormat:
-    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's).
+def _block_format(name: str) -> type[WeightFormat] | None:
+    """GGML block types (GGUF files): computed by ggml, when its CPU backend multiplies the type."""
+    from moestream.ggml import UnsupportedTypeError, type_table
+
+    if name not in type_table():
+        return None
+    from moestream.runtime.formats_ggml import Ggml
+
+    try:
+        Ggml.check_type(name)
+    except UnsupportedTypeError:
+        return None
+    return Ggml
+
+
+def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> WeightFormat:
+    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's) on
+    a device of type `device`.
 
     Raises:
-        UnsupportedModelError: no format computes this stored type.
+        UnsupportedModelError: no format computes this stored type (on this device).
     """
-    cls = _REGISTRY.get(stored.name)
+    cls = _REGISTRY.get(stored.name) or _block_format(stored.name)
     if cls is None:
         raise UnsupportedModelError(
-            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))})"
+            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))}"
+            " and the GGML block types ggml's CPU backend multiplies)"
         )
+    if device not in cls.devices:
+        raise UnsupportedModelError(f"experts stored as {stored.name} cannot be computed on {device} yet")
     return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
 
 
-def layer_formats(emap: ExpertMap) -> dict[tuple[int, str], WeightFormat]:
+def layer_formats(emap: ExpertMap, device: str = "cpu") -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
     their formats and shapes, so expert 0's parts describe them all)."""
     return {
-        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
+        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind], device)
         for (layer, kind), stored in emap.formats.items()
     }
