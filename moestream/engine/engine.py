@@ -23,6 +23,7 @@ from moestream.model.loader import build_model, router_modules, streaming_module
 from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
+from moestream.runtime.formats import describe_formats
 from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
 from moestream.store.source import open_source
 from moestream.units import format_size
@@ -219,7 +220,8 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         return (
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
-            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
+            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
+            f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (

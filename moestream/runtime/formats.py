@@ -66,6 +66,10 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         return self.stored.name
 
+    def kernels(self) -> str | None:
+        """What computes this format when it is not plain torch (for the mode line)."""
+        return None
+
 
 class Dense(WeightFormat):
     """Plain floating-point matrices: a view of the bytes, cast to the compute dtype when it differs."""
@@ -197,3 +201,16 @@ def layer_formats(emap: ExpertMap, device: str = "cpu") -> dict[tuple[int, str],
         (layer, kind): make_format(stored, emap.units[(layer, 0)][kind], device)
         for (layer, kind), stored in emap.formats.items()
     }
+
+
+def describe_formats(formats: dict[tuple[int, str], WeightFormat]) -> str:
+    """'Q4_K (gate, up), Q6_K (down) by ggml 0.25.3 native (AVX2, ...)': the stored types of the
+    experts, which kinds use each, and the kernels that compute them."""
+    kinds: dict[str, list[str]] = {}
+    for (_, kind), fmt in sorted(formats.items()):
+        kinds.setdefault(fmt.describe(), [])
+        if kind not in kinds[fmt.describe()]:
+            kinds[fmt.describe()].append(kind)
+    text = ", ".join(name if len(kinds) == 1 else f"{name} ({', '.join(k)})" for name, k in kinds.items())
+    engines = sorted({k for k in (fmt.kernels() for fmt in formats.values()) if k})
+    return text + (f" by {', '.join(engines)}" if engines else "")

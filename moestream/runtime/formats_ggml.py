@@ -67,3 +67,6 @@ class Ggml(WeightFormat):
 
     def describe(self) -> str:
         return self.type.name
+
+    def kernels(self) -> str | None:
+        return self._ggml.describe()
