@@ -66,6 +66,10 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         return self.stored.name
 
+    def rows(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [n] of the matrix stored in `raw`, dequantized: [n, cols] (embedding lookups)."""
+        raise NotImplementedError(f"{self.describe()} matrices cannot be looked up by row")
+
     def kernels(self) -> str | None:
         """What computes this format when it is not plain torch (for the mode line)."""
         return None

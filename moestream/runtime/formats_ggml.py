@@ -55,6 +55,10 @@ class Ggml(WeightFormat):
         y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def rows(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]
+        return picked.to(dtype)
+
     def fused(self, other: WeightFormat) -> WeightFormat | None:
         if not isinstance(other, Ggml) or other.stored != self.stored or other.cols != self.cols:
             return None
