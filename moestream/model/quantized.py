@@ -65,7 +65,7 @@ class QuantEmbedding(_Blocks):
         self.num_embeddings, self.embedding_dim, self.dtype = self.rows, self.cols, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.format().rows(self.raw, ids.reshape(-1), self.dtype)  # [n, dim]
+        rows = self.format().lookup(self.raw, ids.reshape(-1), self.dtype)  # [n, dim]
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

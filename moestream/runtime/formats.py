@@ -66,7 +66,7 @@ class WeightFormat(ABC):
     def describe(self) -> str:
         return self.stored.name
 
-    def rows(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [n] of the matrix stored in `raw`, dequantized: [n, cols] (embedding lookups)."""
         raise NotImplementedError(f"{self.describe()} matrices cannot be looked up by row")
 

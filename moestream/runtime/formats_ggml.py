@@ -55,7 +55,7 @@ class Ggml(WeightFormat):
         y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
-    def rows(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]
         return picked.to(dtype)
 
