@@ -1,6 +1,8 @@
 # Two entry points, both doing their own set-up on a fresh machine:
 #   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
 #   make test   same set-up, then ruff (lint + format check) and the test suite
+#   make native build ggml's CPU backend for this CPU (AVX512/VNNI, dotprod, ...) from the llama-cpp-python
+#               sdist; moestream then uses it instead of the prebuilt libggml-python (AVX2 / armv8.0)
 #
 # Which torch: pyproject.toml leaves torch unpinned, so that GPU users keep their own build. `make setup`
 # installs torch only into a .venv that has none: TORCH_SPEC (the CPU build) from a local wheel if pip is
@@ -15,7 +17,7 @@ STAMP := $(VENV)/.moestream-installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup native clean
 
 setup: $(STAMP)
 
@@ -40,6 +42,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check moestream tests benchmarks
 	$(VENV)/bin/ruff format --check moestream tests benchmarks
 	$(PY) -m pytest -q
+
+native: $(STAMP)
+	$(PY) -m moestream.ggml.build
 
 clean:
 	rm -rf $(VENV) .moestream build *.egg-info

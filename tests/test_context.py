@@ -37,25 +37,28 @@ def test_context_cap_default_mode_line_and_refusal(tiny_dir, capsys):
         kv = kv_cache_bytes(engine.config, 256, 4)  # float32
         assert engine.mode_line().endswith(f"| context 256 tokens, KV cache {kv / 1024:.1f} KiB when full")
         with pytest.raises(
-            MoestreamError, match="prompt's 250 tokens plus max_tokens 7 exceed the context of 256"
+            MoestreamError, match="max tokens 7 plus the prompt's 250 tokens exceeds the model's"
         ):
             engine.generate([5] * 250, max_tokens=7)
         assert len(engine.generate([5] * 250, max_tokens=6, ignore_eos=True).tokens) == 6
     with moestream.load(path, cache="1MiB", ctx_size=32) as engine:
         assert "| context 32 tokens" in engine.mode_line()
-        with pytest.raises(MoestreamError, match="30 tokens plus max_tokens 3 exceed the context of 32"):
+        with pytest.raises(
+            MoestreamError, match="max tokens 3 plus the prompt's 30 tokens exceeds the context of 32"
+        ):
             engine.generate([5] * 30, max_tokens=3)
+        with pytest.raises(
+            MoestreamError, match="the prompt has 40 tokens, more than the context of 32 tokens"
+        ):
+            engine.generate([5] * 40, max_tokens=1)
     code = main(["generate", path, "-c", "16", "-p", "Hello", "-n", "40"])
     err = capsys.readouterr().err
     assert (
-        code == 2
-        and "max_tokens 40 exceed the context of 16 tokens (--ctx-size)" in err
-        and "Traceback" not in err
+        code == 2 and "max tokens 40 plus the prompt's" in err and "context of 16 tokens (--ctx-size)" in err
     )
+    assert "Traceback" not in err
 
 
-def test_context_beyond_the_model_warns(tiny_dir):
-    with pytest.warns(UserWarning, match="beyond the model's trained context of 256"):
-        engine = moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", ctx_size=1024)
-    with engine:
-        assert engine.ctx_size == 1024
+def test_context_beyond_the_model_is_refused(tiny_dir):
+    with pytest.raises(MoestreamError, match="--ctx-size 1024 is beyond the model's trained context of 256"):
+        moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", ctx_size=1024)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from typing import Any
 
 from moestream.cli._engine_args import (
     add_context_arguments,
@@ -17,6 +20,7 @@ from moestream.cli._engine_args import (
     read_chat_template,
     use_chat_template,
 )
+from moestream.errors import MoestreamError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,17 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moestream
+    from moestream.engine.sampling import SamplingParams
 
-    path, template = model_path(args), read_chat_template(args)
-    with moestream.load(path, **engine_kwargs(args)) as engine:
-        use_chat_template(engine, template)
-        if args.trace:
-            engine.start_trace(args.trace, predict=not args.no_trace_predict)
-        print(engine.mode_line(), file=sys.stderr, flush=True)
-        gen = None
-        for gen in engine.stream(
-            args.prompt,
-            chat=args.chat,
+    # everything a user can get wrong is checked before the model loads, which can take minutes
+    try:
+        params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -71,23 +69,62 @@ def run(args: argparse.Namespace) -> int:
             frequency_penalty=args.frequency_penalty,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
-        ):
-            if not args.json:
-                print(gen.piece, end="", flush=True)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "text": gen.text,
-                        "tokens": gen.tokens,
-                        "prompt_tokens": gen.prompt_tokens,
-                        "finish_reason": gen.finish_reason,
-                        "mode": engine.mode_line(),
-                        "stats": gen.stats.to_dict(),
-                    }
-                )
-            )
-        else:
-            print(flush=True)
-        print(gen.stats.line(), file=sys.stderr)
+        )
+    except ValueError as exc:
+        raise MoestreamError(str(exc)) from None
+    path, template = model_path(args), read_chat_template(args)
+    if args.trace:
+        from moestream.trace.atomic import check_output_path
+
+        check_output_path(args.trace)
+    previous = _on_sigterm(_exit_on_sigterm)  # the trace is finished on the way out
+    try:
+        with moestream.load(path, **engine_kwargs(args)) as engine:
+            use_chat_template(engine, template)
+            if args.trace:
+                engine.start_trace(args.trace, predict=not args.no_trace_predict)
+            print(engine.mode_line(), file=sys.stderr, flush=True)
+            gen = None
+            for gen in engine.stream(args.prompt, params, chat=args.chat):
+                if not args.json:
+                    print(gen.piece, end="", flush=True)
+            _print(args, engine, gen)
+            engine.stop_trace()  # a trace that could not be written is an error, after the text is out
+    finally:
+        _on_sigterm(previous)
     return 0
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install a SIGTERM handler (only the main thread may); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+
+
+def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
+    """The JSON object, or the end of the streamed text; the stats line on stderr either way."""
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": gen.text,
+                    "tokens": gen.tokens,
+                    "prompt_tokens": gen.prompt_tokens,
+                    "finish_reason": gen.finish_reason,
+                    "mode": engine.mode_line(),
+                    "stats": gen.stats.to_dict(),
+                }
+            ),
+            flush=True,
+        )
+    else:
+        print(flush=True)
+    print(gen.stats.line(), file=sys.stderr, flush=True)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    print(
+        "moestream: terminated; finishing the trace and closing the checkpoint", file=sys.stderr, flush=True
+    )
+    raise SystemExit(128 + signum)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,8 +25,10 @@ from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
+from moestream.runtime.formats import describe_formats
 from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
 from moestream.store.source import open_source
 from moestream.units import format_size
@@ -106,11 +109,13 @@ class Engine:
         self.source = open_source(path)
         self.path = self.source.path
         self.config = self.source.config()
+        self.tokenizer = self.source.tokenizer()  # before the model: a broken tokenizer fails in a second
         self.arch = arch_for(self.config)
         self.model_top_k = top_k(self.config)
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
+        check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
         self.device = torch.device(options.device)
@@ -121,7 +126,6 @@ class Engine:
         self.top_k = top_k(self.config)
         self.family = make_family(self.config, self.emap, self.device, self.dtype)
         self.streaming = self._stream()
-        self.tokenizer = self.source.tokenizer()
         self._step = ForwardStep(self.model)
         self._init_generation()
         self.floor = self._make_floor()
@@ -149,10 +153,15 @@ class Engine:
         self.recorder = TraceRecorder(self, path, predict=predict)
 
     def stop_trace(self) -> None:
-        if self.recorder is not None:
-            self.recorder.detach(self.runtime)
-            self.recorder.close()
-            self.recorder = None
+        """Finish the trace file.
+
+        Raises:
+            TraceError: writing the trace failed (during the run or now); the message says what was kept.
+        """
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.detach(self.runtime)
+            recorder.close()
 
     def _stream(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
@@ -222,7 +231,8 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         return (
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
-            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
+            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
+            f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
@@ -242,18 +252,15 @@ class Engine:
 
     def _init_generation(self) -> None:
         """Context size, prompt cache and the model's own sampling defaults."""
-        self.model_context = int(getattr(text_config(self.config), "max_position_embeddings", 0) or 0) or None
+        model = self.context_length
         requested = self.options.ctx_size
-        if requested is None:
-            self.ctx_size = min(self.model_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
-        else:
-            if self.model_context is not None and requested > self.model_context:
-                warnings.warn(
-                    f"--ctx-size {requested} is beyond the model's trained context of "
-                    f"{self.model_context} tokens; output may degrade past it",
-                    stacklevel=2,
-                )
-            self.ctx_size = requested
+        if requested is not None and model is not None and requested > model:
+            self.streaming.close()
+            raise MoestreamError(
+                f"--ctx-size {requested} is beyond the model's trained context of {model} tokens, where its "
+                f"output would look like text but not be the model's"
+            )
+        self.ctx_size = requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
         self.prompt_cache = PromptCache()
         self.sampling_defaults = model_sampling_defaults(self.path)
 
@@ -330,6 +337,7 @@ class Engine:
             raise MoestreamError(str(exc)) from None
         ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
         self.check_context(len(ids), params.max_tokens)
+        self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
         self._requests += 1
         yield from self._run(
             ids,
@@ -355,14 +363,47 @@ class Engine:
             ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
+        self._check_ids(ids)
         return ids
 
-    def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Raise MoestreamError unless the prompt and max_tokens fit in the context (--ctx-size)."""
-        if prompt_tokens + max_tokens > self.ctx_size:
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
+        value = getattr(text_config(self.config), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def _check_ids(self, ids: list[Any]) -> None:
+        """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if bad is not None:
             raise MoestreamError(
-                f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the "
-                f"context of {self.ctx_size} tokens (--ctx-size)"
+                f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})"
+            )
+
+    def check_context(self, prompt_n: int, max_tokens: int) -> None:
+        """Refuse a prompt and max_tokens that do not fit the context (--ctx-size, at most the model's:
+        positions past the trained context give text that looks like output but is not)."""
+        ctx = self.ctx_size
+        if ctx == self.context_length:
+            which = f"the model's context of {ctx} tokens"
+        else:
+            which = f"the context of {ctx} tokens (--ctx-size)"
+        if prompt_n >= ctx:
+            raise MoestreamError(
+                f"the prompt has {prompt_n} tokens, more than {which} leaves room for (at most {ctx - 1})"
+            )
+        if prompt_n + max_tokens > ctx:
+            raise MoestreamError(
+                f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds {which} "
+                f"(at most {ctx - prompt_n} here)"
             )
 
     def _run(
@@ -395,6 +436,8 @@ class Engine:
         finally:
             if keep:
                 self.prompt_cache.keep(state)
+            if self.recorder is not None:
+                self.recorder.flush()  # a process killed later loses none of this request's rows
             if self.floor is not None:
                 self.floor.end()
 
@@ -461,10 +504,14 @@ class Engine:
 
     def close(self) -> None:
         """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
-        self.stop_trace()
-        if self.floor is not None:
-            self.floor.close()
-        self.streaming.close()
+        try:
+            self.stop_trace()
+        finally:
+            try:
+                if self.floor is not None:
+                    self.floor.close()
+            finally:
+                self.streaming.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -9,6 +9,7 @@ small `PresenceFrequencyPenalty` below.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,24 +43,28 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one stop string, as OpenAI's API accepts; not a list of its characters
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:  # NaN fails every comparison
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         for token, bias in self.logit_bias.items():
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 
 class PresenceFrequencyPenalty:
@@ -95,7 +100,7 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
         )
     if params.temperature > 0:  # the warpers only shape a distribution that is sampled from
         if params.temperature != 1.0:
-            processors.append(lp.TemperatureLogitsWarper(params.temperature))
+            processors += [_shift_to_zero_max, lp.TemperatureLogitsWarper(params.temperature)]
         if params.top_k:
             processors.append(lp.TopKLogitsWarper(params.top_k))
         if params.top_p < 1:
@@ -103,6 +108,12 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
         if params.min_p > 0:
             processors.append(lp.MinPLogitsWarper(params.min_p))
     return processors
+
+
+def _shift_to_zero_max(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Largest logit to 0 before dividing by the temperature: softmax is unchanged, and a tiny temperature
+    sends the others to -inf (greedy, ties shared) instead of overflowing every logit to inf (NaN probs)."""
+    return scores - scores.max(dim=-1, keepdim=True).values
 
 
 class Sampler:
