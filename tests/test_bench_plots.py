@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from moestream.bench.fit import fit_line
-from moestream.bench.plots import decode_figure, fit_figure
-from moestream.bench.report import run_title, summary_lines
+from moestream.bench.plots import decode_figure, fit_figure, run_title
+from moestream.bench.report import summary_lines
 
 MODE = (
     "moestream: qwen3_moe on cpu | io direct, 4 io threads, 128 KiB pieces | cache 1.0 GiB = 113 slots | "

@@ -1,6 +1,6 @@
 """PNG plots of a bench run: decode speed per request, and time per token against MiB read per token.
 
-Each figure is titled with the model and the configuration (`report.run_title`), the fit plot has one
+Each figure is titled with the model and the configuration (`run_title`), the fit plot has one
 legend entry per run label, the axes always contain every point, and prompts are coloured by language
 only where the language is known.
 """
@@ -29,8 +29,6 @@ def _pyplot() -> Any:
 def decode_figure(results: dict[str, Any]) -> Any:
     """Bars of decode tok/s per request, the mean as a line; the figure, for `plot_decode` and tests."""
     from matplotlib.patches import Patch
-
-    from moestream.bench.report import run_title
 
     plt = _pyplot()
     requests = results["requests"]
@@ -108,3 +106,18 @@ def plot_fit(
     fig = fit_figure(points, fit, title)
     fig.savefig(out, dpi=110)
     _pyplot().close(fig)
+
+
+def run_title(results: dict[str, Any], others: list[dict[str, Any]] | None = None) -> str:
+    """A plot title naming the model and the configuration: label and model, then the engine's mode
+    (io, cache) or the server kind, the tokens per request and the memory limit."""
+    parts = [p.removeprefix("moestream: ") for p in (results.get("mode_line") or "").split(" | ") if p]
+    config = "; ".join(parts[:3]) if parts else results.get("server", "server")
+    limit = results.get("machine", {}).get("cgroup", {}).get("limit_text")
+    settings = results.get("settings", {})
+    tail = f"{settings.get('max_tokens')} tokens per request" + (f", memory limit {limit}" if limit else "")
+    label = results.get("label", "")
+    if others:
+        label += " with " + ", ".join(o.get("label", "") for o in others)
+    model = results.get("model") or "model not recorded"
+    return f"{label}: {model}\n{config}\n{tail}"

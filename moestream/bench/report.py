@@ -127,28 +127,13 @@ def write_outputs(config: BenchConfig, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
     (out / "report.md").write_text(markdown(results), encoding="utf-8")
     if config.plots:
-        from moestream.bench.plots import plot_decode, plot_fit
+        from moestream.bench.plots import plot_decode, plot_fit, run_title
 
         plot_decode(results, out / "decode.png")
         others = [load_run(p) for p in config.fit_with]
         fit, points = fit_runs([results, *others])
         if points:
             plot_fit(points, fit, out / "fit.png", run_title(results, others))
-
-
-def run_title(results: dict[str, Any], others: list[dict[str, Any]] | None = None) -> str:
-    """A plot title naming the model and the configuration: label and model, then the engine's mode
-    (io, cache) or the server kind, the tokens per request and the memory limit."""
-    parts = [p.removeprefix("moestream: ") for p in (results.get("mode_line") or "").split(" | ") if p]
-    config = "; ".join(parts[:3]) if parts else results.get("server", "server")
-    limit = results.get("machine", {}).get("cgroup", {}).get("limit_text")
-    settings = results.get("settings", {})
-    tail = f"{settings.get('max_tokens')} tokens per request" + (f", memory limit {limit}" if limit else "")
-    label = results.get("label", "")
-    if others:
-        label += " with " + ", ".join(o.get("label", "") for o in others)
-    model = results.get("model") or "model not recorded"
-    return f"{label}: {model}\n{config}\n{tail}"
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:

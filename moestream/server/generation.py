@@ -22,7 +22,7 @@ from moestream.server.responses import SSE_DONE, Shape, sse
 from moestream.server.worker import Busy, Done, Failed, Job, ShuttingDown, Token
 
 if TYPE_CHECKING:
-    from moestream.server.app import ServerState
+    from moestream.server.state import ServerState
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.runtime.formats import WeightFormat
+from moestream.runtime.formats.base import WeightFormat
 from moestream.store.experts import StoredFormat
 
 
