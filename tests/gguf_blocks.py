@@ -11,17 +11,9 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from moestream.kernels.types import TYPES
+
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
-# byte offsets of the fp16 fields inside a block (ggml-common.h)
-FP16_FIELDS = {
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "IQ4_NL": (0,),
-    "IQ4_XS": (0,),
-}
 
 
 def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -32,7 +24,7 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     if name in QUANTIZABLE:
         return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.05, qtype)
     raw = rng.integers(0, 256, size=(n, k // block, block_bytes), dtype=np.uint8)
-    for offset in FP16_FIELDS[name]:
+    for offset in TYPES[name].fp16_at:
         scales = (rng.standard_normal((n, k // block)) * 0.01).astype(np.float16)
         raw[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(n, k // block, 2)
     return raw.reshape(n, k // block * block_bytes)

@@ -9,6 +9,7 @@ memory (page-locked, hence mapped for the GPU: unified memory), read in place.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class KernelConfig:
             raise ValueError("a tl.dot tile needs block_m, block_n and block_k of at least 16")
 
 
+@functools.lru_cache(maxsize=1024)
 def default_config(m: int, n: int, k: int, dtype: torch.dtype) -> KernelConfig:
     """The tile for m rows of x (per matrix), n outputs and k inputs. PLACEHOLDER sizes, chosen without
     a GPU: fp32 FMA tiles up to 8 rows (and for fp32 x), ~4096 products per step, narrow in n so that

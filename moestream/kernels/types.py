@@ -24,6 +24,7 @@ class BlockType:
     name: str  # GGUF spelling: "Q4_K", "MXFP4"
     block: int
     block_bytes: int
+    fp16_at: tuple[int, ...] = ()  # byte offsets of the fp16 scales/mins in a block (ggml-common.h)
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one row of k weights; k must be a positive whole number of blocks."""
@@ -43,19 +44,19 @@ class BlockType:
 
 
 _TYPES = (
-    BlockType(2, "Q4_0", 32, 18),
-    BlockType(3, "Q4_1", 32, 20),
-    BlockType(6, "Q5_0", 32, 22),
-    BlockType(7, "Q5_1", 32, 24),
-    BlockType(8, "Q8_0", 32, 34),
-    BlockType(10, "Q2_K", 256, 84),
-    BlockType(11, "Q3_K", 256, 110),
-    BlockType(12, "Q4_K", 256, 144),
-    BlockType(13, "Q5_K", 256, 176),
-    BlockType(14, "Q6_K", 256, 210),
-    BlockType(20, "IQ4_NL", 32, 18),
-    BlockType(23, "IQ4_XS", 256, 136),
-    BlockType(39, "MXFP4", 32, 17),
+    BlockType(2, "Q4_0", 32, 18, (0,)),
+    BlockType(3, "Q4_1", 32, 20, (0, 2)),
+    BlockType(6, "Q5_0", 32, 22, (0,)),
+    BlockType(7, "Q5_1", 32, 24, (0, 2)),
+    BlockType(8, "Q8_0", 32, 34, (0,)),
+    BlockType(10, "Q2_K", 256, 84, (80, 82)),
+    BlockType(11, "Q3_K", 256, 110, (108,)),
+    BlockType(12, "Q4_K", 256, 144, (0, 2)),
+    BlockType(13, "Q5_K", 256, 176, (0, 2)),
+    BlockType(14, "Q6_K", 256, 210, (208,)),
+    BlockType(20, "IQ4_NL", 32, 18, (0,)),
+    BlockType(23, "IQ4_XS", 256, 136, (0,)),
+    BlockType(39, "MXFP4", 32, 17),  # byte 0: an E8M0 exponent
 )
 TYPES: dict[str, BlockType] = {t.name: t for t in _TYPES}
 _BY_ID: dict[int, BlockType] = {t.id: t for t in _TYPES}
