@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
+import threading
+from typing import Any
 
 from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
+from moestream.errors import MoestreamError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,15 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moestream
+    from moestream.engine.sampling import SamplingParams
 
-    with moestream.load(args.path, **engine_kwargs(args)) as engine:
-        if args.trace:
-            engine.start_trace(args.trace, predict=not args.no_trace_predict)
-        if not args.json:
-            print(engine.mode_line(), flush=True)
-        gen = engine.generate(
-            args.prompt,
-            chat=args.chat,
+    # everything a user can get wrong is checked before the model loads, which can take minutes
+    try:
+        params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -43,20 +44,56 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "text": gen.text,
-                        "tokens": gen.tokens,
-                        "prompt_tokens": gen.prompt_tokens,
-                        "finish_reason": gen.finish_reason,
-                        "mode": engine.mode_line(),
-                        "stats": gen.stats.to_dict(),
-                    }
-                )
-            )
-        else:
-            print(gen.text, flush=True)
-            print(gen.stats.line())
+    except ValueError as exc:
+        raise MoestreamError(str(exc)) from None
+    if args.trace:
+        from moestream.trace.atomic import check_output_path
+
+        check_output_path(args.trace)
+    previous = _on_sigterm(_exit_on_sigterm)  # the trace is finished on the way out
+    try:
+        with moestream.load(args.path, **engine_kwargs(args)) as engine:
+            if args.trace:
+                engine.start_trace(args.trace, predict=not args.no_trace_predict)
+            if not args.json:
+                print(engine.mode_line(), flush=True)
+            gen = engine.generate(args.prompt, params, chat=args.chat)
+            _print(args, engine, gen)
+            engine.stop_trace()  # a trace that could not be written is an error, after the text is out
+    finally:
+        _on_sigterm(previous)
     return 0
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install a SIGTERM handler (only the main thread may); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+
+
+def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": gen.text,
+                    "tokens": gen.tokens,
+                    "prompt_tokens": gen.prompt_tokens,
+                    "finish_reason": gen.finish_reason,
+                    "mode": engine.mode_line(),
+                    "stats": gen.stats.to_dict(),
+                }
+            ),
+            flush=True,
+        )
+    else:
+        print(gen.text, flush=True)
+        print(gen.stats.line(), flush=True)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    print(
+        "moestream: terminated; finishing the trace and closing the checkpoint", file=sys.stderr, flush=True
+    )
+    raise SystemExit(128 + signum)

@@ -21,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)"
     )
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=port_number, default=8080, help="TCP port (default 8080; 0 picks a free one)"
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("MOESTREAM_API_KEY"),
@@ -44,6 +46,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: the system picks a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
+
+
 def listen(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a taken port fails in a second, not after a long load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -54,9 +67,10 @@ def listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0..65535 from the Python API
         sock.close()
-        raise MoestreamError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise MoestreamError(f"cannot listen on {host}:{port}: {reason}") from None
     return sock
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
+from moestream.runtime.formats import describe_formats
 from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
 from moestream.store.source import open_source
 from moestream.units import format_size
@@ -96,11 +99,13 @@ class Engine:
         self.source = open_source(path)
         self.path = self.source.path
         self.config = self.source.config()
+        self.tokenizer = self.source.tokenizer()  # before the model: a broken tokenizer fails in a second
         self.arch = arch_for(self.config)
         self.model_top_k = top_k(self.config)
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
+        check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
         self.device = torch.device(options.device)
@@ -111,7 +116,6 @@ class Engine:
         self.top_k = top_k(self.config)
         self.family = make_family(self.config, self.emap, self.device, self.dtype)
         self.streaming = self._stream()
-        self.tokenizer = self.source.tokenizer()
         self._step = ForwardStep(self.model)
         self.floor = self._make_floor()
         self.recorder: Any = None
@@ -138,10 +142,15 @@ class Engine:
         self.recorder = TraceRecorder(self, path, predict=predict)
 
     def stop_trace(self) -> None:
-        if self.recorder is not None:
-            self.recorder.detach(self.runtime)
-            self.recorder.close()
-            self.recorder = None
+        """Finish the trace file.
+
+        Raises:
+            TraceError: writing the trace failed (during the run or now); the message says what was kept.
+        """
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.detach(self.runtime)
+            recorder.close()
 
     def _stream(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
@@ -211,7 +220,8 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         return (
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
-            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
+            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
+            f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
@@ -278,8 +288,49 @@ class Engine:
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
+        self._check_ids(ids)
+        self._check_context(len(ids), params.max_tokens)
+        self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
         self._requests += 1
         yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
+        value = getattr(text_config(self.config), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def _check_ids(self, ids: list[Any]) -> None:
+        """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if bad is not None:
+            raise MoestreamError(
+                f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})"
+            )
+
+    def _check_context(self, prompt_n: int, max_tokens: int) -> None:
+        """Positions past the trained context give text that looks like output but is not: refuse them."""
+        context = self.context_length
+        if context is None:
+            return
+        if prompt_n >= context:
+            raise MoestreamError(
+                f"the prompt has {prompt_n} tokens, more than the model's context of {context} tokens "
+                f"leaves room for (at most {context - 1})"
+            )
+        if prompt_n + max_tokens > context:
+            raise MoestreamError(
+                f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds the model's context "
+                f"of {context} tokens (at most {context - prompt_n} here)"
+            )
 
     def _run(
         self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str
@@ -289,6 +340,8 @@ class Engine:
         try:
             yield from self._tokens(ids, params, cancelled, self._stepper(request_id))
         finally:
+            if self.recorder is not None:
+                self.recorder.flush()  # a process killed later loses none of this request's rows
             if self.floor is not None:
                 self.floor.end()
 
@@ -344,10 +397,14 @@ class Engine:
 
     def close(self) -> None:
         """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
-        self.stop_trace()
-        if self.floor is not None:
-            self.floor.close()
-        self.streaming.close()
+        try:
+            self.stop_trace()
+        finally:
+            try:
+                if self.floor is not None:
+                    self.floor.close()
+            finally:
+                self.streaming.close()
 
     def __enter__(self) -> Engine:
         return self

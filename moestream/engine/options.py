@@ -10,6 +10,7 @@ from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 
 
@@ -50,8 +51,8 @@ class EngineOptions:
                 )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
-        if self.io_threads < 1:
-            raise ValueError(f"io threads must be at least 1, got {self.io_threads}")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"io threads must be between 1 and {MAX_IO_THREADS}, got {self.io_threads}")
         if self.piece < 4096 or self.piece % 4096:
             raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {self.piece} bytes")
         if self.threads is not None and self.threads < 1:

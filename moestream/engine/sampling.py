@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,14 +21,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one stop string, as OpenAI's API accepts; not a list of its characters
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 
 class Sampler:
@@ -42,7 +47,10 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             return int(torch.argmax(logits))
-        logits = logits.float() / p.temperature
+        # shifted so the largest is 0 before dividing: softmax is unchanged, and a tiny temperature sends
+        # the others to -inf (greedy, ties shared) instead of overflowing every logit to inf (NaN probs)
+        logits = logits.float()
+        logits = (logits - logits.max()) / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.errors import UnsupportedModelError
+from moestream.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -69,4 +69,15 @@ def num_experts(config: Any) -> int:
 
 
 def top_k(config: Any) -> int:
-    return int(text_config(config).num_experts_per_tok)
+    """Experts routed per token.
+
+    Raises:
+        CheckpointError: the config's `num_experts_per_tok` is not between 1 and the routed expert count.
+    """
+    k = int(text_config(config).num_experts_per_tok)
+    if not 1 <= k <= num_experts(config):
+        raise CheckpointError(
+            f"config.json sets num_experts_per_tok to {k}, outside "
+            f"1..{num_experts(config)} (the routed expert count)"
+        )
+    return k

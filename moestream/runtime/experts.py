@@ -85,7 +85,7 @@ class ExpertRuntime:
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
 
     def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
-        formats = layer_formats(self.emap)
+        formats = layer_formats(self.emap, self.tier.device.type)
         if fuses:
             for layer in self.emap.layers:
                 for name, kinds in self.family.fusions.items():

@@ -29,6 +29,7 @@ class WeightFormat(ABC):
     """One stored matrix type, for the parts of one (layer, kind)."""
 
     name: ClassVar[str] = "abstract"
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
         self.stored, self.shapes, self.part_bytes = stored, shapes, part_bytes
@@ -52,6 +53,11 @@ class WeightFormat(ABC):
         both, e.g. gate and up), or None when the two cannot be computed as one."""
         return None
 
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(stored dtype, shape) of each part of a logical [out, in] matrix in this format, for the check
+        at load; None: the format does not say (its parts are not checked)."""
+        return None
+
     @property
     def row_bytes(self) -> int:
         """Bytes of one stored row of the first part."""
@@ -59,6 +65,14 @@ class WeightFormat(ABC):
 
     def describe(self) -> str:
         return self.stored.name
+
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [n] of the matrix stored in `raw`, dequantized: [n, cols] (embedding lookups)."""
+        raise NotImplementedError(f"{self.describe()} matrices cannot be looked up by row")
+
+    def kernels(self) -> str | None:
+        """What computes this format when it is not plain torch (for the mode line)."""
+        return None
 
 
 class Dense(WeightFormat):
@@ -79,6 +93,9 @@ class Dense(WeightFormat):
         if raw.data_ptr() % self.alignment:
             raw = raw.clone()  # misaligned for the element type (odd header padding): copy once
         return raw.view(self.storage).view(self.shapes[0])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (inp, out) if self.stored.transposed else (out, inp))]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -105,6 +122,10 @@ class MXFP4(WeightFormat):
 
     def view(self, raws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return raws[0].view(self.shapes[0]), raws[1].view(self.shapes[1])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        groups = inp // 32  # 32 elements per E8M0 scale, packed two per byte
+        return [("U8", (out, groups, 16)), ("U8", (out, groups))]
 
     def linear(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return x @ dequantize_mxfp4(*weight, x.dtype).T  # [R,K] -> [K,R], as transformers computes it
@@ -144,24 +165,56 @@ def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> 
         _REGISTRY[stored_name] = previous
 
 
-def make_format(stored: StoredFormat, parts: Parts) -> WeightFormat:
-    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's).
+def _block_format(name: str) -> type[WeightFormat] | None:
+    """GGML block types (GGUF files): computed by ggml, when its CPU backend multiplies the type."""
+    from moestream.ggml import UnsupportedTypeError, type_table
+
+    if name not in type_table():
+        return None
+    from moestream.runtime.formats_ggml import Ggml
+
+    try:
+        Ggml.check_type(name)
+    except UnsupportedTypeError:
+        return None
+    return Ggml
+
+
+def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> WeightFormat:
+    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's) on
+    a device of type `device`.
 
     Raises:
-        UnsupportedModelError: no format computes this stored type.
+        UnsupportedModelError: no format computes this stored type (on this device).
     """
-    cls = _REGISTRY.get(stored.name)
+    cls = _REGISTRY.get(stored.name) or _block_format(stored.name)
     if cls is None:
         raise UnsupportedModelError(
-            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))})"
+            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))}"
+            " and the GGML block types ggml's CPU backend multiplies)"
         )
+    if device not in cls.devices:
+        raise UnsupportedModelError(f"experts stored as {stored.name} cannot be computed on {device} yet")
     return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
 
 
-def layer_formats(emap: ExpertMap) -> dict[tuple[int, str], WeightFormat]:
+def layer_formats(emap: ExpertMap, device: str = "cpu") -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
     their formats and shapes, so expert 0's parts describe them all)."""
     return {
-        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
+        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind], device)
         for (layer, kind), stored in emap.formats.items()
     }
+
+
+def describe_formats(formats: dict[tuple[int, str], WeightFormat]) -> str:
+    """'Q4_K (gate, up), Q6_K (down) by ggml 0.25.3 native (AVX2, ...)': the stored types of the
+    experts, which kinds use each, and the kernels that compute them."""
+    kinds: dict[str, list[str]] = {}
+    for (_, kind), fmt in sorted(formats.items()):
+        kinds.setdefault(fmt.describe(), [])
+        if kind not in kinds[fmt.describe()]:
+            kinds[fmt.describe()].append(kind)
+    text = ", ".join(name if len(kinds) == 1 else f"{name} ({', '.join(k)})" for name, k in kinds.items())
+    engines = sorted({k for k in (fmt.kernels() for fmt in formats.values()) if k})
+    return text + (f" by {', '.join(engines)}" if engines else "")
