@@ -48,3 +48,18 @@ def check_product(y, x, ref_w, dot: bool, rel_limit: float | None = None) -> flo
     limit = rel_limit if rel_limit is not None else (4e-3 if dot else 3e-3)
     assert rel < limit, rel
     return rel
+
+
+def ggml_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray | None:
+    """uint8 [n, row_bytes] quantized from Gaussian weights by ggml's own quantizer (moestream.ggml, the
+    one llama-quantize uses), or None where that library cannot be loaded."""
+    try:
+        import torch
+
+        from moestream import ggml
+
+        g = torch.Generator().manual_seed(seed)
+        blocks = ggml.quantize(torch.randn(n, k, generator=g) * 0.05, name)
+    except Exception:  # no usable ggml here (it is optional for these tests)
+        return None
+    return blocks.numpy().reshape(n, -1)

@@ -33,8 +33,9 @@ DEQUANT_SIGNATURE = {
     "w_ptr": "*u8",
     "out_ptr": "*bf16",
     "lut_ptr": "*fp32",
+    "ids_ptr": "*i32",
     **dict.fromkeys(("N", "K", "row_bytes"), "i32"),
-    **dict.fromkeys(("QTYPE", "BN", "BK", "INTERPRET"), "constexpr"),
+    **dict.fromkeys(("QTYPE", "BN", "BK", "HAS_IDS", "INTERPRET"), "constexpr"),
 }
 # (rows per matrix, grouped): a decode GEMV, a grouped decode of 8 rows, a grouped prefill tile
 CASES = ((1, False), (8, True), (64, True))
@@ -57,8 +58,9 @@ def compile_type(name: str, arch: int) -> None:
         assert _compile(
             matmul_kernel, MATMUL_SIGNATURE, {"QTYPE": qtype, **tile, **flags}, arch, cfg.num_warps
         )
-    dequant = {"QTYPE": qtype, "BN": 16, "BK": 256, "INTERPRET": False}
-    assert _compile(dequantize_kernel, DEQUANT_SIGNATURE, dequant, arch, 4)
+    for has_ids in (False, True):
+        dequant = {"QTYPE": qtype, "BN": 16, "BK": 256, "HAS_IDS": has_ids, "INTERPRET": False}
+        assert _compile(dequantize_kernel, DEQUANT_SIGNATURE, dequant, arch, 4)
 
 
 def main(argv: list[str]) -> None:

@@ -27,7 +27,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU, and TRITON_INTERPRET is not 1 (conftest sets it)", allow_module_level=True)
 
-from gguf_blocks import check_product, random_blocks, reference  # noqa: E402
+from gguf_blocks import check_product, ggml_blocks, random_blocks, reference  # noqa: E402
 
 from moestream import kernels  # noqa: E402
 from moestream.kernels import TYPES, KernelConfig, UnsupportedTypeError  # noqa: E402
@@ -179,3 +179,30 @@ def test_bad_arguments_are_refused_with_one_sentence():
         kernels.matmul(x.to(torch.int32), w, "Q4_K", n)
     with pytest.raises(ValueError, match="power of two"):
         KernelConfig(3, 16, 64, dot=False)
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_blocks_quantized_by_ggml(name):
+    """Blocks as llama-quantize writes them (ggml's quantizer), besides the random ones above."""
+    n, k = _shape(name)
+    blocks = ggml_blocks(name, n, k)
+    if blocks is None:
+        pytest.skip("moestream.ggml (libggml) is not usable here")
+    w = torch.from_numpy(blocks).reshape(-1).to(DEVICE)
+    ref_w = torch.from_numpy(reference(name, blocks)).to(DEVICE)
+    atol = 0.0 if DEVICE == "cpu" else 2**-20 * ref_w.abs().max().item()
+    torch.testing.assert_close(kernels.dequantize(w, name, n, k, torch.float32), ref_w, rtol=0, atol=atol)
+    for m in (1, 24):
+        x = _x(m, k)
+        check_product(kernels.matmul(x, w, name, n), x, ref_w, dot=m > 8)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_dequantize_selected_rows(name):
+    """An embedding lookup: the rows `ids` names, in that order, repeats allowed."""
+    w, ref, n, k = _weight(name)
+    ids = torch.tensor([3, 0, 19, 3, 7], dtype=torch.int64, device=DEVICE)
+    got = kernels.dequantize(w, name, n, k, torch.float32, ids=ids)
+    atol = 0.0 if DEVICE == "cpu" else 2**-20 * ref.abs().max().item()
+    torch.testing.assert_close(got, ref[ids], rtol=0, atol=atol)
+    assert kernels.dequantize(w, name, n, k, ids=ids[:0]).shape == (0, k)

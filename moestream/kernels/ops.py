@@ -207,20 +207,36 @@ def dequantize(
     dtype: torch.dtype = torch.bfloat16,
     *,
     out: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GGUF `qtype` blocks of an [n, k] matrix -> dense [n, k] in `dtype` (bf16/fp16/fp32), on w's
-    device; into `out` when given (a reused scratch tensor of that shape and dtype)."""
+    device; into `out` when given (a reused scratch tensor of that shape and dtype). With `ids`
+    (int32/int64 [R], each in 0..n-1, not checked), only those rows: [R, k] (an embedding lookup)."""
     bt = block_type(qtype)
     _check_weight(w, w.device, bt.nbytes(n, k), f"the {bt.name} weight")
+    if ids is not None and (ids.dim() != 1 or ids.dtype not in _INDEX or ids.device != w.device):
+        raise ValueError(f"ids must be a 1-D int32/int64 tensor on {w.device}")
+    rows = n if ids is None else ids.numel()
     if out is None:
-        out = torch.empty((n, k), dtype=dtype, device=w.device)
-    elif tuple(out.shape) != (n, k) or out.dtype not in ACTIVATION_DTYPES or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bf16/fp16/fp32 tensor of shape [{n}, {k}]")
-    if n:
+        out = torch.empty((rows, k), dtype=dtype, device=w.device)
+    elif tuple(out.shape) != (rows, k) or out.dtype not in ACTIVATION_DTYPES or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bf16/fp16/fp32 tensor of shape [{rows}, {k}]")
+    if rows:
         bn, bk = 16, 256
-        grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+        grid = (triton.cdiv(rows, bn), triton.cdiv(k, bk))
         dequantize_kernel[grid](
-            w, out, _lut(w.device), n, k, bt.row_bytes(k), QTYPE=bt.id, BN=bn, BK=bk, INTERPRET=INTERPRETED
+            w,
+            out,
+            _lut(w.device),
+            ids if ids is not None else w,
+            rows,
+            k,
+            bt.row_bytes(k),
+            QTYPE=bt.id,
+            BN=bn,
+            BK=bk,
+            HAS_IDS=ids is not None,
+            INTERPRET=INTERPRETED,
         )
     return out
 

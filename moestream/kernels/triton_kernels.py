@@ -167,20 +167,22 @@ def matmul_kernel(
 @triton.jit(do_not_specialize=["N", "K", "row_bytes"])
 def dequantize_kernel(
     w_ptr,  # uint8: the matrix
-    out_ptr,  # [N, K] contiguous, bf16/fp16/fp32
+    out_ptr,  # [R, K] contiguous, bf16/fp16/fp32; R = N, or the number of ids
     lut_ptr,
-    N,
+    ids_ptr,  # HAS_IDS: int32/int64 [R], the matrix row of each output row (an embedding lookup)
+    N,  # output rows R
     K,
     row_bytes,
     QTYPE: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    HAS_IDS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    r = tl.program_id(0) * BN + tl.arange(0, BN)
     kk = tl.program_id(1) * BK + tl.arange(0, BK)
-    w = decode(
-        w_ptr, tl.minimum(n, N - 1)[:, None], tl.minimum(kk, K - 1)[None, :], row_bytes, lut_ptr, QTYPE
-    )
-    out = out_ptr + n.to(tl.int64)[:, None] * K + kk[None, :]
-    tl.store(out, _round(w, out_ptr.dtype.element_ty, INTERPRET), mask=(n < N)[:, None] & (kk < K)[None, :])
+    r_safe = tl.minimum(r, N - 1)
+    n = tl.load(ids_ptr + r_safe) if HAS_IDS else r_safe
+    w = decode(w_ptr, n[:, None], tl.minimum(kk, K - 1)[None, :], row_bytes, lut_ptr, QTYPE)
+    out = out_ptr + r.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(out, _round(w, out_ptr.dtype.element_ty, INTERPRET), mask=(r < N)[:, None] & (kk < K)[None, :])
