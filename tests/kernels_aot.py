@@ -59,7 +59,7 @@ def compile_type(name: str, arch: int) -> None:
             matmul_kernel, MATMUL_SIGNATURE, {"QTYPE": qtype, **tile, **flags}, arch, cfg.num_warps
         )
     for has_ids in (False, True):
-        dequant = {"QTYPE": qtype, "BN": 16, "BK": 256, "HAS_IDS": has_ids, "INTERPRET": False}
+        dequant = {"QTYPE": qtype, "BN": 8, "BK": 256, "HAS_IDS": has_ids, "INTERPRET": False}
         assert _compile(dequantize_kernel, DEQUANT_SIGNATURE, dequant, arch, 4)
 
 
