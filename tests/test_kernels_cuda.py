@@ -79,6 +79,8 @@ def test_pinned_host_weights_are_read_in_place(name):
     host = w.cpu().pin_memory()
     x = _x(3, k)
     assert torch.equal(kernels.matmul(x, host, name, n), kernels.matmul(x, w, name, n))
+    on_gpu = kernels.dequantize(host, name, n, k, device="cuda")
+    assert on_gpu.is_cuda and torch.equal(on_gpu, kernels.dequantize(w, name, n, k))
     with pytest.raises(ValueError, match="not pinned"):
         kernels.matmul(x, w.cpu(), name, n)
 

@@ -208,17 +208,20 @@ def dequantize(
     *,
     out: torch.Tensor | None = None,
     ids: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """GGUF `qtype` blocks of an [n, k] matrix -> dense [n, k] in `dtype` (bf16/fp16/fp32), on w's
-    device; into `out` when given (a reused scratch tensor of that shape and dtype). With `ids`
-    (int32/int64 [R], each in 0..n-1, not checked), only those rows: [R, k] (an embedding lookup)."""
+    """GGUF `qtype` blocks of an [n, k] matrix -> dense [n, k] in `dtype` (bf16/fp16/fp32) on `device`
+    (default w's; a GPU for pinned host w); into `out` when given (a reused scratch tensor of that
+    shape and dtype, whose device then counts). With `ids` (int32/int64 [R] on that device, each in
+    0..n-1, not checked), only those rows: [R, k] (an embedding lookup)."""
     bt = block_type(qtype)
-    _check_weight(w, w.device, bt.nbytes(n, k), f"the {bt.name} weight")
-    if ids is not None and (ids.dim() != 1 or ids.dtype not in _INDEX or ids.device != w.device):
-        raise ValueError(f"ids must be a 1-D int32/int64 tensor on {w.device}")
+    where = out.device if out is not None else torch.device(device) if device is not None else w.device
+    _check_weight(w, where, bt.nbytes(n, k), f"the {bt.name} weight")
+    if ids is not None and (ids.dim() != 1 or ids.dtype not in _INDEX or ids.device != where):
+        raise ValueError(f"ids must be a 1-D int32/int64 tensor on {where}")
     rows = n if ids is None else ids.numel()
     if out is None:
-        out = torch.empty((rows, k), dtype=dtype, device=w.device)
+        out = torch.empty((rows, k), dtype=dtype, device=where)
     elif tuple(out.shape) != (rows, k) or out.dtype not in ACTIVATION_DTYPES or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bf16/fp16/fp32 tensor of shape [{rows}, {k}]")
     if rows:
@@ -227,7 +230,7 @@ def dequantize(
         dequantize_kernel[grid](
             w,
             out,
-            _lut(w.device),
+            _lut(where),
             ids if ids is not None else w,
             rows,
             k,

@@ -10,8 +10,9 @@ With GROUPED, one launch computes several matrices of the same type and shape th
 (a layer's experts in GPU slots): program_id(2) is the matrix e, at byte `offsets[e]` of `w_ptr`; it
 computes output rows starts[e] .. starts[e+1] from x rows `rows[r]` (or r when there is no `rows`).
 
-Sizes (M, N, K, row_bytes) are runtime values and not specialised on, so one compiled kernel per
-(type, tile, flags) serves every shape of a model.
+Sizes are runtime values. M, N and row_bytes are not specialised on; K and x's row stride are (Triton
+compiles one variant for multiples of 16, which lets it vectorise the loads of x), so one or two
+compiled kernels per (type, tile, flags) serve every shape of a model.
 
 INTERPRET adapts the code to Triton's CPU interpreter (TRITON_INTERPRET=1, used by the CPU tests),
 which in Triton 3.6 truncates fp32 -> bf16, multiplies bf16 tiles as integers in tl.dot, and cannot
@@ -74,7 +75,7 @@ def _step(
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "row_bytes", "stride_xm"])
+@triton.jit(do_not_specialize=["M", "N", "row_bytes"])
 def matmul_kernel(
     x_ptr,  # [*, K] bf16/fp16/fp32, last dim contiguous
     w_ptr,  # uint8: the matrix (or, GROUPED, the buffer holding every matrix)
