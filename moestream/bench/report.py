@@ -76,10 +76,12 @@ def build_results(
 
     rows = [request_dict(r) for r in requests]
     server = "moestream" if any(r.moe is not None for r in requests) else config.server_name
+    model = Path(config.disk_of).name if config.disk_of else (config.target or "")
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
         "label": config.label or server,
         "server": server,
+        "model": model,
         "mode_line": mode_line,
         "lossy": bool(mode_line and "LOSSY" in mode_line),
         "command": sys.argv,
@@ -131,7 +133,22 @@ def write_outputs(config: BenchConfig, results: dict[str, Any]) -> None:
         others = [load_run(p) for p in config.fit_with]
         fit, points = fit_runs([results, *others])
         if points:
-            plot_fit(points, fit, out / "fit.png", results["label"])
+            plot_fit(points, fit, out / "fit.png", run_title(results, others))
+
+
+def run_title(results: dict[str, Any], others: list[dict[str, Any]] | None = None) -> str:
+    """A plot title naming the model and the configuration: label and model, then the engine's mode
+    (io, cache) or the server kind, the tokens per request and the memory limit."""
+    parts = [p.removeprefix("moestream: ") for p in (results.get("mode_line") or "").split(" | ") if p]
+    config = "; ".join(parts[:3]) if parts else results.get("server", "server")
+    limit = results.get("machine", {}).get("cgroup", {}).get("limit_text")
+    settings = results.get("settings", {})
+    tail = f"{settings.get('max_tokens')} tokens per request" + (f", memory limit {limit}" if limit else "")
+    label = results.get("label", "")
+    if others:
+        label += " with " + ", ".join(o.get("label", "") for o in others)
+    model = results.get("model") or "model not recorded"
+    return f"{label}: {model}\n{config}\n{tail}"
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:
@@ -188,7 +205,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         "fit: "
         + (
             LineFit(
-                **{k: fit[k] for k in ("fixed_ms", "ms_per_mib", "r2", "points", "x_min", "x_max")}
+                **{
+                    k: fit.get(k)
+                    for k in ("fixed_ms", "ms_per_mib", "r2", "points", "x_min", "x_max", "y_min")
+                }
             ).line()
             if fit
             else "not enough spread in MiB/token (add a run at another read volume with --fit-with)"

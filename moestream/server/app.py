@@ -12,6 +12,7 @@ is only compared with the served names.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from moestream.engine.engine import Engine
 from moestream.server import generation
+from moestream.server.access import AccessLog, access_record
 from moestream.server.errors import APIError
 from moestream.server.metrics import Metrics
 from moestream.server.prompts import Prompts
@@ -66,6 +68,13 @@ class ServerState:
         self.metrics = Metrics(engine.counters, lambda: self.worker.waiting)
         self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
         self.prompts = Prompts(engine)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM or SIGINT arrived (called from the signal handler): end running and queued requests
+        now, each with an answer, so that the connections close and the server can stop."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.worker.shutdown)
 
 
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
@@ -74,6 +83,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         state.worker.start()
         try:
             yield
@@ -85,6 +95,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     app.state.server = state
     app.include_router(router)
     _install_error_handlers(app, state)
+    app.add_middleware(AccessLog)
     return app
 
 
@@ -152,7 +163,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     started = time.perf_counter()
     state = _state(request)
     body = await read_json(request, state.options.max_body)
-    pending, stream = await generation.submit(state, body, chat, started)
+    pending, stream = await generation.submit(state, body, chat, started, access_record(request))
     if stream:
         return generation.stream(state, pending)
     return await generation.answer(state, pending, request)
