@@ -179,6 +179,11 @@ def test_bad_arguments_are_refused_with_one_sentence():
         kernels.matmul(x.to(torch.int32), w, "Q4_K", n)
     with pytest.raises(ValueError, match="power of two"):
         KernelConfig(3, 16, 64, dot=False)
+    starts = torch.tensor([0, 2], device=DEVICE)
+    with pytest.raises(ValueError, match="offsets must be a 1-D int64"):
+        kernels.grouped_matmul(x, w, "Q4_K", n, torch.zeros(1, dtype=torch.int32, device=DEVICE), starts)
+    with pytest.raises(ValueError, match="one more element than offsets"):
+        kernels.grouped_matmul(x, w, "Q4_K", n, torch.zeros(2, dtype=torch.int64, device=DEVICE), starts)
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])

@@ -137,10 +137,10 @@ def grouped_matmul(
 
     Matrix e starts `offsets[e]` bytes (int64 [E], on x's device) into the uint8 buffer `w` and
     computes output rows starts[e] .. starts[e+1] (int32/int64 [E + 1], non-decreasing, on x's device)
-    from x rows rows[r] (int32/int64 [R]; default r itself). Returns out [R, n], R = starts[-1] (or
-    rows' length). `max_rows` bounds starts[e+1] - starts[e] (default R); the caller knows it from
-    the routing it read back, and the tile kind is chosen from it. Offsets and starts are not
-    checked against the buffer (that would need a device synchronisation)."""
+    from x rows rows[r] (int32/int64 [R]; default r itself). Returns out [R, n], R = len(rows) (or
+    x's row count), and starts[-1] must be R. `max_rows` bounds starts[e+1] - starts[e] (default R);
+    the caller knows it from the routing it read back, and the tile kind is chosen from it. Offsets
+    and starts are not checked against the buffer (that would need a device synchronisation)."""
     bt = block_type(qtype)
     row_bytes = _check_x(x, bt)
     _check_weight(w, x.device, 1, "the weight buffer")
@@ -148,6 +148,8 @@ def grouped_matmul(
         raise ValueError(f"offsets must be a 1-D int64 tensor on {x.device}")
     if starts.dim() != 1 or starts.numel() != offsets.numel() + 1 or starts.dtype not in _INDEX:
         raise ValueError("starts must be a 1-D int32/int64 tensor of one more element than offsets")
+    if starts.device != x.device:
+        raise ValueError(f"starts must be on {x.device}")
     if rows is not None and (rows.dim() != 1 or rows.dtype not in _INDEX or rows.device != x.device):
         raise ValueError(f"rows must be a 1-D int32/int64 tensor on {x.device}")
     total = rows.numel() if rows is not None else x.shape[0]
