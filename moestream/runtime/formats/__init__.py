@@ -52,19 +52,27 @@ def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> 
         _REGISTRY[stored_name] = previous
 
 
-def _block_format(name: str) -> type[WeightFormat] | None:
-    """GGML block types (GGUF files): computed by ggml, when its CPU backend multiplies the type."""
+def _block_format(name: str, device: str) -> type[WeightFormat] | None:
+    """GGML block types (GGUF files): ggml's kernels on the CPU, the Triton GGUF kernels on CUDA, when
+    they compute the type."""
     from moestream.ggml import UnsupportedTypeError, type_table
 
     if name not in type_table():
         return None
-    from moestream.runtime.formats.ggml import Ggml
+    if device == "cuda":
+        from moestream.kernels import UnsupportedTypeError as GpuUnsupported
+        from moestream.runtime.formats.gguf_cuda import GgufCuda as cls
 
+        unsupported: tuple[type[Exception], ...] = (GpuUnsupported,)
+    else:
+        from moestream.runtime.formats.ggml import Ggml as cls
+
+        unsupported = (UnsupportedTypeError,)
     try:
-        Ggml.check_type(name)
-    except UnsupportedTypeError:
+        cls.check_type(name)
+    except unsupported:
         return None
-    return Ggml
+    return cls
 
 
 def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> WeightFormat:
@@ -74,7 +82,7 @@ def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> Weig
     Raises:
         UnsupportedModelError: no format computes this stored type (on this device).
     """
-    cls = _REGISTRY.get(stored.name) or _block_format(stored.name)
+    cls = _REGISTRY.get(stored.name) or _block_format(stored.name, device)
     if cls is None:
         raise UnsupportedModelError(
             f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))}"
