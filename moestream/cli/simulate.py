@@ -99,7 +99,23 @@ def run(args: argparse.Namespace) -> int:
         unit = parse_size(args.unit_bytes) if args.unit_bytes else None
     except ValueError as exc:
         raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+    if unit is not None and unit < 1:
+        raise MoestreamError(f"--unit-bytes must be a positive size, got {args.unit_bytes!r}")
+    if args.prefetch_top is not None and args.prefetch_top < 1:
+        raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
+    if args.plot:
+        from moestream.trace.atomic import check_output_path
+
+        check_output_path(args.plot, "plot")
+        if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise MoestreamError(f"--plot {args.plot} must end in .png, .svg or .pdf")
     trace = load_traces(args.trace)
+    width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
+    if args.prefetch_top is not None and width and args.prefetch_top > width:
+        raise MoestreamError(
+            f"--prefetch-top {args.prefetch_top} exceeds the {width} predicted experts per "
+            "token the trace holds"
+        )
     policies, notes = choose_policies(args.policy, trace.has_predictions)
     trace.notes.extend(notes)
     if args.prefetch_top is not None and args.prefetch_top < 1:

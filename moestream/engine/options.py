@@ -11,6 +11,7 @@ from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 
 
@@ -35,6 +36,7 @@ class EngineOptions:
     prefetch: bool | str = False
     experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
+    ctx_size: int | None = None  # tokens a request may use, prompt and generation (None: min(model's, 8192))
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
@@ -53,8 +55,8 @@ class EngineOptions:
                 )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
-        if self.io_threads < 1:
-            raise ValueError(f"io threads must be at least 1, got {self.io_threads}")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"io threads must be between 1 and {MAX_IO_THREADS}, got {self.io_threads}")
         if self.piece < 4096 or self.piece % 4096:
             raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {self.piece} bytes")
         if self.threads is not None and self.threads < 1:
@@ -66,6 +68,8 @@ class EngineOptions:
             raise ValueError(f"prefetch {self.prefetch!r} is not one of {', '.join(PREFETCH_MODES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.ctx_size is not None and self.ctx_size < 2:
+            raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 

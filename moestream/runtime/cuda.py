@@ -75,8 +75,7 @@ class _PinnedHost(DeviceTier):
     GPU events before a host slot is refilled (counted)."""
 
     def __init__(self, cache: ExpertCache, device: torch.device, mapped: bool) -> None:
-        super().__init__(cache)
-        self.device = device
+        super().__init__(cache, device)
         self._registered = [c.buffer for c in cache.classes]
         for buffer in self._registered:
             register_pinned(buffer, mapped=mapped)

@@ -88,7 +88,7 @@ class ExpertRuntime:
         self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
 
     def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
-        formats = layer_formats(self.emap)
+        formats = layer_formats(self.emap, self.tier.device.type)
         if fuses:
             for layer in self.emap.layers:
                 for name, kinds in self.family.fusions.items():

@@ -35,8 +35,9 @@ class DeviceTier(ABC):
 
     fuses = False  # lays out a family's fusions back to back, so they are computed as one matrix
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: ExpertCache, device: torch.device | None = None) -> None:
         self.cache = cache
+        self.device = device if device is not None else torch.device("cpu")  # where kernels read weights
         self.stats = TierStats()
         self._views = SlotTensors()
 

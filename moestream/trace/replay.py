@@ -122,16 +122,31 @@ def _uses(rows: list[list[int]], distinct: Iterable[int]) -> list[int]:
 
 
 def check_ids(trace: Trace) -> None:
-    """Refuse an empty trace, and layer or expert ids outside what the header declares."""
+    """Refuse an empty trace, and layer, expert or predicted-expert ids outside what the header declares
+    (-1 pads a prediction row), naming the first row at fault."""
     name = trace.header.source or trace.header.model_id
     if len(trace) == 0:
         raise TraceError(f"the trace {name} holds no rows")
     h = trace.header
-    for what, ids, bound in (("expert", trace.experts, h.n_experts), ("layer", trace.layer, h.n_layers)):
-        if int(ids.min()) < 0 or int(ids.max()) >= bound:
+    columns = [
+        ("expert", trace.experts, 0, h.n_experts, "expert"),
+        ("layer", trace.layer, 0, h.n_layers, "layer"),
+    ]
+    columns += [
+        (f"predicted expert ({col})", getattr(trace, col), -1, h.n_experts, "expert")
+        for col in ("pred_experts", "pred2_experts")
+        if getattr(trace, col) is not None
+    ]
+    for what, ids, low, bound, noun in columns:
+        bad = (ids < low) | (ids >= bound)
+        if bad.any():
+            row = int(np.flatnonzero(bad.reshape(len(trace), -1).any(axis=1))[0])
+            value = int(ids[row][bad[row]][0]) if ids.ndim > 1 else int(ids[row])
+            request = trace.request_names[trace.request[row]]
             raise TraceError(
-                f"the trace {name} has {what} id {int(ids.max())} or {int(ids.min())}, outside "
-                f"the header's {bound} {what}s"
+                f"the trace {name} has {what} id {value} at row {row} (request {request!r}, "
+                f"token {int(trace.token[row])}, layer {int(trace.layer[row])}), outside "
+                f"0..{bound - 1} (the header's {bound} {noun}s)"
             )
 
 
