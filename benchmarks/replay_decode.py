@@ -6,7 +6,8 @@ the decode figures of all the trace's requests are summed. Rounds interleave the
 drift of the (virtual) disk hits them alike; ratios are against the first configuration in each round.
 
     .venv/bin/python benchmarks/replay_decode.py CHECKPOINT TRACE --slots 128 [--requests 4] \\
-        [--policies lru,predictive] [--prefetch off,on,auto] [--rounds 2] [--threads N]
+        [--policies lru,predictive] [--prefetch off,on,auto] [--rounds 2] [--threads N] \
+        [--engine-args "--device cuda --gpu-cache 2GiB --host-cache 1GiB"]
 
 `--slots` is the cache in expert slots (a share of the trace's experts: 128 of 512 = 25%).
 """
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -42,7 +44,9 @@ def slot_bytes(checkpoint: str) -> int:
         return engine.cache.slot_bytes
 
 
-def run(checkpoint: str, trace: str, cache: int, policy: str, prefetch: str, threads: int | None) -> dict:
+def run(
+    checkpoint: str, trace: str, cache: int, policy: str, prefetch: str, threads: int | None, extra: list[str]
+) -> dict:
     if os.geteuid() == 0:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -50,6 +54,7 @@ def run(checkpoint: str, trace: str, cache: int, policy: str, prefetch: str, thr
     argv += ["--cache", str(cache), "--policy", policy, "--prefetch", prefetch]
     if threads:
         argv += ["--threads", str(threads)]
+    argv += extra
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     result = json.loads(out)
     d = result["stats"]["decode"]
@@ -75,6 +80,7 @@ def main() -> None:
     parser.add_argument("--prefetch", default="off,on,auto")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--engine-args", default="", help="more `moestream generate` options, one string")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trace = subset(args.trace, args.requests, Path(tmp) / "t.parquet") if args.requests else args.trace
@@ -87,7 +93,8 @@ def main() -> None:
         for r in range(args.rounds):
             base = None
             for policy, prefetch in configs:
-                row = run(args.checkpoint, trace, cache, policy, prefetch, args.threads)
+                extra = shlex.split(args.engine_args)
+                row = run(args.checkpoint, trace, cache, policy, prefetch, args.threads, extra)
                 base = base or row["decode_tok_s"]
                 row["x_first"] = round(row["decode_tok_s"] / base, 3)
                 row["round"] = r
