@@ -143,7 +143,7 @@ class ExpertCache:
         classes, class_of = [], {}
         for size, keys in sorted(by_size.items()):
             share = budget * size * len(keys) // total if len(by_size) > 1 else budget
-            capacity = min(len(keys), max(top_k, slots_for_budget(share, size)))
+            capacity = slots_for_budget(share, size, floor=top_k, limit=len(keys))
             cls = SizeClass(
                 size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
             )

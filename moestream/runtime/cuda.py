@@ -118,7 +118,7 @@ class GpuSlotTier(_PinnedHost):
         layouts = {k: gpu_layout(emap, k, fusions) for k in emap.units}
         self.layouts = {k: layout for k, (layout, _) in layouts.items()}
         self.slot_bytes = max(size for _, size in layouts.values())
-        capacity = min(len(emap.units), slots_for_budget(budget_bytes, self.slot_bytes))
+        capacity = slots_for_budget(budget_bytes, self.slot_bytes, limit=len(emap.units))
         if capacity < top_k:
             raise CacheBudgetError(
                 f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
