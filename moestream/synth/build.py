@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,9 @@ def synthesize(
     vocab_size: int | None = None,
     force: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    format: str = "safetensors",
+    quant: str | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` (or of `preset`, overridden by explicit sizes).
 
@@ -55,6 +59,11 @@ def synthesize(
     BPE tokenizer with a ChatML template, the weights as safetensors (sharded at `shard_bytes`, with
     model.safetensors.index.json), and moestream_synth.json marking the checkpoint as synthetic.
     `on_progress(done, total)` is called as tensor bytes are written (for progress bars).
+
+    With `format="gguf"`, `out_dir` is the GGUF file to write instead: the same model (same values
+    for the same arguments and seed) in llama.cpp's layout, quantized to `quant` (Q4_K_M, Q5_K_M,
+    Q8_0, MXFP4_MOE or BF16; default Q4_K_M) with llama.cpp's per-tensor type choices, on `threads`
+    threads (default: every CPU), the synth marker in its `moestream.synth` metadata.
 
     Raises:
         MoestreamError: bad sizes or names, or `out_dir` exists and is not empty (without `force`).
@@ -76,6 +85,12 @@ def synthesize(
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise MoestreamError(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
     out = Path(out_dir)
+    if format == "gguf":
+        return _synthesize_gguf(out, spec, quant or "Q4_K_M", threads, force, on_progress)
+    if format != "safetensors":
+        raise MoestreamError(f"unknown format {format!r} (choose from safetensors, gguf)")
+    if quant is not None:
+        raise MoestreamError("--quant is for --format gguf; safetensors synths are written in --dtype")
     _check_target(out, force)
     tmp = out.parent / f".{out.name}.synth-partial-{os.getpid()}"
     if tmp.exists():
@@ -107,11 +122,23 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_all(
-    tmp: Path, spec: SynthSpec, shard_bytes: int, on_progress: Callable[[int, int], None] | None
-) -> None:
-    """Tokenizer, configs, weights and the synth marker, in that order, into `tmp`."""
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class Prepared:
+    """What both writers need: the config, the meta model, the checkpoint tensors in file order, and
+    the init scheme and noise source their values come from."""
+
+    spec: SynthSpec
+    cfg: Any
+    model: Any
+    specs: list[TensorSpec]
+    scheme: InitScheme
+    source: NoiseSource
+    vocab: int
+    tokenizer_size: int
+
+
+def prepare(tmp: Path, spec: SynthSpec) -> Prepared:
+    """Write the tokenizer, config.json and generation_config.json into `tmp`; plan the tensors."""
     tok = save_tokenizer(tmp, DEFAULT_VOCAB)
     vocab = spec.vocab_size or round_up(tok["size"], 64)
     if vocab < tok["size"]:
@@ -130,23 +157,64 @@ def _write_all(
         mxfp4=spec.mxfp4,
     )
     scheme = InitScheme() if spec.realistic_routing else InitScheme.plain()
-    source = NoiseSource(spec.seed)
+    return Prepared(spec, cfg, model, specs, scheme, NoiseSource(spec.seed), vocab, tok["size"])
+
+
+def _write_all(
+    tmp: Path, spec: SynthSpec, shard_bytes: int, on_progress: Callable[[int, int], None] | None
+) -> None:
+    """Tokenizer, configs, weights and the synth marker, in that order, into `tmp`."""
+    t0 = time.perf_counter()
+    p = prepare(tmp, spec)
     data = [
-        TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, scheme, source, model, spec.seed))
-        for s in specs
+        TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, p.scheme, p.source, p.model, spec.seed))
+        for s in p.specs
     ]
-    files = write_checkpoint(tmp, data, shard_bytes, _progress_counter(data, on_progress))
-    marker = synth_marker(spec, scheme, specs, files, vocab, tok["size"], time.perf_counter() - t0)
+    total = sum(t.nbytes for t in data)
+    files = write_checkpoint(tmp, data, shard_bytes, progress_counter(total, on_progress))
+    seconds = time.perf_counter() - t0
+    marker = synth_marker(spec, p.scheme, p.specs, files, p.vocab, p.tokenizer_size, seconds)
     (tmp / SYNTH_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _progress_counter(
-    data: list[TensorData], on_progress: Callable[[int, int], None] | None
+def _synthesize_gguf(
+    out: Path,
+    spec: SynthSpec,
+    quant: str,
+    threads: int | None,
+    force: bool,
+    on_progress: Callable[[int, int], None] | None,
+) -> Path:
+    """The GGUF flavour of `synthesize`: scratch files in a hidden sibling directory, then one rename."""
+    from moestream.synth.gguf_build import write_gguf
+    from moestream.synth.gguf_meta import arch_of
+    from moestream.synth.gguf_quant import normalize_quant
+
+    quant = normalize_quant(quant)
+    arch_of(spec.arch)
+    if out.is_dir():
+        raise MoestreamError(f"{out} is a directory; --format gguf writes one .gguf file")
+    if out.exists() and not force:
+        raise MoestreamError(f"{out} exists (use --force to overwrite it)")
+    tmp = out.parent / f".{out.name}.synth-partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        p = prepare(tmp, spec)
+        path = write_gguf(tmp / out.name, p, quant, threads or os.cpu_count() or 1, on_progress)
+        path.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def progress_counter(
+    total: int, on_progress: Callable[[int, int], None] | None
 ) -> Callable[[int], None] | None:
     """Turn per-chunk byte counts into on_progress(done, total) calls."""
     if on_progress is None:
         return None
-    total = sum(t.nbytes for t in data)
     done = 0
 
     def on_bytes(n: int) -> None:
