@@ -138,6 +138,26 @@ def test_each_expert_is_its_own(written):
             assert int(np.argmin(errs)) == e and errs[e] < REL_RMS[t.tensor_type.name], (name, e, errs[e])
 
 
+def test_tensors_longer_than_a_noise_chunk_are_exact(tmp_path):
+    """A 40,000 x 256 embedding spans two noise chunks and three row blocks: still the same values."""
+    from moestream import ggml
+
+    args = dict(SHAPE, layers=1, experts=4, vocab_size=40_000)
+    synthesize(tmp_path / "st", **args)
+    sd = load_file(str(tmp_path / "st" / "model.safetensors"))
+    for quant in ("BF16", "Q8_0"):
+        synthesize(tmp_path / f"{quant}.gguf", format="gguf", quant=quant, threads=2, **args)
+        tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / f"{quant}.gguf")).tensors}
+        for name, hf in (
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            ("output.weight", "lm_head.weight"),
+        ):
+            data = np.asarray(tensors[name].data).reshape(-1).view(np.uint8)
+            ref = sd[hf].float()
+            want = ref.to(torch.bfloat16).view(torch.uint8) if quant == "BF16" else ggml.quantize(ref, "Q8_0")
+            assert np.array_equal(data, want.reshape(-1).numpy()), (quant, name)
+
+
 def test_metadata_is_what_llama_cpp_reads(written):
     reader, _, path = written[("Q4_K_M", 8, 16, 256)]
     assert field(reader, "general.architecture") == "qwen3moe"
