@@ -89,5 +89,5 @@ def test_prefetch_flag_in_cli(tiny_dir, capsys):
         )
         == 0
     )
-    out = capsys.readouterr().out.splitlines()
-    assert "next-layer prefetch" in out[0] and "prefetched" in out[-1]
+    err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("moestream: warning:")]
+    assert "next-layer prefetch" in err[0] and "prefetched" in err[-1]  # mode line, stats line

@@ -33,6 +33,7 @@ class EngineOptions:
     prefetch: bool = False  # read the next layer's stale-gate-predicted experts while this layer computes
     experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
+    ctx_size: int | None = None  # tokens a request may use, prompt and generation (None: min(model's, 8192))
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,8 @@ class EngineOptions:
             raise ValueError(f"experts per token must be at least 1, got {self.experts_per_token}")
         if self.policy not in POLICIES:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.ctx_size is not None and self.ctx_size < 2:
+            raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 

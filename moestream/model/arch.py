@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moestream.errors import CheckpointError, UnsupportedModelError
+from moestream.hfconfig import text_config
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,6 @@ ARCHES: dict[str, Arch] = {
         Arch("gpt_oss", "GptOssExperts", "gpt_oss"),
     )
 }
-
-
-def text_config(config: Any) -> Any:
-    """The language-model part of a (possibly composite, e.g. vision-language) config."""
-    sub = getattr(config, "text_config", None)
-    return sub if sub is not None and hasattr(sub, "num_hidden_layers") else config
 
 
 def arch_for(config: Any) -> Arch:

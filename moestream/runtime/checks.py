@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from moestream.errors import CheckpointError, UnsupportedModelError
+from moestream.hfconfig import text_config
 from moestream.runtime.families import FAMILY_CLASSES
 from moestream.runtime.formats import make_format
 from moestream.store.experts import ExpertMap
@@ -20,8 +21,7 @@ from moestream.store.safetensors_file import TensorRef
 def expert_dims(config: Any) -> tuple[int, int]:
     """(H, I): hidden size and routed-expert intermediate size of a transformers config (or its text
     part): `moe_intermediate_size` where the model also has a dense MLP size, else `intermediate_size`."""
-    sub = getattr(config, "text_config", None)
-    cfg = sub if sub is not None and hasattr(sub, "num_hidden_layers") else config
+    cfg = text_config(config)
     inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None)
     if not inter or not getattr(cfg, "hidden_size", None):
         raise CheckpointError(

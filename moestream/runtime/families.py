@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.activations import ACT2FN
 
-from moestream.model.arch import text_config
+from moestream.hfconfig import text_config
 from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.runtime.formats import WeightFormat
+from moestream.runtime.formats.base import WeightFormat
 from moestream.store.experts import StoredFormat
 
 
@@ -55,6 +55,10 @@ class Ggml(WeightFormat):
         y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]
+        return picked.to(dtype)
+
     def fused(self, other: WeightFormat) -> WeightFormat | None:
         if not isinstance(other, Ggml) or other.stored != self.stored or other.cols != self.cols:
             return None
@@ -67,3 +71,6 @@ class Ggml(WeightFormat):
 
     def describe(self) -> str:
         return self.type.name
+
+    def kernels(self) -> str | None:
+        return self._ggml.describe()
