@@ -11,24 +11,20 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-import moestream
 from moestream.errors import MoestreamError
-from moestream.synth.configs import build_config
-from moestream.synth.layout import TensorSpec, checkpoint_tensors, expert_layout
-from moestream.synth.noise import NoiseSource
-from moestream.synth.shapes import DTYPES, SynthSpec, resolve_spec
-from moestream.synth.tokenizer import DEFAULT_VOCAB, IM_END, save_tokenizer
-from moestream.synth.weights import InitScheme, chunks_for
+from moestream.synth.marker import progress_counter, synth_marker
+from moestream.synth.prepare import meta_model, prepare
+from moestream.synth.shapes import SynthSpec, resolve_spec
+from moestream.synth.weights import chunks_for
 from moestream.synth.writer import TensorData, write_checkpoint
-from moestream.units import round_up
 
 SYNTH_MARKER = "moestream_synth.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+# meta_model and synth_marker live in prepare/marker; importers of build keep finding them here
+__all__ = ["SYNTH_MARKER", "meta_model", "prepare", "synth_marker", "synthesize"]
 
 
 def synthesize(
@@ -122,44 +118,6 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What both writers need: the config, the meta model, the checkpoint tensors in file order, and
-    the init scheme and noise source their values come from."""
-
-    spec: SynthSpec
-    cfg: Any
-    model: Any
-    specs: list[TensorSpec]
-    scheme: InitScheme
-    source: NoiseSource
-    vocab: int
-    tokenizer_size: int
-
-
-def prepare(tmp: Path, spec: SynthSpec) -> Prepared:
-    """Write the tokenizer, config.json and generation_config.json into `tmp`; plan the tensors."""
-    tok = save_tokenizer(tmp, DEFAULT_VOCAB)
-    vocab = spec.vocab_size or round_up(tok["size"], 64)
-    if vocab < tok["size"]:
-        raise MoestreamError(f"vocab size {vocab} is smaller than the {tok['size']}-token tokenizer")
-    cfg = build_config(spec, vocab, eos_id=tok["eos"], pad_id=tok["eos"])
-    cfg.save_pretrained(str(tmp))
-    _save_generation_config(tmp, eos_ids=[tok["eos"], tok["im_end"]], pad_id=tok["eos"])
-    model = meta_model(cfg, spec.dtype)
-    specs = checkpoint_tensors(
-        model,
-        spec.arch,
-        spec.dtype,
-        experts=spec.experts,
-        hidden=spec.hidden,
-        moe_intermediate=spec.moe_intermediate,
-        mxfp4=spec.mxfp4,
-    )
-    scheme = InitScheme() if spec.realistic_routing else InitScheme.plain()
-    return Prepared(spec, cfg, model, specs, scheme, NoiseSource(spec.seed), vocab, tok["size"])
-
-
 def _write_all(
     tmp: Path, spec: SynthSpec, shard_bytes: int, on_progress: Callable[[int, int], None] | None
 ) -> None:
@@ -208,72 +166,3 @@ def _synthesize_gguf(
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
-
-def progress_counter(
-    total: int, on_progress: Callable[[int, int], None] | None
-) -> Callable[[int], None] | None:
-    """Turn per-chunk byte counts into on_progress(done, total) calls."""
-    if on_progress is None:
-        return None
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        on_progress(done, total)
-
-    on_progress(0, total)
-    return on_bytes
-
-
-def meta_model(cfg: Any, dtype: str = "bf16") -> Any:
-    """The transformers CausalLM of `cfg` on the meta device: names, shapes, no memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, DTYPES[dtype]))
-
-
-def _save_generation_config(tmp: Path, eos_ids: list[int], pad_id: int) -> None:
-    from transformers import GenerationConfig
-
-    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id).save_pretrained(str(tmp))
-
-
-def synth_marker(
-    spec: SynthSpec,
-    scheme: InitScheme,
-    specs: list[TensorSpec],
-    files: list[str],
-    vocab: int,
-    tokenizer_size: int,
-    seconds: float,
-) -> dict[str, Any]:
-    """Contents of moestream_synth.json: the synth parameters, byte counts and `"synthetic": true`."""
-    expert_bytes = sum(s.nbytes for s in specs if s.routed)
-    return {
-        "synthetic": True,
-        "generator": f"moestream synth {moestream.__version__}",
-        "preset": spec.preset,
-        "arch": spec.arch,
-        "layers": spec.layers,
-        "experts": spec.experts,
-        "top_k": spec.top_k,
-        "hidden": spec.hidden,
-        "moe_intermediate": spec.moe_intermediate,
-        "dtype": spec.dtype,
-        "seed": spec.seed,
-        "mxfp4": spec.mxfp4,
-        "realistic_routing": spec.realistic_routing,
-        "init": {"std": scheme.std, "embed_scale": scheme.embed_scale, "out_scale": scheme.out_scale},
-        "vocab_size": vocab,
-        "tokenizer_size": tokenizer_size,
-        "expert_layout": expert_layout(spec.arch, spec.mxfp4),
-        "moe_layers": len({s.layer for s in specs if s.routed}),
-        "expert_bytes": expert_bytes,
-        "total_bytes": sum(s.nbytes for s in specs),
-        "files": files,
-        "seconds": round(seconds, 3),
-        "chat_stop_token": IM_END,
-    }

@@ -17,9 +17,10 @@ import numpy as np
 from moestream.synth.gguf_meta import Names, add_general, add_hparams, add_vocab, arch_of
 from moestream.synth.gguf_quant import QUANTS, normalize_quant
 from moestream.synth.gguf_writer import BlockSource, GgufTensor, plan_tensors, write_data
+from moestream.synth.marker import progress_counter, synth_marker
 
 if TYPE_CHECKING:
-    from moestream.synth.build import Prepared
+    from moestream.synth.prepare import Prepared
 
 
 def write_gguf(
@@ -30,8 +31,6 @@ def write_gguf(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write the model `p` (tokenizer and config.json already in `path`'s directory) to `path`."""
-    from moestream.synth.build import progress_counter, synth_marker
-
     quant = normalize_quant(quant)
     arch = arch_of(p.spec.arch)
     tensors = plan_tensors(p.specs, Names(p.spec.arch, p.spec.layers), quant, p.spec.layers, p.spec.experts)
