@@ -165,4 +165,3 @@ def _synthesize_gguf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
