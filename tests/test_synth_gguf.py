@@ -30,16 +30,31 @@ REL_RMS = {"Q4_K": 0.091, "Q5_K": 0.049, "Q6_K": 0.035, "Q8_0": 0.0073, "MXFP4":
 SHAPE = dict(arch="qwen3_moe", top_k=2, hidden=256, moe_intermediate=256, seed=3)
 # HF names of the non-expert tensors of layer {i}, written out independently of gguf's name table
 LAYER_NAMES = {
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "attn_q": "model.layers.{i}.self_attn.q_proj.weight",
-    "attn_k": "model.layers.{i}.self_attn.k_proj.weight",
-    "attn_v": "model.layers.{i}.self_attn.v_proj.weight",
-    "attn_output": "model.layers.{i}.self_attn.o_proj.weight",
-    "attn_q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "attn_k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "ffn_gate_inp": "model.layers.{i}.mlp.gate.weight",
+    "attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "model.layers.{i}.mlp.gate.weight",
 }
+# Qwen2-MoE: q/k/v biases and a gated shared expert, no q/k norms
+QWEN2_NAMES = {
+    **{
+        k: v
+        for k, v in LAYER_NAMES.items()
+        if "_norm.weight" not in k or k in ("attn_norm.weight", "ffn_norm.weight")
+    },
+    **{f"attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"},
+    **{
+        f"ffn_{p}_shexp.weight": f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight"
+        for p in ("gate", "up", "down")
+    },
+    "ffn_gate_inp_shexp.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+}
+ARCH_NAMES = {"qwen3_moe": LAYER_NAMES, "olmoe": LAYER_NAMES, "qwen2_moe": QWEN2_NAMES}
 TOP_NAMES = {
     "token_embd": "model.embed_tokens.weight",
     "output_norm": "model.norm.weight",
@@ -47,16 +62,25 @@ TOP_NAMES = {
 }
 EXPERT_PROJ = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
-# (quant, layers, experts, moe_intermediate): the mixes, 8 experts (llama.cpp's 8-expert rules), and
-# an expert width that is not a multiple of 256 (the Q4_K -> Q5_0 and Q6_K -> Q8_0 fallbacks)
+# (arch, quant, layers, experts, moe_intermediate): the mixes, 8 experts (llama.cpp's 8-expert rules),
+# an expert width that is not a multiple of 256 (the Q4_K -> Q5_0 and Q6_K -> Q8_0 fallbacks), and
+# the other two families written as GGUF (OLMoE at its preset's attention: llama.cpp needs 16/16 heads)
 CASES = [
-    ("Q4_K_M", 8, 16, 256),
-    ("Q5_K_M", 4, 8, 256),
-    ("Q8_0", 2, 8, 256),
-    ("MXFP4_MOE", 2, 16, 256),
-    ("BF16", 2, 8, 256),
-    ("Q4_K_M", 2, 8, 96),
+    ("qwen3_moe", "Q4_K_M", 8, 16, 256),
+    ("qwen3_moe", "Q5_K_M", 4, 8, 256),
+    ("qwen3_moe", "Q8_0", 2, 8, 256),
+    ("qwen3_moe", "MXFP4_MOE", 2, 16, 256),
+    ("qwen3_moe", "BF16", 2, 8, 256),
+    ("qwen3_moe", "Q4_K_M", 2, 8, 96),
+    ("qwen2_moe", "Q4_K_M", 2, 16, 256),
+    ("olmoe", "Q5_K_M", 1, 8, 256),
 ]
+IDS = ["-".join(map(str, c)) for c in CASES]
+
+
+def synth_args(arch: str, layers: int, experts: int, inter: int) -> dict:
+    base = dict(preset="olmoe-1b-7b", top_k=2, seed=3) if arch == "olmoe" else dict(SHAPE, arch=arch)
+    return dict(base, layers=layers, experts=experts, moe_intermediate=inter)
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +88,14 @@ def written(tmp_path_factory):
     """For each case: the GGUF and the safetensors synth of the same arguments, loaded."""
     root = tmp_path_factory.mktemp("synth_gguf")
     out = {}
-    for quant, layers, experts, inter in CASES:
-        args = dict(SHAPE, layers=layers, experts=experts, moe_intermediate=inter)
-        key = (quant, layers, experts, inter)
-        ref = root / f"st-{layers}-{experts}-{inter}"
+    for case in CASES:
+        arch, quant, *shape = case
+        ref = root / "st-{}-{}-{}-{}".format(arch, *shape)
         if not ref.exists():
-            synthesize(ref, **args)
-        path = root / f"{quant}-{layers}-{experts}-{inter}.gguf"
-        synthesize(path, format="gguf", quant=quant, threads=2, **args)
-        out[key] = (gguf.GGUFReader(str(path)), load_file(str(ref / "model.safetensors")), path)
+            synthesize(ref, **synth_args(arch, *shape))
+        path = root / ("-".join(map(str, case)) + ".gguf")
+        synthesize(path, format="gguf", quant=quant, threads=2, **synth_args(arch, *shape))
+        out[case] = (gguf.GGUFReader(str(path)), load_file(str(ref / "model.safetensors")), path)
     return out
 
 
@@ -82,7 +105,7 @@ def field(reader: gguf.GGUFReader, key: str):
     return f.contents()
 
 
-def hf_reference(name: str, sd: dict[str, torch.Tensor], experts: int) -> np.ndarray:
+def hf_reference(name: str, sd: dict[str, torch.Tensor], arch: str, experts: int) -> np.ndarray:
     """The safetensors synth's values of a GGUF tensor, in f32, in numpy (GGUF reader) order."""
     parts = name.split(".")
     if parts[0] != "blk":
@@ -91,17 +114,16 @@ def hf_reference(name: str, sd: dict[str, torch.Tensor], experts: int) -> np.nda
     if short in EXPERT_PROJ:
         rows = [sd[f"model.layers.{i}.mlp.experts.{e}.{EXPERT_PROJ[short]}.weight"] for e in range(experts)]
         return torch.stack(rows).float().numpy()
-    return sd[LAYER_NAMES[short].format(i=i)].float().numpy()
+    return sd[ARCH_NAMES[arch][".".join(parts[2:])].format(i=i)].float().numpy()
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_names_and_types_are_llama_cpps(written, case):
     reader = written[case][0]
-    quant, layers, experts, inter = case
+    arch, quant, layers, experts, inter = case
     names = [t.name for t in reader.tensors]
-    want = [f"{n}.weight" for n in TOP_NAMES] + [
-        f"blk.{i}.{n}.weight" for i in range(layers) for n in (*LAYER_NAMES, *EXPERT_PROJ)
-    ]
+    per_layer = [*ARCH_NAMES[arch], *(f"{n}.weight" for n in EXPERT_PROJ)]
+    want = [f"{n}.weight" for n in TOP_NAMES] + [f"blk.{i}.{n}" for i in range(layers) for n in per_layer]
     assert sorted(names) == sorted(want)
     # llama.cpp's loader order: outside the blocks first, then by layer number, then by name
     assert names == sorted(names, key=lambda n: (int(n.split(".")[1]) if n.startswith("blk.") else -1, n))
@@ -112,11 +134,11 @@ def test_names_and_types_are_llama_cpps(written, case):
         assert t.tensor_type.name == want_type, t.name
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_gguf_holds_the_safetensors_model(written, case):
     reader, sd, _ = written[case]
     for t in reader.tensors:
-        ref = hf_reference(t.name, sd, case[2])
+        ref = hf_reference(t.name, sd, case[0], case[3])
         got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(ref.shape)
         kind = t.tensor_type.name
         if kind in ("F32", "BF16"):
@@ -128,11 +150,11 @@ def test_gguf_holds_the_safetensors_model(written, case):
 
 def test_each_expert_is_its_own(written):
     """Expert e of the stacked tensor is expert e of the checkpoint, not a neighbour."""
-    reader, sd, _ = written[("Q4_K_M", 8, 16, 256)]
+    reader, sd, _ = written[CASES[0]]
     for name in ("blk.5.ffn_down_exps.weight", "blk.6.ffn_gate_exps.weight"):
         t = next(t for t in reader.tensors if t.name == name)
         got = gguf.quants.dequantize(t.data, t.tensor_type)
-        ref = hf_reference(t.name, sd, 16)
+        ref = hf_reference(t.name, sd, "qwen3_moe", 16)
         for e in range(16):
             errs = [np.linalg.norm(got[e] - ref[j]) / np.linalg.norm(ref[j]) for j in range(16)]
             assert int(np.argmin(errs)) == e and errs[e] < REL_RMS[t.tensor_type.name], (name, e, errs[e])
@@ -159,7 +181,7 @@ def test_tensors_longer_than_a_noise_chunk_are_exact(tmp_path):
 
 
 def test_metadata_is_what_llama_cpp_reads(written):
-    reader, _, path = written[("Q4_K_M", 8, 16, 256)]
+    reader, _, path = written[CASES[0]]
     assert field(reader, "general.architecture") == "qwen3moe"
     assert field(reader, "general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     assert field(reader, "general.quantization_version") == 2
@@ -230,7 +252,8 @@ def test_cli_writes_gguf_and_reports(tmp_path, capsys):
     "extra,message",
     [
         (["--quant", "Q2_K"], "unknown GGUF quantization 'Q2_K'"),
-        (["--arch", "olmoe"], "--format gguf writes qwen3_moe models; olmoe is not supported yet"),
+        (["--arch", "mixtral"], "--format gguf writes qwen3_moe, qwen2_moe, olmoe models; mixtral is not"),
+        (["--arch", "olmoe"], "llama.cpp's olmoe normalises keys over all attention heads"),
         (["--format", "safetensors", "--quant", "Q8_0"], "--quant is for --format gguf"),
         (["--threads", "0"], "--threads must be at least 1"),
     ],

@@ -5,6 +5,7 @@ and answers an OpenAI chat request. Runs when MOESTREAM_LLAMA_SERVER names a lla
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -29,20 +30,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["Q4_K_M", "MXFP4_MOE"])
+CASES = [("qwen3_moe", "Q4_K_M"), ("qwen3_moe", "MXFP4_MOE"), ("qwen2_moe", "Q4_K_M"), ("olmoe", "Q5_K_M")]
+LLAMA_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe"}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def server(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama") / f"m-{request.param}.gguf"
-    synthesize(
-        path,
-        arch="qwen3_moe",
-        layers=2,
-        experts=16,
-        top_k=4,
-        hidden=256,
-        moe_intermediate=256,
-        format="gguf",
-        quant=request.param,
+    arch, quant = request.param
+    path = tmp_path_factory.mktemp("llama") / f"{arch}-{quant}.gguf"
+    # llama.cpp's olmoe wants as many kv heads as heads: the preset's attention (16 heads of 128)
+    shape = (
+        {"preset": "olmoe-1b-7b", "layers": 1}
+        if arch == "olmoe"
+        else {"arch": arch, "layers": 2, "hidden": 256}
     )
+    synthesize(path, **shape, experts=16, top_k=4, moe_intermediate=256, format="gguf", quant=quant)
     port = _free_port()
     log = open(path.with_suffix(".log"), "w")
     cmd = [SERVER, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", "512"]
@@ -66,12 +68,16 @@ def server(request, tmp_path_factory):
 
 
 def test_llama_server_loads_the_types_we_wrote(server):
-    _, log, quant = server
+    _, log, (arch, quant) = server
     text = log.read_text()
-    want = {"Q4_K_M": ("q4_K", "q6_K", "Q4_K - Medium"), "MXFP4_MOE": ("mxfp4", "q8_0", "MXFP4 MoE")}
+    want = {
+        "Q4_K_M": ("q4_K", "q6_K", "Q4_K - Medium"),
+        "Q5_K_M": ("q5_K", "q6_K", "Q5_K - Medium"),
+        "MXFP4_MOE": ("mxfp4", "q8_0", "MXFP4 MoE"),
+    }
     for name in want[quant][:2]:
-        assert f"- type {name:>4}:" in text or f"- type {name}:" in text, name
-    assert want[quant][2] in text and "arch                  = qwen3moe" in text
+        assert re.search(rf"- type +{name}: +\d+ tensors", text), name
+    assert want[quant][2] in text and re.search(rf"arch += {LLAMA_ARCH[arch]}\n", text)
 
 
 def test_llama_cpp_tokenizes_like_the_synthetic_tokenizer(server):

@@ -14,6 +14,7 @@ from moestream.synth.gguf_quant import loader_order, normalize_quant, tensor_typ
 
 # layers use_more_bits picks, listed by hand: i < n/8, i >= 7n/8, (i - n/8) % 3 == 2
 MORE_BITS = {
+    1: {0},
     2: {1},
     4: {2, 3},
     8: {0, 3, 6, 7},
@@ -56,8 +57,11 @@ F32 = ("output_norm", "attn_norm", "attn_q_norm", "attn_k_norm", "ffn_norm", "ff
 def expected(quant: str, n_layer: int, n_expert: int, name: str) -> str:
     """The hand-written table: tensor name -> type for a qwen3moe at the default shapes."""
     short = name.split(".")[-2]
-    if short in F32:
+    if short in F32 or name.endswith(".bias") or short == "ffn_gate_inp_shexp":
         return "F32"
+    if short.endswith("_shexp"):  # a shared expert: 2-D, so MXFP4_MOE leaves it Q8_0
+        base = name.replace("_shexp", "_exps")
+        return "Q8_0" if quant == "MXFP4_MOE" else expected(quant, n_layer, n_expert, base)
     layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
     more = layer in MORE_BITS[n_layer]
     eight = n_expert == 8
@@ -111,6 +115,30 @@ def test_every_tensor_gets_llama_quantizes_type(quant, n_layer, n_expert):
     wrong = {n: (t, expected(quant, n_layer, n_expert, n)) for n, t in got.items()}
     wrong = {n: v for n, v in wrong.items() if v[0] != v[1]}
     assert not wrong
+
+
+def qwen2moe_tensors(n_layer: int, n_expert: int, hidden: int = 2048) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, ne) of a qwen2moe GGUF: attention biases, a gated shared expert, no q/k norms."""
+    no_qk_norm = ("attn_q_norm.weight", "attn_k_norm.weight")
+    out = [(n, ne) for n, ne in qwen3moe_tensors(n_layer, n_expert, hidden) if not n.endswith(no_qk_norm)]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        out += [(p + f"attn_{x}.bias", (w,)) for x, w in (("q", 4096), ("k", 512), ("v", 512))]
+        out += [
+            (p + "ffn_gate_inp_shexp.weight", (hidden, 1)),  # [1, hidden] on disk: a 1-D tensor to ggml
+            (p + "ffn_gate_shexp.weight", (hidden, 5632)),
+            (p + "ffn_up_shexp.weight", (hidden, 5632)),
+            (p + "ffn_down_shexp.weight", (5632, hidden)),
+        ]
+    return out
+
+
+@pytest.mark.parametrize("quant", ["Q4_K_M", "Q5_K_M", "Q8_0", "MXFP4_MOE"])
+def test_shared_experts_follow_the_same_rules(quant):
+    # Qwen1.5-MoE-A2.7B's shape: 24 layers x 60 experts, shared expert 5632 wide (22 x 256)
+    tensors = qwen2moe_tensors(24, 60)
+    got = tensor_types(tensors, quant, 24, 60)
+    assert {n: t for n, t in got.items() if t != expected(quant, 24, 60, n)} == {}
 
 
 def test_qwen3_30b_q4_k_m_has_half_its_down_projections_in_q6_k():

@@ -145,11 +145,11 @@ def _synthesize_gguf(
 ) -> Path:
     """The GGUF flavour of `synthesize`: scratch files in a hidden sibling directory, then one rename."""
     from moestream.synth.gguf_build import write_gguf
-    from moestream.synth.gguf_meta import arch_of
+    from moestream.synth.gguf_meta import check_loadable
     from moestream.synth.gguf_quant import normalize_quant
 
     quant = normalize_quant(quant)
-    arch_of(spec.arch)
+    check_loadable(spec)
     if out.is_dir():
         raise MoestreamError(f"{out} is a directory; --format gguf writes one .gguf file")
     if out.exists() and not force:

@@ -42,7 +42,7 @@ def write_gguf(
     marker["source_expert_bytes"] = marker["expert_bytes"]  # in --dtype, as the safetensors synth has them
     marker.update(gguf_summary(tensors, quant))
     add_general(w, path.stem, gguf.size_label(*w.get_total_parameter_count()), marker)
-    add_hparams(w, p.cfg.to_dict(), QUANTS[quant][1])
+    add_hparams(w, p.spec.arch, p.cfg.to_dict(), QUANTS[quant][1])
     add_vocab(w, path.parent, p.vocab)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.write_header_to_file()

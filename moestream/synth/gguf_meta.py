@@ -17,9 +17,14 @@ from typing import Any
 import gguf
 
 from moestream.errors import MoestreamError
+from moestream.synth.shapes import SynthSpec, with_attention_shape
 
 # moestream model_type -> llama.cpp architecture; other families are not written as GGUF (yet)
-GGUF_ARCHS: dict[str, gguf.MODEL_ARCH] = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE}
+GGUF_ARCHS: dict[str, gguf.MODEL_ARCH] = {
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "olmoe": gguf.MODEL_ARCH.OLMOE,
+}
 # the synthetic tokenizer splits like GPT-2 (ByteLevel with GPT-2's regex): llama.cpp's "gpt-2"
 PRE_TOKENIZER = "gpt-2"
 SYNTH_KEY = "moestream.synth"
@@ -32,6 +37,18 @@ def arch_of(model_type: str) -> gguf.MODEL_ARCH:
             f"--format gguf writes {', '.join(GGUF_ARCHS)} models; {model_type} is not supported yet"
         )
     return GGUF_ARCHS[model_type]
+
+
+def check_loadable(spec: SynthSpec) -> None:
+    """Refuse shapes llama.cpp cannot load although its converter writes them (one clear sentence)."""
+    arch_of(spec.arch)
+    s = with_attention_shape(spec)
+    if spec.arch == "olmoe" and s.kv_heads != s.heads:
+        raise MoestreamError(
+            f"llama.cpp's olmoe normalises keys over all attention heads and needs as many kv heads as "
+            f"heads; this shape has {s.heads} heads and {s.kv_heads} kv heads "
+            "(--preset olmoe-1b-7b has 16 and 16)"
+        )
 
 
 class Names:
@@ -56,12 +73,13 @@ def _find(hparams: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return next((hparams[k] for k in keys if hparams.get(k) is not None), None)
 
 
-def add_hparams(w: gguf.GGUFWriter, hparams: dict[str, Any], file_type: int) -> None:
-    """What `Qwen3MoeModel.set_gguf_parameters` writes, from the config.json dict."""
+def add_hparams(w: gguf.GGUFWriter, model_type: str, hparams: dict[str, Any], file_type: int) -> None:
+    """What the converter's `set_gguf_parameters` writes for `model_type`, from the config.json dict:
+    TextModel's keys, then the family's own (Qwen2MoeModel: expert widths; OlmoeModel: rms eps 1e-5)."""
     w.add_block_count(hparams["num_hidden_layers"])
     w.add_context_length(_find(hparams, ("max_position_embeddings", "n_ctx", "n_positions")))
     w.add_embedding_length(hparams["hidden_size"])
-    w.add_feed_forward_length(hparams["intermediate_size"])
+    w.add_feed_forward_length(_find(hparams, ("intermediate_size", "n_inner", "hidden_dim")))
     w.add_head_count(hparams["num_attention_heads"])
     w.add_head_count_kv(hparams["num_key_value_heads"])
     rope = hparams.get("rope_parameters") or {}
@@ -70,14 +88,17 @@ def add_hparams(w: gguf.GGUFWriter, hparams: dict[str, Any], file_type: int) -> 
     theta = rope.get("rope_theta", hparams.get("rope_theta"))
     if theta is not None:
         w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(hparams["rms_norm_eps"])
+    w.add_layer_norm_rms_eps(1e-5 if model_type == "olmoe" else hparams["rms_norm_eps"])
     w.add_expert_count(_find(hparams, ("num_local_experts", "num_experts", "n_routed_experts")))
     w.add_expert_used_count(hparams["num_experts_per_tok"])
     if hparams.get("head_dim") is not None:
         w.add_key_length(hparams["head_dim"])
         w.add_value_length(hparams["head_dim"])
     w.add_file_type(file_type)
-    w.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        w.add_expert_feed_forward_length(hparams["moe_intermediate_size"])
+    if hparams.get("shared_expert_intermediate_size") is not None:
+        w.add_expert_shared_feed_forward_length(hparams["shared_expert_intermediate_size"])
 
 
 def vocab_entries(tok_dir: Path, vocab_size: int) -> tuple[list[str], list[int]]:

@@ -55,6 +55,11 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
+def ggml_n_dims(ne: Sequence[int]) -> int:
+    """ggml_n_dims: dimensions up to the last one above 1 (a [hidden, 1] router row counts as 1-D)."""
+    return max([i + 1 for i, n in enumerate(ne) if n > 1] or [1])
+
+
 def layer_of(name: str) -> int:
     """The N of `blk.N.`, or -1 outside the blocks."""
     m = _LAYER.match(name)
@@ -126,7 +131,7 @@ def tensor_types(
     for name in order:
         ne = by_name[name]
         stored = converter_type(name, len(ne))
-        if quant == "BF16" or not allows_quantization(name, len(ne)):
+        if quant == "BF16" or not allows_quantization(name, ggml_n_dims(ne)):
             out[name] = stored
             continue
         chosen = _choose(name, ne, quant, state, n_layer, n_expert, tied)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moestream.synth.gguf_meta import Names
-from moestream.synth.gguf_quant import loader_order, tensor_types
+from moestream.synth.gguf_quant import ggml_n_dims, loader_order, tensor_types
 from moestream.synth.layout import TensorSpec
 from moestream.synth.noise import NoiseSource
 from moestream.synth.weights import TORCH_DTYPE, InitScheme, chunks_for, first_chunks
@@ -91,7 +91,13 @@ def plan_tensors(
         single[name] = ((len(pieces), *pieces[0].spec.shape), tuple(pieces))
     ne = [(name, tuple(reversed(shape))) for name, (shape, _) in single.items()]
     types = tensor_types(ne, quant, n_layer, n_expert)
-    return [GgufTensor(n, single[n][0], types[n], single[n][1]) for n in loader_order(single)]
+    out = []
+    for n in loader_order(single):
+        shape = single[n][0]
+        if quant != "BF16":  # llama-quantize writes ggml's dimensions: [1, hidden] becomes [hidden]
+            shape = shape[len(shape) - ggml_n_dims(tuple(reversed(shape))) :]
+        out.append(GgufTensor(n, shape, types[n], single[n][1]))
+    return out
 
 
 class BlockSource:
