@@ -85,15 +85,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--policy",
         default="lru",
-        choices=["lru", "lfu"],
-        help="cache eviction: lru (default), or lfu, the expert used least often since the start "
-        "(compare them on a trace with `moestream simulate`)",
+        choices=["lru", "lfu", "predictive"],
+        help="cache eviction: lru (default); lfu, the expert used least often since the start; or "
+        "predictive, the expert least likely to be used soon, learned from the routing (falls back to "
+        "lfu or lru where they do better; compare them on a trace with `moestream simulate`)",
     )
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument(
         "--prefetch",
-        action="store_true",
-        help="while a layer computes, read the experts the next layer's router picks for its input",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "auto"],
+        help="while a layer computes, read ahead the experts the next layer's router confidently picks for "
+        "its input; --prefetch (= on) always, --prefetch auto only while the disk has idle time",
     )
     group.add_argument(
         "--experts-per-token",

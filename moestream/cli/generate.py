@@ -26,7 +26,7 @@ from moestream.errors import MoestreamError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with experts streamed from disk")
     add_model_argument(p)
-    p.add_argument("-p", "--prompt", required=True, help="prompt text")
+    p.add_argument("-p", "--prompt", help="prompt text (required unless --replay-routing)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -46,6 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--replay-routing",
+        metavar="TRACE",
+        help="BENCHMARK ONLY: run the trace's requests with its routing (and with --prefetch its stale-gate "
+        "guesses) instead of the model's routers, on a checkpoint with the same MoE layers, experts and "
+        "top-k (a synthetic one of real expert size); the text is meaningless; prints one stats line "
+        "for all requests",
+    )
     add_context_arguments(p)
     add_trace_arguments(p)
     add_engine_arguments(p)
@@ -56,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
     import moestream
     from moestream.engine.sampling import SamplingParams
 
+    if args.replay_routing:
+        from moestream.cli._replay import replay_routing
+
+        return replay_routing(args)
+    if args.prompt is None:
+        raise MoestreamError("generate needs --prompt TEXT (or --replay-routing TRACE)")
     # everything a user can get wrong is checked before the model loads, which can take minutes
     try:
         params = SamplingParams(

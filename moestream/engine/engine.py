@@ -74,9 +74,10 @@ def load(
         threads: torch compute threads (None: torch's default).
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
-            `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
-            `unified`, `experts_per_token`, `gpu_floor`, `ctx_size` (tokens of prompt plus generation a
-            request may use; default the smaller of the model's maximum and 8192).
+            `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
+            "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `experts_per_token`, `gpu_floor`,
+            `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
+            model's maximum and 8192).
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
@@ -130,6 +131,7 @@ class Engine:
         self._init_generation()
         self.floor = self._make_floor()
         self.recorder: Any = None
+        self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
         self._requests = 0
 
     @property
@@ -163,6 +165,36 @@ class Engine:
             recorder.detach(self.runtime)
             recorder.close()
 
+    def replay_routing(self, path: str | Path) -> list[Any]:
+        """Benchmark only: take every layer's routing (and, with prefetch, the stale-gate guesses) from
+        the trace at `path` instead of the model's routers; returns its requests (`ReplayRequest`: run
+        each with `replay_requests`). The checkpoint must have the trace's MoE layers, experts and top-k."""
+        from moestream.trace.reader import load_traces
+        from moestream.trace.routing_replay import RoutingReplay
+
+        if self.recorder is not None:
+            raise MoestreamError("a trace is being recorded; routing cannot be replayed at the same time")
+        replay = RoutingReplay(load_traces([path]), name=Path(path).name)
+        replay.check(self.emap.layers, self.emap.num_experts, self.top_k)
+        self.replay = replay
+        self.runtime.replay = replay
+        return replay.requests()
+
+    def replay_requests(self, **sampling: Any) -> Iterator[Generation]:
+        """Run every request of the replayed trace: its prompt length in (meaningless) token ids, then
+        its decode forwards, EOS ignored, no prompt cache. Yields each request's final `Generation`."""
+        if self.replay is None:
+            raise MoestreamError("no routing is being replayed (call replay_routing first)")
+        for request in self.replay.requests():
+            ids = [0] * request.prompt_tokens  # any token: the routing is the trace's
+            yield self.generate(
+                ids,
+                max_tokens=request.decode_tokens + 1,
+                ignore_eos=True,
+                request_id=request.name,
+                **sampling,
+            )
+
     def _stream(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
         streaming = ExpertStreaming(
@@ -173,7 +205,7 @@ class Engine:
             device=self.device,
             make_reader=self._make_reader,
         )
-        if self.options.prefetch:
+        if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)
         return streaming
@@ -207,6 +239,7 @@ class Engine:
         self.streaming = self._stream()
         if recorder is not None:
             recorder.attach(self)
+        self.runtime.replay = self.replay
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
@@ -235,6 +268,11 @@ class Engine:
             f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
+            + (
+                f" | ROUTING REPLAYED from {self.replay.name} (benchmark only: outputs are not the model's)"
+                if self.replay is not None
+                else ""
+            )
             + (
                 f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
                 if self.top_k != self.model_top_k
@@ -444,14 +482,17 @@ class Engine:
     def _stepper(
         self, request_id: str, position: int
     ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
-        """The forward step, telling the trace recorder (if any) what each forward covers."""
-        if self.recorder is None:
+        """The forward step, telling the trace recorder and the routing replay (if any) what each
+        forward covers."""
+        listeners = [x for x in (self.recorder, self.replay) if x is not None]
+        if not listeners:
             return self._step
         phase = "prefill"
 
         def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
             nonlocal position, phase
-            self.recorder.forward(request_id, phase, position)
+            for listener in listeners:
+                listener.forward(request_id, phase, position)
             position, phase = position + len(ids), "decode"
             return self._step(ids, cache)
 

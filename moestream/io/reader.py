@@ -21,6 +21,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,6 +128,12 @@ class Reader:
         if SWITCH_INTERVAL_S > 0:
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.bytes_read = 0  # bytes asked of the file system (aligned lengths)
+        # how busy the disk is, for the prefetch gate: bytes queued and not handed to a thread yet,
+        # pieces being read, and the time with neither (idle), all under `_cond`
+        self._pending = 0
+        self._reading = 0
+        self._idle_s = 0.0
+        self._idle_since: float | None = time.perf_counter()
         self._threads = [
             threading.Thread(target=self._run, name=f"moestream-io-{i}", daemon=True) for i in range(threads)
         ]
@@ -182,7 +189,24 @@ class Reader:
             for request in requests:
                 heapq.heappush(self._heap, request)
                 pieces += -(-request.length // request.piece)
+                self._pending += request.length - request.cursor
+            if self._idle_since is not None:
+                self._idle_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
             self._cond.notify(min(pieces, len(self._threads)))
+
+    def pending_bytes(self) -> int:
+        """Bytes queued that no I/O thread has started on yet."""
+        with self._cond:
+            return self._pending
+
+    def idle_seconds(self) -> float:
+        """Seconds so far with nothing queued and nothing being read."""
+        with self._cond:
+            idle = self._idle_s
+            if self._idle_since is not None:
+                idle += time.perf_counter() - self._idle_since
+            return idle
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -213,6 +237,8 @@ class Reader:
                 if request.cursor >= request.length:
                     heapq.heappop(self._heap)
                 request.in_flight += 1
+                self._pending -= min(request.piece, request.length - start)
+                self._reading += 1
             error: BaseException | None = None
             got = 0
             try:
@@ -232,6 +258,9 @@ class Reader:
             with self._cond:
                 self.bytes_read += got
                 request.in_flight -= 1
+                self._reading -= 1
+                if not self._reading and not self._heap:
+                    self._idle_since = time.perf_counter()
                 if error is not None and request.error is None:
                     request.error = error
                 finished = request.in_flight == 0 and request.cursor >= request.length

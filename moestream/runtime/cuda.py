@@ -134,6 +134,9 @@ class GpuSlotTier(_PinnedHost):
         self._compute_stream = torch.cuda.current_stream(device)
         self._layer_keys: set[tuple[int, int]] = set()
 
+    def begin_group(self, layer: int, order: list[int], uses: list[int], tokens: int) -> None:
+        self.residents.begin_group([(layer, e) for e in order], uses, tokens)
+
     def split(self, layer: int, order: list[int]) -> tuple[list[int], list[int]]:
         self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)
         self._layer_keys = {(layer, e) for e in order}  # never evicted from the GPU for each other

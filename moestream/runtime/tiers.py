@@ -41,6 +41,10 @@ class DeviceTier(ABC):
         self.stats = TierStats()
         self._views = SlotTensors()
 
+    def begin_group(self, layer: int, order: list[int], uses: list[int], tokens: int) -> None:
+        """A layer forward over `order` starts (before `split`): a tier with its own eviction policy
+        tells it (`ResidentSet.begin_group`); `uses[i]` of the `tokens` are routed to `order[i]`."""
+
     def split(self, layer: int, order: list[int]) -> tuple[list[int], list[int]]:
         """(experts usable now without the host cache, the rest), both in execution order."""
         return [], order
