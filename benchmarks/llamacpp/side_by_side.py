@@ -65,6 +65,10 @@ def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[
         argv += ["--cache-ram", opts.get("cache_ram", "0")]
     if opts.get("mmap", "on") == "off":
         argv.append("--no-mmap")
+    # CPU builds repack Q4_K/Q4_0 weights into an anonymous buffer the size of the model by default, so they
+    # are no longer streamed from the file (and do not fit a memory limit); repack=on keeps that default
+    if opts.get("repack", "off") == "off":
+        argv.append("--no-repack")
     return argv
 
 
