@@ -1,20 +1,37 @@
 # Two entry points, both doing their own set-up on a fresh machine:
 #   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
 #   make test   same set-up, then ruff (lint + format check) and the test suite
+#   make native build ggml's CPU backend for this CPU (AVX512/VNNI, dotprod, ...) from the llama-cpp-python
+#               sdist; moestream then uses it instead of the prebuilt libggml-python (AVX2 / armv8.0)
+#
+# Which torch: pyproject.toml leaves torch unpinned, so that GPU users keep their own build. `make setup`
+# installs torch only into a .venv that has none: TORCH_SPEC (the CPU build) from a local wheel if pip is
+# configured to find one (find-links), else from TORCH_INDEX, PyTorch's CPU-only index (plain PyPI would
+# give the much larger CUDA build on Linux). GPU users: put your CUDA torch into .venv first, e.g.
+#   python3 -m venv .venv && .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128
+# and `make setup` keeps it (or use the system's torch: make setup VENV_FLAGS=--system-site-packages).
 VENV ?= .venv
+VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moestream-installed
-# The CPU build of torch is pinned here, not in pyproject: GPU users bring their own torch.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup native clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
+	python3 -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif $(PY) -m pip install -q --no-index --no-deps "$(TORCH_SPEC)" 2>/dev/null; then \
+		echo "installed $(TORCH_SPEC) from a local wheel"; \
+	else \
+		echo "installing $(TORCH_SPEC), CPU build, from $(TORCH_INDEX)"; \
+		$(PY) -m pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
+	fi
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -25,6 +42,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check moestream tests benchmarks
 	$(VENV)/bin/ruff format --check moestream tests benchmarks
 	$(PY) -m pytest -q
+
+native: $(STAMP)
+	$(PY) -m moestream.ggml.build
 
 clean:
 	rm -rf $(VENV) .moestream build *.egg-info

@@ -69,7 +69,7 @@ def main() -> None:
 
         pq.write_table(trace.to_table(), args.save, compression="zstd")
         t1 = time.perf_counter()
-    replay = build_replay(trace, prefetch_top=8)
+    replay = build_replay(trace, prefetch_top=8, uses=True)
     t2 = time.perf_counter()
     rows = len(trace)
     print(
@@ -80,7 +80,7 @@ def main() -> None:
     capacity = capacity_for(budget, 2 * MiB)
     unit = [2 * MiB] * 40
     print(f"budget {args.budget} = {capacity} slots of 2 MiB")
-    print(f"{'policy':<16}{'seconds':>9}{'M rows/min':>12}{'decode hit':>12}")
+    print(f"{'policy':<20}{'seconds':>9}{'M rows/min':>12}{'decode hit':>12}")
     for policy in args.policy:
         start = time.perf_counter()
         cells = run_policy(replay, policy, capacity, unit)
@@ -89,7 +89,7 @@ def main() -> None:
         if policy == "static":  # replays the second half only: count the rows it actually replayed
             hits, misses = cells[3].hits, cells[3].misses
         replayed = rows if policy != "static" else int(split_halves(trace)[0].sum())
-        print(f"{policy:<16}{took:>9.1f}{replayed / took * 60 / 1e6:>12.2f}{hits / (hits + misses):>12.1%}")
+        print(f"{policy:<20}{took:>9.1f}{replayed / took * 60 / 1e6:>12.2f}{hits / (hits + misses):>12.1%}")
 
 
 if __name__ == "__main__":

@@ -24,3 +24,7 @@ class CacheBudgetError(MoestreamError):
 
 class ExpertReadError(MoestreamError):
     """Reading expert bytes failed or came up short."""
+
+
+class CheckpointChangedError(CheckpointError):
+    """A checkpoint file was rewritten, replaced or removed while the process was using it."""

@@ -13,6 +13,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 torch.set_num_threads(1)
+# Without a GPU, moestream.kernels' Triton kernels run in Triton's CPU interpreter. Triton reads this
+# when it is first imported, so it is set here, before any test module can import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

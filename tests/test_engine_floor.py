@@ -29,8 +29,8 @@ def test_floor_raised_during_generation_and_restored(tiny_dir, tmp_path):
 
 def test_no_jetson_means_floor_off(tiny_dir, capsys):
     assert main(["generate", str(tiny_dir("qwen3_moe")), "--prompt", "Hi", "--max-tokens", "2"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].endswith("gpu floor off") and out[-1].endswith("gpu floor off")
+    err = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("moestream: warning:")]
+    assert "| gpu floor off |" in err[0] and err[-1].endswith("gpu floor off")  # mode line, stats line
 
 
 def test_explicit_mhz_without_jetson_is_one_clear_error(tiny_dir, capsys):

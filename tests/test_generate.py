@@ -58,16 +58,18 @@ def test_cli_generate_json_matches_stock_greedy(tiny_dir):
     }
 
 
-def test_cli_generate_prints_mode_text_and_stats(tiny_dir, capsys):
+def test_cli_generate_prints_text_on_stdout_and_mode_and_stats_on_stderr(tiny_dir, capsys):
+    path = tiny_dir("qwen3_moe")
     assert (
         main(
             [
                 "generate",
-                str(tiny_dir("qwen3_moe")),
+                str(path),
                 "--prompt",
                 "Hello",
                 "--max-tokens",
                 "5",
+                "--ignore-eos",
                 "--cache",
                 "100KiB",
                 "--io-mode",
@@ -80,13 +82,20 @@ def test_cli_generate_prints_mode_text_and_stats(tiny_dir, capsys):
         )
         == 0
     )
-    lines = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if not x.startswith("moestream: warning:")]
     assert lines[0].startswith(
         "moestream: qwen3_moe on cpu | io pagecache, 2 io threads, 128 KiB pieces | cache 100.0 KiB"
     )
-    assert "threads 1" in lines[0]
+    assert "threads 1" in lines[0] and "| context 256 tokens, KV cache 128.0 KiB when full" in lines[0]
     assert lines[-1].startswith("prefill ") and "decode " in lines[-1] and "MiB/token" in lines[-1]
     assert "hit rate" in lines[-1] and "ms/token" in lines[-1]
+    # stdout is the text alone, streamed piece by piece: what `generate --json` reports as the text
+    assert (
+        main(["generate", "-m", str(path), "-p", "Hello", "-n", "5", "--ignore-eos", "--json", "-t", "1"])
+        == 0
+    )
+    assert captured.out == json.loads(capsys.readouterr().out)["text"] + "\n"
 
 
 def test_chat_template_is_applied(tiny_dir):

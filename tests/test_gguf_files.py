@@ -248,11 +248,29 @@ def test_dense_unknown_truncated_and_foreign_files_are_one_sentence(tmp_path, ca
 
 
 def test_experts_of_a_type_no_format_computes_are_named(tmp_path, capsys):
-    """TQ2_0 stands for any ggml type no WeightFormat computes (change it if one ever does)."""
-    hf = write_tiny("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256)
-    path = write_gguf(hf, tmp_path / "model.gguf", expert_type=lambda layer, kind: Q.TQ2_0)
+    """I32 experts stand for any GGUF type that no weight format (torch or ggml) multiplies."""
+    path = write_gguf(_hf(tmp_path), tmp_path / "model.gguf", expert_type=lambda layer, kind: Q.I32)
     err = _cli_error(capsys, path)
-    assert "TQ2_0" in err and "not supported" in err
+    assert "tensor blk.0.ffn_down_exps.weight[0]" in err and "I32 are not supported" in err
+
+
+def test_a_gguf_written_by_moestream_synth_streams_like_it_does_resident(tmp_path):
+    """Q4_K_M from `moestream synth` (llama.cpp's types, ggml's quantizer): the smallest budget gives
+    the logits of every expert cached, bit for bit."""
+    path = tmp_path / "synth-Q4_K_M.gguf"
+    argv = ["synth", str(path), "--arch", "qwen3_moe", "--layers", "2", "--experts", "8", "--top-k", "2"]
+    assert main([*argv, "--hidden", "256", "--moe-intermediate", "256", "--quant", "Q4_K_M"]) == 0
+    assert GgufSource(path).synthetic
+    with moestream.load(str(path), cache="64MiB") as engine:
+        assert {f.name for f in engine.emap.formats.values()} == {"Q4_K", "Q6_K"}
+        outputs = []
+        for budget in (engine.cache.slot_bytes * len(engine.emap.units), engine.cache.slot_bytes * 2):
+            engine.restream(cache=budget)
+            gen = engine.generate(PROMPT, max_tokens=8, ignore_eos=True)
+            with torch.inference_mode():
+                outputs.append((gen.tokens, engine.model(torch.tensor([PROMPT + gen.tokens])).logits))
+        assert engine.cache.stats.misses > len(engine.emap.units)
+    assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
 
 
 def test_unaligned_neighbouring_expert_ranges_read_with_o_direct_stay_intact(tmp_path):

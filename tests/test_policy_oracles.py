@@ -6,17 +6,21 @@ import random
 
 import pytest
 
-from moestream.cache.policy import (
-    BeladyPolicy,
-    LFUPolicy,
-    LRUPolicy,
+from moestream.cache.partitions import (
     PartitionedLRUPolicy,
     PartitionedResidentSet,
     PinnedResidentSet,
-    ResidentSet,
     StaticPolicy,
-    prefetch,
     split_evenly,
+)
+from moestream.cache.policy import (
+    BeladyPolicy,
+    LazyHeap,
+    LFUPolicy,
+    LRUPolicy,
+    ResidentSet,
+    prefetch,
+    slots_for_budget,
 )
 
 
@@ -202,3 +206,57 @@ def test_prefetch_admits_only_missing_keys_without_refreshing_residents() -> Non
     assert prefetch(rs, [(0, 1), (0, 3)]) == [(0, 3)]
     # (0, 1) was not touched by the prefetch, so it was the LRU key and made room for (0, 3)
     assert (0, 1) not in rs and (0, 2) in rs and (0, 3) in rs
+
+
+def test_lazy_heap_walks_live_keys_in_priority_order() -> None:
+    """Against a dict: key -> (priority, when it was ranked); equal priorities go to the earlier ranked."""
+    rng = random.Random(5)
+    heap, truth = LazyHeap(), {}
+    for step in range(3000):
+        key = rng.randrange(60)
+        if key in truth and rng.random() < 0.3:
+            heap.discard(key)
+            del truth[key]
+        else:
+            priority = rng.randrange(20)
+            heap.rank(key, priority)
+            truth[key] = (priority, step)
+        if step % 97 == 0 and truth:
+            expected = sorted(truth, key=lambda k: truth[k])
+            assert list(heap.ordered()) == expected
+            assert heap.first() == expected[0] and len(heap) == len(truth)
+
+
+def test_slots_for_budget() -> None:
+    assert slots_for_budget(10 * 1024, 1024) == 10
+    assert slots_for_budget(10 * 1024 + 1023, 1024) == 10  # whole slots only
+    assert slots_for_budget(100, 1024) == 0  # the caller decides whether that is an error
+    assert slots_for_budget(100, 1024, floor=4) == 4
+    assert slots_for_budget(1 << 50, 1024, limit=512) == 512
+    with pytest.raises(ValueError, match="at least one byte"):
+        slots_for_budget(1024, 0)
+
+
+def test_a_huge_capacity_costs_no_memory() -> None:
+    """Slots are handed out lazily: a resident set of 10^15 slots holds only what was admitted."""
+    import tracemalloc
+
+    tracemalloc.start()
+    rs = ResidentSet(10**15, LRUPolicy())
+    for group in random_groups(3, n_groups=200):
+        rs.access_group(group)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20
+    assert len(rs) == len({k for g in random_groups(3, n_groups=200) for k in g})
+    assert sorted(rs._slot_of.values()) == list(range(len(rs)))  # slots 0.. in order, no gaps
+
+
+def test_freed_slots_are_reused_last_freed_first() -> None:
+    rs = ResidentSet(4, LRUPolicy())
+    for key in range(4):
+        assert rs.admit((0, key)) == (key, None)
+    rs.remove((0, 1))
+    rs.remove((0, 3))
+    assert rs.admit((0, 9)) == (3, None) and rs.admit((0, 8)) == (1, None)
+    assert rs.admit((0, 7)) == (0, (0, 0))  # full again: the LRU key's slot

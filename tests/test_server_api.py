@@ -126,9 +126,10 @@ def test_stream_joins_to_the_whole_text(server, chat):
     assert _whole(client, chat, **sampled)[0] == _stream(client, chat, **sampled)[0]
 
 
-def _check_timings(t: dict, prompt_tokens: int, completion_tokens: int) -> None:
+def _check_timings(t: dict, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> None:
     assert list(t) == TIMINGS
-    assert t["cache_n"] == 0 and t["prompt_n"] == prompt_tokens and t["predicted_n"] == completion_tokens
+    assert t["cache_n"] == cached and t["prompt_n"] == prompt_tokens - cached
+    assert t["predicted_n"] == completion_tokens
     assert t["prompt_ms"] > 0 and t["predicted_ms"] > 0
     assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"])
     assert t["prompt_per_second"] == pytest.approx(1000 * t["prompt_n"] / t["prompt_ms"])
@@ -139,7 +140,13 @@ def _check_timings(t: dict, prompt_tokens: int, completion_tokens: int) -> None:
 def test_timings_and_moe_objects(server):
     res = server.http.post(
         "/v1/completions",
-        json={"prompt": "Streaming weights", "max_tokens": 9, "temperature": 0, "ignore_eos": True},
+        json={
+            "prompt": "Streaming weights",
+            "max_tokens": 9,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        },
     )
     body = res.json()
     _check_timings(body["timings"], body["usage"]["prompt_tokens"], 9)
@@ -158,7 +165,9 @@ def test_timings_and_moe_objects(server):
             extra_body=IGNORE_EOS,
         )
     )
-    _check_timings(chunks[-1].model_extra["timings"], body["usage"]["prompt_tokens"], 9)
+    # the same prompt again: the prompt cache holds all of it, and the last token is computed for its logits
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    _check_timings(chunks[-1].model_extra["timings"], prompt_tokens, 9, cached=prompt_tokens - 1)
     assert set(chunks[-1].model_extra["moe"]) == set(moe)
 
 

@@ -49,12 +49,13 @@ def _die_with_parent() -> None:
 class LiveServer:
     """`python -m moestream serve PATH --port 0 ...`, with clients and readers of /metrics and RSS."""
 
-    def __init__(self, path: Path, args: list[str]) -> None:
-        self.path = path
+    def __init__(self, path: Path, args: list[str], positional: bool = True) -> None:
+        self.path = path  # `positional=False`: args name it (-m PATH)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moestream-serve-", suffix=".log", delete=False)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        where = [str(path)] if positional else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moestream", "serve", str(path), "--port", "0", *args],
+            [sys.executable, "-m", "moestream", "serve", *where, "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
@@ -105,6 +106,10 @@ class LiveServer:
                 return
             time.sleep(0.01)
         raise AssertionError("the server stayed busy")
+
+    def log_text(self) -> str:
+        """What the server wrote to stderr so far (access log, warnings)."""
+        return Path(self.log.name).read_text()
 
     def rss_mib(self) -> float:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()

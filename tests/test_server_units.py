@@ -1,5 +1,5 @@
-"""Server parts without HTTP: stream deltas, llama-server timings arithmetic, the worker's queue and
-cancellation (with a real tiny engine), and `moestream serve` argument errors."""
+"""Server parts without HTTP: llama-server timings arithmetic, the worker's queue and cancellation (with a
+real tiny engine), and `moestream serve` argument errors. (Stream pieces: test_text_stream.py.)"""
 
 from __future__ import annotations
 
@@ -14,27 +14,8 @@ from moestream.cli import build_parser, main
 from moestream.engine.engine import Generation
 from moestream.engine.sampling import SamplingParams
 from moestream.engine.stats import GenerationStats, PhaseStats
-from moestream.server.textstream import DeltaTracker
 from moestream.server.timings import timings, usage
 from moestream.server.worker import Busy, Done, Job, Token, Worker
-
-
-def _stream(tracker: DeltaTracker, texts: list[str], final: str) -> str:
-    return "".join(tracker.delta(t) for t in texts) + tracker.final(final)
-
-
-def test_delta_tracker_holds_back_what_may_still_change():
-    t = DeltaTracker([])
-    assert t.delta("ab") == "ab" and t.delta("ab\ufffd") == "" and t.delta("abé") == "é"
-    # a stop string arriving over three tokens: its prefixes are never sent, and the cut text joins exactly
-    t = DeltaTracker(["STOP"])
-    assert [t.delta(x) for x in ("he", "hello S", "hello ST", "hello STO")] == ["he", "llo ", "", ""]
-    assert t.final("hello ") == ""
-    # a held-back prefix that turns out not to be the stop string is released
-    t = DeltaTracker(["STOP"])
-    assert _stream(t, ["a S", "a SX", "a SXy"], "a SXyz") == "a SXyz"
-    t = DeltaTracker(["\n\n", "###"])
-    assert [t.delta(x) for x in ("x\n", "x\n#", "x\n#y")] == ["x", "\n", "#y"]
 
 
 def test_timings_follow_llama_server_convention():
@@ -53,6 +34,18 @@ def test_timings_follow_llama_server_convention():
     assert usage(gen) == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
     one = timings(Generation("a", [1], 5, GenerationStats(PhaseStats(5, 0.05), PhaseStats()), done=True))
     assert one["predicted_ms"] == 0 and one["predicted_per_second"] == 0  # no inf or NaN in JSON
+    # 12 prompt tokens of which 9 came from the prompt cache: llama-server counts prompt_n = 3 computed
+    cached = Generation(
+        "ab",
+        [1, 2],
+        12,
+        GenerationStats(PhaseStats(3, 0.030), PhaseStats(1, 0.01)),
+        done=True,
+        cached_tokens=9,
+    )
+    t = timings(cached)
+    assert (t["cache_n"], t["prompt_n"]) == (9, 3) and t["prompt_per_second"] == pytest.approx(100)
+    assert usage(cached)["prompt_tokens"] == 12
 
 
 class _CancelAfter(Job):

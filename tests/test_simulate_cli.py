@@ -9,20 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_data import MIXTRAL, MIXTRAL_EXPERT, QWEN, QWEN_EXPERT, needs_traces
 
 from moestream.cli import main
 from moestream.trace.jsonl import write_jsonl
 from moestream.trace.synthetic import random_trace
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MIXTRAL = SHARED / "mixtral-8x7b-humaneval-routing.jsonl"
-QWEN = sorted(SHARED.glob("qwen1.5-moe-a2.7b-gsm8k-layer*.jsonl"))
-MIXTRAL_EXPERT = 3 * 4096 * 14336 * 2  # bf16 gate+up+down
-QWEN_EXPERT = 3 * 2048 * 1408 * 2
-needs_shared = pytest.mark.skipif(
-    not MIXTRAL.exists() or len(QWEN) != 5,
-    reason=f"real traces not found in {SHARED} (they live beside the repository)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +30,12 @@ def test_json_records_have_the_promised_fields(synthetic_jsonl: Path, capsys: py
     assert {r["policy"] for r in records} == {
         "lru",
         "lfu",
+        "predictive",
         "partitioned-lru",
         "static",
         "opt",
         "lru-prefetch",
+        "predictive-prefetch",
     }
     assert {r["budget_bytes"] for r in records} == {4 << 20, 16 << 20}
     assert {r["phase"] for r in records} == {"prefill", "decode"}
@@ -114,13 +107,13 @@ def test_simulate_never_imports_torch(synthetic_jsonl: Path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-@needs_shared
+@needs_traces
 def test_real_traces_without_sizes_ask_for_unit_bytes(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate", str(MIXTRAL)]) == 2
     assert "--unit-bytes" in capsys.readouterr().err
 
 
-@needs_shared
+@needs_traces
 def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
     assert (
         main(
@@ -148,7 +141,7 @@ def test_real_mixtral_curves(capsys: pytest.CaptureFixture) -> None:
     assert all(dec[("opt", b)]["misses"] <= dec[(p, b)]["misses"] for p in ("lru", "lfu") for b in (16, 64))
 
 
-@needs_shared
+@needs_traces
 def test_real_qwen_merge_runs(capsys: pytest.CaptureFixture) -> None:
     assert (
         main(

@@ -154,3 +154,21 @@ def test_request_split_for_static(tmp_path: Path) -> None:
     assert replay.split.startswith("requests 1-2 / 3-4")
     assert replay.tokens == [6, 10, 6, 10]
     assert by(records, "static", "decode", "second-half")["tokens"] == 10
+
+
+def test_a_budget_far_above_the_trace_costs_no_memory_and_changes_nothing() -> None:
+    """1 TiB of 1 MiB slots is a million slots: replayed in bounded memory, with the same counts as a
+    budget that just holds every key of the trace."""
+    import tracemalloc
+
+    trace = random_trace(n_layers=4, n_experts=16, top_k=3, n_requests=2, decode_len=10, predictions=True)
+    policies = [p for p in POLICIES if p != "static"]
+    enough, _, _ = simulate(trace, policies, [64 * MiB])  # 4 x 16 keys of 1 MiB
+    tracemalloc.start()
+    huge, _, _ = simulate(trace, policies, [1 << 40])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 32 << 20
+    counts = [(r["policy"], r["phase"], r["scope"], r["hits"], r["misses"]) for r in enough]
+    assert counts == [(r["policy"], r["phase"], r["scope"], r["hits"], r["misses"]) for r in huge]
+    assert {r["capacity_slots"] for r in huge} == {1 << 20}

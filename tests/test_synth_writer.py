@@ -128,7 +128,7 @@ def test_noise_has_no_short_period():
 
 def test_window_offsets_are_distinct():
     src = noise.NoiseSource(seed=7)
-    offsets = [src._offset() for _ in range(200_000)]
+    offsets = [src.offset_of(k) for k in range(200_000)]
     assert len(set(offsets)) == len(offsets)
     n = noise.PERIOD
     assert all(n % p for p in range(2, int(n**0.5) + 1))  # PERIOD is prime

@@ -20,6 +20,9 @@ PROMPTS = [[5, 17, 33, 2, 99], [41, 7, 250, 3, 3, 8, 12, 40, 100], [77]]
         ("gpt_oss", "lru"),
         ("qwen3_moe", "lfu"),
         ("gpt_oss", "lfu"),
+        ("qwen3_moe", "predictive"),
+        ("deepseek_v3", "predictive"),
+        ("gpt_oss", "predictive"),
     ],
 )
 def test_simulated_policy_equals_engine(arch, policy, tiny_dir, tmp_path):
@@ -81,11 +84,11 @@ def test_lfu_keeps_the_tokens_and_refuses_unknown_policies(tiny_dir):
         out[policy + " misses"] = misses
     assert out["lru"] == out["lfu"]
     assert out["lru misses"] != out["lfu misses"]  # the policy did change what was evicted
-    with pytest.raises(MoestreamError, match="eviction policy 'fifo' is not one of lru, lfu"):
+    with pytest.raises(MoestreamError, match="eviction policy 'fifo' is not one of lru, lfu, predictive"):
         moestream.load(path, cache=budget, policy="fifo")
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "predictive"])
 def test_a_layer_never_waits_for_its_own_experts_slots(policy, tiny_dir, monkeypatch):
     """A just-read expert has the lowest LFU count; it must not be the victim for the next miss of its
     own layer (that miss would wait until the first one is computed: reads serialised with compute)."""
@@ -97,8 +100,8 @@ def test_a_layer_never_waits_for_its_own_experts_slots(policy, tiny_dir, monkeyp
     waited = []
     open_layer = ExpertCache.open_layer
 
-    def spy(self, layer, experts):
-        job = open_layer(self, layer, experts)
+    def spy(self, layer, experts, *args):
+        job = open_layer(self, layer, experts, *args)
         if len(experts) <= self.capacity:  # room for the whole layer: every miss must get a slot at once
             waited.append(len(job.pending))
         return job

@@ -7,16 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_data import MIXTRAL, QWEN, needs_traces
 
 from moestream.trace import TraceError, load_traces, read_trace
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
-MIXTRAL = SHARED / "mixtral-8x7b-humaneval-routing.jsonl"
-QWEN = sorted(SHARED.glob("qwen1.5-moe-a2.7b-gsm8k-layer*.jsonl"))
-needs_shared = pytest.mark.skipif(
-    not MIXTRAL.exists() or len(QWEN) != 5,
-    reason=f"real traces not found in {SHARED} (they live beside the repository)",
-)
 
 
 def write_lines(path: Path, rows: list[dict]) -> Path:
@@ -107,7 +100,7 @@ def test_vllm_logger_mismatched_or_repeated_layers_are_refused(tmp_path: Path) -
         load_traces([a, write_lines(tmp_path / "m.jsonl", [spec_row(0, 0, [1, 2])])])
 
 
-@needs_shared
+@needs_traces
 def test_real_mixtral_trace_structure() -> None:
     t = read_trace(MIXTRAL)
     assert len(t) == 6777 and t.header.n_layers == 32 and t.header.n_experts == 8 and t.header.top_k == 2
@@ -119,7 +112,7 @@ def test_real_mixtral_trace_structure() -> None:
         assert (np.diff(layers) > 0).all()
 
 
-@needs_shared
+@needs_traces
 def test_real_qwen_logs_merge_as_five_layers() -> None:
     t = load_traces(QWEN)
     assert sorted(set(t.layer.tolist())) == [0, 8, 12, 18, 23]

@@ -408,8 +408,8 @@ def _add(w: gguf.GGUFWriter, name: str, data: torch.Tensor, ftype: Q, expert_typ
     if expert_type is not None and "_exps.weight" in name:
         layer, kind = int(name.split(".")[1]), name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
         qtype = expert_type(layer, kind)
-    if qtype in (Q.F32, Q.F16):
-        w.add_tensor(name, array.astype(np.float16 if qtype == Q.F16 else np.float32))
+    if qtype in (Q.F32, Q.F16, Q.I32):
+        w.add_tensor(name, array.astype({Q.F32: np.float32, Q.F16: np.float16, Q.I32: np.int32}[qtype]))
     elif qtype in _BLOCK_SCALES:
         w.add_tensor(name, synthetic_blocks(array.shape, qtype, seed=len(w.tensors[-1])), raw_dtype=qtype)
     else:

@@ -65,6 +65,10 @@ def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[
         argv += ["--cache-ram", opts.get("cache_ram", "0")]
     if opts.get("mmap", "on") == "off":
         argv.append("--no-mmap")
+    # CPU builds repack Q4_K/Q4_0 weights into an anonymous buffer the size of the model by default, so they
+    # are no longer streamed from the file (and do not fit a memory limit); repack=on keeps that default
+    if opts.get("repack", "off") == "off":
+        argv.append("--no-repack")
     return argv
 
 
@@ -78,12 +82,15 @@ def moestream_args(opts: dict[str, str]) -> list[str]:
         "k": "--experts-per-token",
         "policy": "--policy",
     }
-    unknown = set(opts) - set(names) - {"ra", "prefetch"}
+    unknown = set(opts) - set(names) - {"ra", "prefetch", "model"}
     if unknown:
         raise SystemExit(
-            f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)}, prefetch and ra"
+            f"unknown moestream option(s) {sorted(unknown)}; known: {sorted(names)}, prefetch, model and ra"
         )
-    flags = ["--prefetch"] if opts.get("prefetch", "0") not in ("0", "off", "no") else []
+    prefetch = opts.get("prefetch", "0")
+    flags = (
+        [] if prefetch in ("0", "off", "no") else ["--prefetch"] + ([prefetch] if prefetch == "auto" else [])
+    )
     return [x for key, flag in names.items() if key in opts for x in (flag, opts[key])] + flags
 
 
@@ -97,11 +104,8 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
     if kind == "llama":
         argv, disk, name = llama_argv(args.llama_server, args.gguf, port, opts), args.gguf, "llama-server"
     else:
-        argv, disk, name = (
-            moestream_serve_argv(args.model, port, moestream_args(opts)),
-            args.model,
-            "moestream",
-        )
+        model = opts.get("model", args.model)  # model=PATH: another checkpoint (bf16 of the same shape)
+        argv, disk, name = moestream_serve_argv(model, port, moestream_args(opts)), model, "moestream"
     config = BenchConfig(
         out=Path(args.out) / label_dir(spec),
         prompts=args.prompts,

@@ -64,7 +64,8 @@ OPENAI, NATIVE = "/v1/completions", "/completion"  # NATIVE: llama-server's own 
 def request_body(
     prompt: str, max_tokens: int, ignore_eos: bool, model: str | None, endpoint: str = OPENAI
 ) -> dict[str, Any]:
-    """Greedy, prompt cache off (llama-server's `cache_prompt`; moestream has none and ignores it)."""
+    """Greedy, prompt cache off (`cache_prompt`, which moestream and llama-server both honour), so that
+    every request computes its whole prompt."""
     body: dict[str, Any] = {
         "prompt": prompt,
         "temperature": 0,

@@ -29,7 +29,7 @@ def cv(values: list[float]) -> float | None:
 
 @dataclass(frozen=True)
 class LineFit:
-    """y = fixed_ms + ms_per_mib * x over `points` requests."""
+    """y = fixed_ms + ms_per_mib * x over `points` requests; y_min is the fastest request's ms/token."""
 
     fixed_ms: float
     ms_per_mib: float
@@ -37,20 +37,40 @@ class LineFit:
     points: int
     x_min: float
     x_max: float
+    y_min: float | None = None
+
+    @property
+    def warning(self) -> str | None:
+        """Why the line cannot give a ceiling, or None when it can."""
+        if self.ms_per_mib < 0:
+            return (
+                f"the fitted slope is negative ({self.ms_per_mib:.3f} ms/MiB: the runs that read more were "
+                "faster), so the line does not describe the cost of reading"
+            )
+        if self.fixed_ms <= 0:
+            return f"the fixed part is {self.fixed_ms:.1f} ms <= 0, so the line has no ceiling"
+        if self.y_min is not None and self.y_min < self.fixed_ms:
+            return (
+                f"the ceiling with no reads ({1000.0 / self.fixed_ms:.2f} tok/s) is below a measured run "
+                f"({1000.0 / self.y_min:.2f} tok/s), so the line does not hold near zero reads"
+            )
+        return None
 
     @property
     def ceiling_tok_s(self) -> float | None:
-        """Decode speed with zero bytes read, as the line extrapolates it."""
-        return 1000.0 / self.fixed_ms if self.fixed_ms > 0 else None
+        """Decode speed with zero bytes read, as the line extrapolates it (None: `warning` says why)."""
+        return 1000.0 / self.fixed_ms if self.warning is None else None
 
     def predict(self, mib_per_token: float) -> float:
         return self.fixed_ms + self.ms_per_mib * mib_per_token
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ceiling_tok_s": self.ceiling_tok_s}
+        return {**asdict(self), "ceiling_tok_s": self.ceiling_tok_s, "warning": self.warning}
 
     def line(self) -> str:
-        ceiling = f"{self.ceiling_tok_s:.2f} tok/s" if self.ceiling_tok_s else "none (fixed part <= 0)"
+        ceiling = (
+            f"{self.ceiling_tok_s:.2f} tok/s" if self.ceiling_tok_s else f"none (WARNING: {self.warning})"
+        )
         return (
             f"time/token = {self.fixed_ms:.1f} ms + {self.ms_per_mib:.3f} ms/MiB x MiB/token "
             f"(R^2 {self.r2:.3f}, {self.points} requests, {self.x_min:.0f}-{self.x_max:.0f} MiB/token); "
@@ -78,4 +98,4 @@ def fit_line(xs: list[float], ys: list[float]) -> LineFit | None:
     ss_res = sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys))
     ss_tot = sum((y - my) ** 2 for y in ys)
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return LineFit(fixed, slope, r2, n, min(xs), max(xs))
+    return LineFit(fixed, slope, r2, n, min(xs), max(xs), min(ys))

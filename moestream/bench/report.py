@@ -76,10 +76,12 @@ def build_results(
 
     rows = [request_dict(r) for r in requests]
     server = "moestream" if any(r.moe is not None for r in requests) else config.server_name
+    model = Path(config.disk_of).name if config.disk_of else (config.target or "")
     results: dict[str, Any] = {
         "version": RESULTS_VERSION,
         "label": config.label or server,
         "server": server,
+        "model": model,
         "mode_line": mode_line,
         "lossy": bool(mode_line and "LOSSY" in mode_line),
         "command": sys.argv,
@@ -125,13 +127,13 @@ def write_outputs(config: BenchConfig, results: dict[str, Any]) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
     (out / "report.md").write_text(markdown(results), encoding="utf-8")
     if config.plots:
-        from moestream.bench.plots import plot_decode, plot_fit
+        from moestream.bench.plots import plot_decode, plot_fit, run_title
 
         plot_decode(results, out / "decode.png")
         others = [load_run(p) for p in config.fit_with]
         fit, points = fit_runs([results, *others])
         if points:
-            plot_fit(points, fit, out / "fit.png", results["label"])
+            plot_fit(points, fit, out / "fit.png", run_title(results, others))
 
 
 def _num(value: float | None, fmt: str = ".2f") -> str:
@@ -188,7 +190,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         "fit: "
         + (
             LineFit(
-                **{k: fit[k] for k in ("fixed_ms", "ms_per_mib", "r2", "points", "x_min", "x_max")}
+                **{
+                    k: fit.get(k)
+                    for k in ("fixed_ms", "ms_per_mib", "r2", "points", "x_min", "x_max", "y_min")
+                }
             ).line()
             if fit
             else "not enough spread in MiB/token (add a run at another read volume with --fit-with)"

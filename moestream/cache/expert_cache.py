@@ -143,7 +143,7 @@ class ExpertCache:
         classes, class_of = [], {}
         for size, keys in sorted(by_size.items()):
             share = budget * size * len(keys) // total if len(by_size) > 1 else budget
-            capacity = min(len(keys), max(top_k, slots_for_budget(share, size)))
+            capacity = slots_for_budget(share, size, floor=top_k, limit=len(keys))
             cls = SizeClass(
                 size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
             )
@@ -165,13 +165,18 @@ class ExpertCache:
     def allocated_bytes(self) -> int:
         return sum(c.buffer.nbytes for c in self.classes)
 
-    def open_layer(self, layer: int, experts: list[int]) -> LayerJob:
-        """Start one layer forward over `experts` (distinct, in execution order): pin the hits (their
-        events are queued at once), give slots to misses while the next victim is free, queue their reads."""
+    def open_layer(
+        self, layer: int, experts: list[int], uses: list[int] | None = None, tokens: int = 1
+    ) -> LayerJob:
+        """Start one layer forward over `experts` (distinct, in execution order; `uses[i]`: how many of
+        the forward's `tokens` are routed to `experts[i]`): tell the policy (`ResidentSet.begin_group`),
+        pin the hits (their events are queued at once), give slots to misses while the next victim is
+        free, queue their reads."""
         self.last_job_seq = next(self._job_seq)
         job = LayerJob(self, layer, experts, self.last_job_seq)
         with self.lock:
             self._open_job = job
+            self._begin_group(layer, experts, uses, tokens)
             for e in experts:
                 (job.hits if (layer, e) in self._states else job.misses).append(e)
             for e in job.hits:
@@ -274,6 +279,20 @@ class ExpertCache:
         return dropped
 
     # --- called with self.lock held -------------------------------------------------------------
+
+    def _begin_group(self, layer: int, experts: list[int], uses: list[int] | None, tokens: int) -> None:
+        """Each size class's policy hears of the forward's keys that are its own, in order."""
+        if len(self.classes) == 1:
+            self.classes[0].residents.begin_group([(layer, e) for e in experts], uses, tokens)
+            return
+        for cls in self.classes:
+            mine = [i for i, e in enumerate(experts) if self._class_of[(layer, e)] is cls]
+            if mine:
+                cls.residents.begin_group(
+                    [(layer, experts[i]) for i in mine],
+                    None if uses is None else [uses[i] for i in mine],
+                    tokens,
+                )
 
     def _pin_hit(self, key: Key, job: LayerJob) -> None:
         state = self._states[key]

@@ -17,7 +17,7 @@ import heapq
 import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Container, Hashable, Iterable, Iterator
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 Key = Hashable
@@ -62,6 +62,14 @@ class EvictionPolicy(ABC):
         their victim."""
         yield self.victim()
 
+    def bind(self, capacity: int) -> None:
+        """The `ResidentSet` this policy serves has `capacity` slots (called once, by the set)."""
+
+    def on_group(self, keys: Sequence[Key], uses: Sequence[int] | None = None, tokens: int = 1) -> None:
+        """A layer forward over `keys` (distinct, execution order) starts; its hits and misses follow.
+        `uses[i]` is the number of the forward's `tokens` routed to `keys[i]` (None: one token). Policies
+        that learn from routing override it; the others ignore it."""
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used: the key whose last hit or admission is oldest leaves first."""
@@ -96,7 +104,12 @@ class ResidentSet:
         self.capacity = capacity
         self.policy = policy if policy is not None else LRUPolicy()
         self._slot_of: dict[Key, int] = {}
-        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        # Slots are handed out lazily (0, 1, 2, ...; a freed slot is reused first, last freed first), so
+        # the memory held is bounded by the keys ever resident, not by the capacity: a simulated budget of
+        # 1 TiB costs no more than one that holds every expert.
+        self._freed: list[int] = []
+        self._fresh = 0  # slots below this have been handed out at least once
+        self.policy.bind(capacity)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._slot_of
@@ -117,7 +130,7 @@ class ResidentSet:
         """The key that admitting a new one would evict, or None while a slot is free: the first key in
         the policy's order that is not `protected` (the experts of the layer being computed, which it
         needs now), or the policy's own victim when every resident key is protected."""
-        if self._free:
+        if self.has_free_slot():
             return None
         if protected:
             for key in self.policy.ranked():
@@ -131,46 +144,130 @@ class ResidentSet:
         if key in self._slot_of:
             raise KeyError(f"{key!r} is already resident")
         evicted = None
-        if not self._free:
+        if not self.has_free_slot():
             evicted = self.next_victim(protected)
             self.remove(evicted)
-        slot = self._free.pop()
+        if self._freed:
+            slot = self._freed.pop()
+        else:
+            slot, self._fresh = self._fresh, self._fresh + 1
         self._slot_of[key] = slot
         self.policy.on_admit(key)
         return slot, evicted
+
+    def has_free_slot(self) -> bool:
+        """Whether admitting a key now would evict nothing."""
+        return len(self._slot_of) < self.capacity
 
     def remove(self, key: Key) -> None:
         """Drop a resident key (evicted, or its bytes turned out bad) and free its slot."""
         slot = self._slot_of.pop(key)
         self.policy.on_evict(key)
-        self._free.append(slot)
+        self._freed.append(slot)
 
-    def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
-        """One layer forward with instantaneous compute: touch hits, then admit misses, never evicting
-        one of the group's own keys while another key can go (as the engine, whose layer holds them
-        pinned). Returns (hits, misses)."""
+    def keeps(self, key: Key) -> bool:
+        """Whether a miss on `key` gets a slot (True here); subclasses that stream some keys without
+        keeping them (every slot pinned, a layer without a quota) say False for those."""
+        return True
+
+    def begin_group(self, keys: Sequence[Key], uses: Sequence[int] | None = None, tokens: int = 1) -> None:
+        """A layer forward over `keys` (distinct, in execution order) starts: tell the policy (see
+        `EvictionPolicy.on_group`). Call it before the forward's touches and admissions; `access_group`
+        does, and so must any other driver of this set (the engine's cache, when it opens a layer)."""
+        self.policy.on_group(keys, uses, tokens)
+
+    def access_group(
+        self, keys: Iterable[Key], uses: Sequence[int] | None = None, tokens: int = 1
+    ) -> tuple[list[Key], list[Key]]:
+        """One layer forward with instantaneous compute: `begin_group`, touch hits, then admit the misses
+        that `keeps` allows, never evicting one of the group's own keys while another key can go (as the
+        engine, whose layer holds them pinned). Returns (hits, misses)."""
         keys = list(keys)
-        hits = [k for k in keys if k in self._slot_of]
-        misses = [k for k in keys if k not in self._slot_of]
+        self.policy.on_group(keys, uses, tokens)
+        slot_of = self._slot_of
+        hits = [k for k in keys if k in slot_of]
+        misses = [k for k in keys if k not in slot_of]
         for key in hits:
             self.touch(key)
         group = set(keys)
         for key in misses:
-            self.admit(key, group)
+            if self.keeps(key):
+                self.admit(key, group)
         return hits, misses
 
 
-def slots_for_budget(budget_bytes: int, slot_bytes: int) -> int:
-    """How many slots of `slot_bytes` a byte budget buys."""
-    return budget_bytes // slot_bytes
+def slots_for_budget(budget_bytes: int, slot_bytes: int, *, floor: int = 0, limit: int | None = None) -> int:
+    """How many slots of `slot_bytes` a byte budget buys: `budget_bytes // slot_bytes`, raised to `floor`
+    and capped at `limit` (the number of keys that could ever be resident; None: no cap). The one place
+    where a budget becomes a slot count, for the simulator and the engine's tiers alike; callers decide
+    what a result too small for them means (the simulator refuses 0 slots, a tier fewer than top_k)."""
+    if slot_bytes < 1:
+        raise ValueError(f"a slot must hold at least one byte, got {slot_bytes}")
+    slots = max(floor, budget_bytes // slot_bytes)
+    return slots if limit is None else min(slots, limit)
 
 
-# --- Policies for the simulator and the engine alike (added for issue 4) -----------------------------
+# --- Policies for the simulator and the engine alike -----------------------------------------------
 # Each one implements `EvictionPolicy`, so `ResidentSet(capacity, SomePolicy(...))` works in both places.
-# Heaps below use lazy deletion: a stale entry stays in the heap until it reaches the top, which keeps
-# every hit O(log n) instead of re-sorting; `_compact` bounds the garbage.
 
 _NEVER = sys.maxsize  # "next use" of a key that is never used again
+
+
+class LazyHeap:
+    """Resident keys by priority, smallest first, with lazy deletion: re-ranking or dropping a key leaves
+    its old entry in the heap, skipped when it reaches the top, so every update is O(log n) instead of a
+    re-sort. Garbage is compacted once it outnumbers the live entries four to one. Ties between equal
+    priorities go to the key ranked earlier."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Key]] = []  # (priority, tick, key); ticks are unique
+        self._live: dict[Key, int] = {}  # key -> tick of its live entry
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def rank(self, key: Key, priority: int) -> None:
+        """Give `key` (new or not) this priority."""
+        self._tick += 1
+        self._live[key] = self._tick
+        heapq.heappush(self._heap, (priority, self._tick, key))
+        if len(self._heap) > 4 * len(self._live) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+        heapq.heapify(self._heap)
+
+    def discard(self, key: Key) -> None:
+        """Forget `key`."""
+        del self._live[key]
+
+    def first(self) -> Key:
+        """The key with the smallest priority."""
+        heap, live = self._heap, self._live
+        while live.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def ordered(self) -> Iterator[Key]:
+        """Every key, smallest priority first, lazily: the m first keys cost O(m log m) (a walk down the
+        heap's tree with a frontier heap of positions), not a sort. Valid until the next `rank`/`discard`."""
+        if len(self._heap) > 2 * len(self._live) + 64:  # stale entries would be walked through: drop them
+            self._compact()
+        heap, live = self._heap, self._live
+        while heap and live.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        while frontier:
+            entry, at = heapq.heappop(frontier)
+            if live.get(entry[2]) == entry[1]:
+                yield entry[2]
+            for child in (2 * at + 1, 2 * at + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child], child))
 
 
 class LFUPolicy(EvictionPolicy):
@@ -184,19 +281,12 @@ class LFUPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._count: dict[Key, int] = {}
-        self._stamp: dict[Key, int] = {}  # resident key -> tick of its live heap entry
-        self._heap: list[tuple[int, int, Key]] = []  # (uses, tick, key); ticks are unique
-        self._tick = 0
+        self._heap = LazyHeap()  # resident keys by use count, ties by the tick of their last use
 
     def _use(self, key: Key) -> None:
-        self._tick += 1
         count = self._count.get(key, 0) + 1
         self._count[key] = count
-        self._stamp[key] = self._tick
-        heapq.heappush(self._heap, (count, self._tick, key))
-        if len(self._heap) > 4 * len(self._stamp) + 64:
-            self._heap = [e for e in self._heap if self._stamp.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
+        self._heap.rank(key, count)
 
     def on_hit(self, key: Key) -> None:
         self._use(key)
@@ -205,19 +295,13 @@ class LFUPolicy(EvictionPolicy):
         self._use(key)
 
     def on_evict(self, key: Key) -> None:
-        del self._stamp[key]
+        self._heap.discard(key)
 
     def victim(self) -> Key:
-        heap = self._heap
-        while self._stamp.get(heap[0][2]) != heap[0][1]:
-            heapq.heappop(heap)
-        return heap[0][2]
+        return self._heap.first()
 
     def ranked(self) -> Iterator[Key]:
-        live = [e for e in self._heap if self._stamp.get(e[2]) == e[1]]
-        heapq.heapify(live)
-        while live:
-            yield heapq.heappop(live)[2]
+        return self._heap.ordered()
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -236,22 +320,14 @@ class BeladyPolicy(EvictionPolicy):
         for index, group in enumerate(groups):
             for key in group:
                 self._uses.setdefault(key, deque()).append(index)
-        self._next: dict[Key, int] = {}  # resident key -> index of its next use
-        self._heap: list[tuple[int, int, Key]] = []  # (-next use, tie-breaker, key)
-        self._tick = 0
+        self._heap = LazyHeap()  # resident keys by -(index of their next use): the farthest first
 
     def _use(self, key: Key) -> None:
         pending = self._uses.get(key)
         if not pending:
             raise ValueError(f"{key!r} is used more often than the future given to BeladyPolicy says")
         pending.popleft()
-        upcoming = pending[0] if pending else _NEVER
-        self._next[key] = upcoming
-        self._tick += 1
-        heapq.heappush(self._heap, (-upcoming, self._tick, key))
-        if len(self._heap) > 4 * len(self._next) + 64:
-            self._heap = [e for e in self._heap if self._next.get(e[2]) == -e[0]]
-            heapq.heapify(self._heap)
+        self._heap.rank(key, -(pending[0] if pending else _NEVER))
 
     def on_hit(self, key: Key) -> None:
         self._use(key)
@@ -260,139 +336,10 @@ class BeladyPolicy(EvictionPolicy):
         self._use(key)
 
     def on_evict(self, key: Key) -> None:
-        del self._next[key]
+        self._heap.discard(key)
 
     def victim(self) -> Key:
-        heap = self._heap
-        while self._next.get(heap[0][2]) != -heap[0][0]:
-            heapq.heappop(heap)
-        return heap[0][2]
-
-
-class StaticPolicy(EvictionPolicy):
-    """Static pinning: the pinned keys never leave; the slots they leave free are shared in LRU order."""
-
-    name: ClassVar[str] = "static"
-
-    def __init__(self, pinned: Iterable[Key]) -> None:
-        self.pinned = frozenset(pinned)
-        self._lru = LRUPolicy()  # unpinned residents only
-
-    def on_hit(self, key: Key) -> None:
-        if key not in self.pinned:
-            self._lru.on_hit(key)
-
-    def on_admit(self, key: Key) -> None:
-        if key not in self.pinned:
-            self._lru.on_admit(key)
-
-    def on_evict(self, key: Key) -> None:
-        if key not in self.pinned:
-            self._lru.on_evict(key)
-
-    def victim(self) -> Key:
-        try:
-            return self._lru.victim()
-        except StopIteration:
-            raise LookupError("every slot holds a pinned key; none is left for streamed experts") from None
-
-
-class PinnedResidentSet(ResidentSet):
-    """Static pinning as the seed simulated it: the most frequent keys fill the slots before the first
-    forward and stay. A key outside them is streamed (a miss); it is kept only in slots the pinned keys
-    left free (LRU among those), and with every slot pinned it is read and dropped."""
-
-    def __init__(self, capacity: int, ranked: Iterable[Key]) -> None:
-        pinned = list(ranked)[:capacity]  # most valuable first
-        super().__init__(capacity, StaticPolicy(pinned))
-        for key in pinned:
-            self.admit(key)
-        self.streaming_slots = capacity - len(pinned)
-
-    def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
-        """Touch hits, then admit misses while unpinned slots exist (else they bypass). Returns (hits,
-        misses)."""
-        keys = list(keys)
-        hits = [k for k in keys if k in self]
-        misses = [k for k in keys if k not in self]
-        for key in hits:
-            self.touch(key)
-        if self.streaming_slots:
-            for key in misses:
-                self.admit(key)
-        return hits, misses
-
-
-class PartitionedLRUPolicy(EvictionPolicy):
-    """Per-layer LRU: keys are `(layer, expert)`; each layer evicts only its own least recent key."""
-
-    name: ClassVar[str] = "partitioned-lru"
-
-    def __init__(self) -> None:
-        self._per_layer: dict[Hashable, OrderedDict[Key, None]] = {}
-
-    def on_hit(self, key: Key) -> None:
-        self._per_layer[key[0]].move_to_end(key)  # type: ignore[index]
-
-    def on_admit(self, key: Key) -> None:
-        self._per_layer.setdefault(key[0], OrderedDict())[key] = None  # type: ignore[index]
-
-    def on_evict(self, key: Key) -> None:
-        del self._per_layer[key[0]][key]  # type: ignore[index]
-
-    def resident_in(self, layer: Hashable) -> int:
-        """How many keys of `layer` are resident."""
-        return len(self._per_layer.get(layer, ()))
-
-    def victim_in(self, layer: Hashable) -> Key:
-        """The least recently used resident key of `layer`."""
-        return next(iter(self._per_layer[layer]))
-
-    def victim(self) -> Key:
-        # Interface fallback (a plain ResidentSet has no quotas): the LRU key of the fullest layer.
-        fullest = max(self._per_layer, key=lambda layer: len(self._per_layer[layer]))
-        return self.victim_in(fullest)
-
-
-class PartitionedResidentSet(ResidentSet):
-    """Slots split between layers by fixed quotas, LRU within each layer. A layer with no quota streams."""
-
-    def __init__(self, quotas: dict[Hashable, int]) -> None:
-        super().__init__(max(1, sum(quotas.values())), PartitionedLRUPolicy())
-        self.quotas = dict(quotas)
-
-    def admit(self, key: Key, protected: Container[Key] = ()) -> tuple[int, Key | None]:
-        """Give `key` a slot of its layer's share, evicting that layer's LRU key when the share is full."""
-        layer = key[0]  # type: ignore[index]
-        quota = self.quotas.get(layer, 0)
-        if quota < 1:
-            raise ValueError(f"layer {layer!r} has no slots in this partition")
-        evicted = None
-        if self.policy.resident_in(layer) >= quota:  # type: ignore[attr-defined]
-            evicted = self.policy.victim_in(layer)  # type: ignore[attr-defined]
-            self.remove(evicted)
-        # under quota, the total is under capacity (quotas sum to it), so a slot is free: no eviction
-        slot, _ = super().admit(key)
-        return slot, evicted
-
-    def access_group(self, keys: Iterable[Key]) -> tuple[list[Key], list[Key]]:
-        """Touch hits, then admit misses of layers that own slots. Returns (hits, misses)."""
-        keys = list(keys)
-        hits = [k for k in keys if k in self]
-        misses = [k for k in keys if k not in self]
-        for key in hits:
-            self.touch(key)
-        for key in misses:
-            if self.quotas.get(key[0], 0) > 0:  # type: ignore[index]
-                self.admit(key)
-        return hits, misses
-
-
-def split_evenly(capacity: int, layers: Iterable[Hashable]) -> dict[Hashable, int]:
-    """Per-layer quotas that sum to `capacity`; the first `capacity % n` layers get one slot more."""
-    layers = list(layers)
-    base, extra = divmod(capacity, len(layers))
-    return {layer: base + (1 if i < extra else 0) for i, layer in enumerate(layers)}
+        return self._heap.first()
 
 
 def prefetch(resident: ResidentSet, keys: Iterable[Key]) -> list[Key]:

@@ -8,6 +8,7 @@ import os
 import sys
 import warnings
 
+from moestream import __version__
 from moestream.errors import MoestreamError
 
 # verb modules, imported lazily so that e.g. `moestream simulate` never imports torch
@@ -24,6 +25,16 @@ VERBS: dict[str, str] = {
     "bench": "moestream.cli.bench",
     "perplexity": "moestream.cli.perplexity",
 }
+# modules of the optional extras (pyproject.toml), and the extra that installs each
+EXTRA_OF_MODULE = {
+    "fastapi": "server",
+    "uvicorn": "server",
+    "starlette": "server",
+    "prometheus_client": "server",
+    "pyarrow": "trace",
+    "matplotlib": "trace",
+    "httpx": "bench",
+}
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -32,6 +43,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         description="Run Mixture-of-Experts LLMs larger than memory: routed experts stream from disk "
         "through a bounded expert cache. Every verb has --help.",
     )
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -51,14 +63,25 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser(argv).parse_args(argv)
+    verb = next((a for a in argv if not a.startswith("-")), "")
     try:
+        args = build_parser(argv).parse_args(argv)  # a verb's parser may import its extra already
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             warnings.showwarning = _show_warning
             return int(args.func(args) or 0)
     except MoestreamError as exc:
         print(f"moestream: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF_MODULE.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"moestream: error: `moestream {verb}` needs the '{extra}' extra ({exc.name} is not installed): "
+            f"pip install 'moestream[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)

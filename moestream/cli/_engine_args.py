@@ -6,6 +6,48 @@ import argparse
 from typing import Any
 
 from moestream.cli._power_args import add_gpu_floor_argument
+from moestream.errors import MoestreamError
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """PATH as the first argument, or as `-m/--model PATH` (llama.cpp's spelling)."""
+    parser.add_argument(
+        "path",
+        nargs="?",
+        metavar="PATH",
+        help="checkpoint directory, GGUF file (first part of a split) or hub id",
+    )
+    parser.add_argument("-m", "--model", dest="model_path", metavar="PATH", help="the same as PATH")
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The checkpoint the user named, once."""
+    if (args.path is None) == (args.model_path is None):
+        raise MoestreamError(
+            "name the checkpoint once: as PATH or as -m PATH"
+            if args.path
+            else "no checkpoint given: pass PATH (or -m PATH)"
+        )
+    return args.path or args.model_path
+
+
+def add_context_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ctx-size and --chat-template (generate, serve)."""
+    parser.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens a request may use, prompt and generation (default: the smaller of the "
+        "model's maximum and 8192)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template file to use instead of the tokenizer's",
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +78,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
     group.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB)")
-    group.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's choice)")
+    group.add_argument(
+        "--threads", "-t", type=int, default=None, help="compute threads (default: torch's choice)"
+    )
     group.add_argument(
         "--dtype",
         default="auto",
@@ -46,15 +90,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--policy",
         default="lru",
-        choices=["lru", "lfu"],
-        help="cache eviction: lru (default), or lfu, the expert used least often since the start "
-        "(compare them on a trace with `moestream simulate`)",
+        choices=["lru", "lfu", "predictive"],
+        help="cache eviction: lru (default); lfu, the expert used least often since the start; or "
+        "predictive, the expert least likely to be used soon, learned from the routing (falls back to "
+        "lfu or lru where they do better; compare them on a trace with `moestream simulate`)",
     )
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument(
         "--prefetch",
-        action="store_true",
-        help="while a layer computes, read the experts the next layer's router picks for its input",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "auto"],
+        help="while a layer computes, read ahead the experts the next layer's router confidently picks for "
+        "its input; --prefetch (= on) always, --prefetch auto only while the disk has idle time",
     )
     group.add_argument(
         "--experts-per-token",
@@ -68,7 +117,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    extra = {"ctx_size": args.ctx_size} if getattr(args, "ctx_size", None) is not None else {}
     return dict(
+        **extra,
         cache=args.cache,
         device=args.device,
         gpu_cache=args.gpu_cache,
@@ -100,3 +151,21 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not record the stale-gate prediction of the next layers' experts",
     )
+
+
+def read_chat_template(args: argparse.Namespace) -> str | None:
+    """The --chat-template file's text, read before the model loads so that a bad path fails at once."""
+    if getattr(args, "chat_template", None) is None:
+        return None
+    from moestream.engine.chat import read_template
+
+    return read_template(args.chat_template)
+
+
+def use_chat_template(engine: Any, template: str | None) -> None:
+    """Replace the tokenizer's chat template with --chat-template's."""
+    if template is None:
+        return
+    if engine.tokenizer is None:
+        raise MoestreamError("--chat-template needs a tokenizer, and this checkpoint has none")
+    engine.tokenizer.chat_template = template

@@ -23,7 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--target", metavar="URL", help="a running OpenAI-compatible server with llama-server timings"
     )
     which.add_argument(
-        "--model", metavar="PATH", help="start `moestream serve PATH` (engine options below) and bench it"
+        "-m",
+        "--model",
+        metavar="PATH",
+        help="start `moestream serve PATH` (engine options below) and bench it",
     )
     p.add_argument(
         "--prompts",

@@ -1,25 +1,60 @@
-"""`moestream generate PATH --prompt TEXT`: one completion, with the mode line and the stats line."""
+"""`moestream generate PATH --prompt TEXT`: one completion. The text goes to stdout as it is generated;
+the mode line and the stats line go to stderr, so the output can be piped."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
+import threading
+from typing import Any
 
-from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
+from moestream.cli._engine_args import (
+    add_context_arguments,
+    add_engine_arguments,
+    add_model_argument,
+    add_trace_arguments,
+    engine_kwargs,
+    model_path,
+    read_chat_template,
+    use_chat_template,
+)
+from moestream.errors import MoestreamError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with experts streamed from disk")
-    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    add_model_argument(p)
+    p.add_argument("-p", "--prompt", help="prompt text (required unless --replay-routing)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        dest="repetition_penalty",
+        type=float,
+        default=1.0,
+        help="transformers' repetition penalty over prompt and output (1 = off)",
+    )
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--replay-routing",
+        metavar="TRACE",
+        help="BENCHMARK ONLY: run the trace's requests with its routing (and with --prefetch its stale-gate "
+        "guesses) instead of the model's routers, on a checkpoint with the same MoE layers, experts and "
+        "top-k (a synthetic one of real expert size); the text is meaningless; prints one stats line "
+        "for all requests",
+    )
+    add_context_arguments(p)
     add_trace_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -27,36 +62,83 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moestream
+    from moestream.engine.sampling import SamplingParams
 
-    with moestream.load(args.path, **engine_kwargs(args)) as engine:
-        if args.trace:
-            engine.start_trace(args.trace, predict=not args.no_trace_predict)
-        if not args.json:
-            print(engine.mode_line(), flush=True)
-        gen = engine.generate(
-            args.prompt,
-            chat=args.chat,
+    if args.replay_routing:
+        from moestream.cli._replay import replay_routing
+
+        return replay_routing(args)
+    if args.prompt is None:
+        raise MoestreamError("generate needs --prompt TEXT (or --replay-routing TRACE)")
+    # everything a user can get wrong is checked before the model loads, which can take minutes
+    try:
+        params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "text": gen.text,
-                        "tokens": gen.tokens,
-                        "prompt_tokens": gen.prompt_tokens,
-                        "finish_reason": gen.finish_reason,
-                        "mode": engine.mode_line(),
-                        "stats": gen.stats.to_dict(),
-                    }
-                )
-            )
-        else:
-            print(gen.text, flush=True)
-            print(gen.stats.line())
+    except ValueError as exc:
+        raise MoestreamError(str(exc)) from None
+    path, template = model_path(args), read_chat_template(args)
+    if args.trace:
+        from moestream.trace.atomic import check_output_path
+
+        check_output_path(args.trace)
+    previous = _on_sigterm(_exit_on_sigterm)  # the trace is finished on the way out
+    try:
+        with moestream.load(path, **engine_kwargs(args)) as engine:
+            use_chat_template(engine, template)
+            if args.trace:
+                engine.start_trace(args.trace, predict=not args.no_trace_predict)
+            print(engine.mode_line(), file=sys.stderr, flush=True)
+            gen = None
+            for gen in engine.stream(args.prompt, params, chat=args.chat):
+                if not args.json:
+                    print(gen.piece, end="", flush=True)
+            _print(args, engine, gen)
+            engine.stop_trace()  # a trace that could not be written is an error, after the text is out
+    finally:
+        _on_sigterm(previous)
     return 0
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install a SIGTERM handler (only the main thread may); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+
+
+def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
+    """The JSON object, or the end of the streamed text; the stats line on stderr either way."""
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": gen.text,
+                    "tokens": gen.tokens,
+                    "prompt_tokens": gen.prompt_tokens,
+                    "finish_reason": gen.finish_reason,
+                    "mode": engine.mode_line(),
+                    "stats": gen.stats.to_dict(),
+                }
+            ),
+            flush=True,
+        )
+    else:
+        print(flush=True)
+    print(gen.stats.line(), file=sys.stderr, flush=True)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    print(
+        "moestream: terminated; finishing the trace and closing the checkpoint", file=sys.stderr, flush=True
+    )
+    raise SystemExit(128 + signum)

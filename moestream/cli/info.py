@@ -29,12 +29,14 @@ def describe(path: str) -> dict[str, Any]:
     from moestream.cache.expert_cache import budget_requirements
     from moestream.cache.slots import slot_bytes
     from moestream.model.arch import arch_for, num_experts, top_k
+    from moestream.runtime.checks import check_experts
     from moestream.store.source import open_source
 
     source = open_source(path)
     config = source.config()
     arch = arch_for(config)
     emap = source.expert_map(arch.family, num_experts(config))
+    check_experts(emap, config)  # sizes printed from a malformed expert would be wrong too
     k = top_k(config)
     minimum, working_set = budget_requirements(emap, k)
     largest = max(emap.units, key=lambda key: emap.unit_bytes(*key))

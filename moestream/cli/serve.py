@@ -11,17 +11,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moestream.cli._engine_args import add_engine_arguments, add_trace_arguments, engine_kwargs
+from moestream.cli._engine_args import (
+    add_context_arguments,
+    add_engine_arguments,
+    add_model_argument,
+    add_trace_arguments,
+    engine_kwargs,
+    model_path,
+    read_chat_template,
+    use_chat_template,
+)
 from moestream.errors import MoestreamError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
+    add_model_argument(p)
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)"
     )
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    p.add_argument(
+        "--port", type=port_number, default=8080, help="TCP port (default 8080; 0 picks a free one)"
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("MOESTREAM_API_KEY"),
@@ -39,9 +52,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)",
     )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="info (default): one access-log line per request on stderr; warning: only problems",
+    )
+    add_context_arguments(p)
     add_trace_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: the system picks a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -54,9 +85,10 @@ def listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0..65535 from the Python API
         sock.close()
-        raise MoestreamError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise MoestreamError(f"cannot listen on {host}:{port}: {reason}") from None
     return sock
 
 
@@ -80,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise MoestreamError(f"--max-body: {exc}") from None
     if args.queue_size < 1:
         raise MoestreamError(f"--queue-size must be at least 1, got {args.queue_size}")
+    path, template = model_path(args), read_chat_template(args)
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"moestream: warning: listening on {args.host} without --api-key: anyone who can reach "
@@ -87,9 +120,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    _configure_logging(args.log_level)
     sock = listen(args.host, args.port)
-    model_id = args.model_name or Path(args.path.rstrip("/")).name or args.path
-    with sock, moestream.load(args.path, **engine_kwargs(args)) as engine:
+    model_id = args.model_name or Path(path.rstrip("/")).name or path
+    with sock, moestream.load(path, **engine_kwargs(args)) as engine:
+        use_chat_template(engine, template)
         if args.trace:
             engine.start_trace(args.trace, predict=not args.no_trace_predict)
         print(engine.mode_line(), flush=True)
@@ -98,37 +133,78 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body=max_body,
             queue_size=args.queue_size,
-            aliases=[args.path],
+            aliases=[path],
         )
         app = create_app(engine, options)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        # uvicorn's own INFO lines (startup, shutdown) only repeat ours: it logs warnings unless debugging
+        uvicorn_level = args.log_level if args.log_level in ("debug", "error") else "warning"
+        config = uvicorn.Config(
+            app, log_level=uvicorn_level, access_log=False, timeout_graceful_shutdown=5, log_config=None
+        )
         host, port = sock.getsockname()[:2]
         print(
             f"moestream: serving {model_id!r} on http://{_url_host(host)}:{port}/v1"
             f"{' (API key required)' if args.api_key else ''}",
             flush=True,
         )
-        _run_until_stopped(uvicorn.Server(config), sock)
+        _run_until_stopped(_server_class(uvicorn)(config, app.state.server.begin_shutdown), sock)
     return 0
 
 
+def _configure_logging(level: str) -> None:
+    """moestream's and uvicorn's log lines on stderr, one line each ("moestream: ...")."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name_short)s: %(message)s"))
+    handler.addFilter(_short_name)
+    for name in ("moestream", "uvicorn"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False
+
+
+def _short_name(record: Any) -> bool:
+    record.name_short = record.name.split(".")[0]
+    return True
+
+
+def _server_class(uvicorn: Any) -> type:
+    class Server(uvicorn.Server):
+        """uvicorn's server that also ends running generations when SIGTERM or SIGINT arrives: a stream
+        gets its closing event at once instead of holding the graceful shutdown until it times out."""
+
+        def __init__(self, config: Any, on_signal: Any) -> None:
+            super().__init__(config)
+            self.on_signal = on_signal
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            self.on_signal()
+
+    return Server
+
+
 class _Terminated(Exception):
-    """SIGTERM arrived; raised out of uvicorn so that the engine is closed on the way out."""
+    """SIGTERM or SIGINT arrived; raised out of uvicorn so that the engine is closed on the way out."""
 
 
 def _run_until_stopped(server: Any, sock: socket.socket) -> None:
-    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the previous handler; the
-    # default one would kill the process before the trace is finished and the GPU clock floor restored
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then re-raises the signal to the previous
+    # handler; the default ones would kill the process (or raise KeyboardInterrupt) before the trace is
+    # finished and the GPU clock floor restored. A signal is how a server is meant to stop: exit 0.
     def terminated(signum: int, frame: Any) -> None:
         raise _Terminated
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {sig: signal.signal(sig, terminated) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     except _Terminated:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _url_host(host: str) -> str:

@@ -35,14 +35,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="NAME",
         help=f"policies to run (default all of {', '.join(POLICIES)}; "
-        "lru-prefetch only when the trace has predictions)",
+        "the *-prefetch ones only when the trace has predictions)",
     )
     p.add_argument(
         "--unit-bytes",
         help="bytes of one expert (gate+up+down), for traces that lack it; overrides the header",
     )
     p.add_argument(
-        "--prefetch-top", type=int, help="predicted experts per token that lru-prefetch reads (default top_k)"
+        "--prefetch-top", type=int, help="predicted experts per token that *-prefetch read (default top_k)"
+    )
+    p.add_argument(
+        "--prefetch-min-score",
+        type=float,
+        default=0.0,
+        help="*-prefetch read only predicted experts whose stale-gate softmax score is at least this "
+        "(the engine's prefetch uses 4 / experts per layer)",
     )
     p.add_argument("--plot", metavar="PNG", help="write MiB/token against budget to this PNG")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of a table")
@@ -64,11 +71,12 @@ def parse_budgets(text: str) -> list[int]:
 
 def choose_policies(names: list[str] | None, has_predictions: bool) -> tuple[list[str], list[str]]:
     """Canonical policy names (aliases resolved) and notes about what was left out."""
-    from moestream.trace.simulator import ALIASES, POLICIES
+    from moestream.trace.simulator import ALIASES, POLICIES, PREFETCHING
 
     if not names:
-        chosen = [p for p in POLICIES if p != "lru-prefetch" or has_predictions]
-        notes = [] if has_predictions else ["lru-prefetch skipped: the trace has no stale-gate predictions"]
+        chosen = [p for p in POLICIES if p not in PREFETCHING or has_predictions]
+        skipped = ", ".join(PREFETCHING)
+        notes = [] if has_predictions else [f"{skipped} skipped: the trace has no stale-gate predictions"]
         return chosen, notes
     chosen = []
     for name in names:
@@ -91,10 +99,30 @@ def run(args: argparse.Namespace) -> int:
         unit = parse_size(args.unit_bytes) if args.unit_bytes else None
     except ValueError as exc:
         raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+    if unit is not None and unit < 1:
+        raise MoestreamError(f"--unit-bytes must be a positive size, got {args.unit_bytes!r}")
+    if args.prefetch_top is not None and args.prefetch_top < 1:
+        raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
+    if args.plot:
+        from moestream.trace.atomic import check_output_path
+
+        check_output_path(args.plot, "plot")
+        if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise MoestreamError(f"--plot {args.plot} must end in .png, .svg or .pdf")
     trace = load_traces(args.trace)
+    width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
+    if args.prefetch_top is not None and width and args.prefetch_top > width:
+        raise MoestreamError(
+            f"--prefetch-top {args.prefetch_top} exceeds the {width} predicted experts per "
+            "token the trace holds"
+        )
     policies, notes = choose_policies(args.policy, trace.has_predictions)
     trace.notes.extend(notes)
-    records, replay, sizes = simulate(trace, policies, budgets, unit, args.prefetch_top)
+    if args.prefetch_top is not None and args.prefetch_top < 1:
+        raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
+    records, replay, sizes = simulate(
+        trace, policies, budgets, unit, args.prefetch_top, args.prefetch_min_score
+    )
     if args.json:
         from moestream.trace.report import SYNTHETIC_NOTE
 

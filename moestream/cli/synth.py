@@ -1,4 +1,4 @@
-"""`moestream synth OUT`: write a random-weight HF checkpoint of a real MoE architecture."""
+"""`moestream synth OUT`: write a random-weight HF checkpoint (or GGUF file) of a real MoE architecture."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from moestream.errors import MoestreamError
 from moestream.units import format_size, parse_size
 
 _PROGRESS_MIN_BYTES = 256 << 20  # smaller writes finish before a bar is worth drawing
+_PROGRESS_LINE_SECONDS = 30.0  # without a terminal: one progress line this often
 _SIZES = ("layers", "experts", "top_k", "hidden", "moe_intermediate", "vocab_size", "seed")
 
 
@@ -26,7 +27,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "architecture, tensor by tensor. Weights are scaled so that routing stays token-driven "
         "like a trained model's; the checkpoint is marked synthetic in moestream_synth.json.",
     )
-    p.add_argument("out", metavar="OUT", help="directory to create")
+    p.add_argument("out", metavar="OUT", help="directory to create (a .gguf file with --format gguf)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "gguf"),
+        help="safetensors (HF checkpoint directory) or gguf (one llama.cpp file); default: gguf when OUT "
+        "ends in .gguf or --quant is given",
+    )
+    p.add_argument(
+        "--quant",
+        help="GGUF quantization as llama-quantize makes it: Q4_K_M (default), Q5_K_M, Q8_0, MXFP4_MOE, "
+        "or BF16 (unquantized, like convert_hf_to_gguf.py)",
+    )
+    p.add_argument("--threads", help="GGUF quantization threads (default: every CPU)")
     p.add_argument(
         "--preset", help="qwen3-30b-a3b, olmoe-1b-7b, gpt-oss-20b or demo; explicit sizes override it"
     )
@@ -67,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = {name: _int_arg(name, getattr(args, name)) for name in _SIZES}
     shard_bytes = _size_arg("--shard-size", args.shard_size)
+    threads = _int_arg("threads", args.threads)
+    if threads is not None and threads < 1:
+        raise MoestreamError(f"--threads must be at least 1, not {threads}")
+    fmt = args.format or ("gguf" if args.quant or str(args.out).endswith(".gguf") else "safetensors")
     t0 = time.perf_counter()
     with _progress_bar() as on_progress:
         out = synthesize(
@@ -79,10 +96,18 @@ def run(args: argparse.Namespace) -> int:
             realistic_routing=not args.plain_init,
             force=args.force,
             on_progress=on_progress,
+            format=fmt,
+            quant=args.quant,
+            threads=threads,
             **{k: v for k, v in sizes.items() if v is not None},
         )
     seconds = time.perf_counter() - t0
-    marker = json.loads((Path(out) / SYNTH_MARKER).read_text())
+    if fmt == "gguf":
+        from moestream.synth.gguf_meta import read_synth_marker
+
+        marker = read_synth_marker(out) or {}
+    else:
+        marker = json.loads((Path(out) / SYNTH_MARKER).read_text())
     print(summary(out, marker, seconds))
     return 0
 
@@ -90,22 +115,27 @@ def run(args: argparse.Namespace) -> int:
 def summary(out: Path, marker: dict, seconds: float) -> str:
     """Lines printed after a synth: what, where, how big, how fast."""
     what = f"{marker['arch']}" + (f" (preset {marker['preset']})" if marker.get("preset") else "")
+    gguf = marker.get("format") == "gguf"
+    stored = marker["quant"] if gguf else ("mxfp4" if marker["mxfp4"] else marker["dtype"])
     shape = (
         f"{marker['layers']} layers, {marker['moe_layers']} MoE x {marker['experts']} experts, "
         f"top-{marker['top_k']}, hidden {marker['hidden']}, expert intermediate "
-        f"{marker['moe_intermediate']}, "
-        f"{'mxfp4' if marker['mxfp4'] else marker['dtype']}"
+        f"{marker['moe_intermediate']}, {stored}"
     )
     total = marker["total_bytes"]
     rate = total / (1 << 20) / seconds if seconds > 0 else float("inf")
     weights = "realistic-routing init" if marker["realistic_routing"] else "plain init"
-    files = [f for f in marker["files"] if f.endswith(".safetensors")]
+    if gguf:
+        types = ", ".join(f"{t} x{n}" for t, n in marker["tensor_types"].items())
+        where = f"one GGUF file ({types} tensors)"
+    else:
+        files = [f for f in marker["files"] if f.endswith(".safetensors")]
+        where = f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}"
     return "\n".join(
         [
             f"wrote {out}: synthetic {what}, {weights}",
             f"  {shape}",
-            f"  expert bytes {format_size(marker['expert_bytes'])}, total {format_size(total)} in "
-            f"{len(files)} safetensors file{'s' if len(files) != 1 else ''}",
+            f"  expert bytes {format_size(marker['expert_bytes'])}, total {format_size(total)} in {where}",
             f"  {seconds:.1f} s, {rate:.1f} MiB/s",
         ]
     )
@@ -146,9 +176,13 @@ def _progress_bar() -> Iterator[Callable[[int, int], None]]:
         transient=True,
     )
     state: dict[str, int] = {}
+    lines = _ProgressLines() if not sys.stderr.isatty() else None
 
     def on_progress(done: int, total: int) -> None:
         if total < _PROGRESS_MIN_BYTES:
+            return
+        if lines is not None:
+            lines.update(done, total)
             return
         if "task" not in state:
             progress.start()
@@ -160,3 +194,24 @@ def _progress_bar() -> Iterator[Callable[[int, int], None]]:
     finally:
         if "task" in state:
             progress.stop()
+
+
+class _ProgressLines:
+    """Progress as a plain line every 30 s, for logs (a bar needs a terminal)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._last = self._t0
+
+    def update(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._last < _PROGRESS_LINE_SECONDS and done < total:
+            return
+        self._last = now
+        rate = done / (1 << 20) / max(now - self._t0, 1e-9)
+        print(
+            f"writing: {format_size(done)} of {format_size(total)} ({100 * done / total:.0f}%), "
+            f"{now - self._t0:.0f} s, {rate:.1f} MiB/s",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -29,27 +29,34 @@ def run(args: argparse.Namespace) -> int:
     """Read, optionally fill in sizes, write."""
     import pyarrow.parquet as pq
 
+    from moestream.trace.atomic import atomic_output, check_output_path
     from moestream.trace.jsonl import write_jsonl
     from moestream.trace.reader import load_traces
+    from moestream.trace.replay import check_ids
     from moestream.units import parse_size
 
     out = Path(args.out)
     if out.suffix not in (".parquet", ".jsonl"):
         raise MoestreamError(f"output {out} must end in .parquet or .jsonl")
+    check_output_path(out)
     trace = load_traces(args.inputs)
+    if len(trace):
+        check_ids(trace)  # a converted file with ids outside its header would only fail later, elsewhere
     if args.unit_bytes:
         try:
-            trace.header.expert_bytes = [parse_size(args.unit_bytes)] * trace.header.n_layers
+            unit = parse_size(args.unit_bytes)
         except ValueError as exc:
             raise MoestreamError(f"bad --unit-bytes {args.unit_bytes!r}: {exc}") from None
+        if unit < 1:
+            raise MoestreamError(f"--unit-bytes must be a positive size, got {args.unit_bytes!r}")
+        trace.header.expert_bytes = [unit] * trace.header.n_layers
     if args.dtype:
         trace.header.dtype = args.dtype
     trace.header.notes = trace.all_notes  # keep the reader's notes (a recovered stream, say) with the rows
     if out.suffix == ".jsonl":
         write_jsonl(trace, out)
     else:
-        tmp = out.with_name(out.name + ".tmp")
-        pq.write_table(trace.to_table(), tmp, compression="zstd")
-        tmp.replace(out)
+        with atomic_output(out) as tmp:
+            pq.write_table(trace.to_table(), tmp, compression="zstd")
     print(f"wrote {len(trace)} rows to {out}", file=sys.stderr)
     return 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,19 +13,27 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
-from moestream.engine.loop import ForwardStep, token_stream
+from moestream.engine.chat import render_chat
+from moestream.engine.detokenize import TextStream
+from moestream.engine.kvcache import kv_cache_bytes
+from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
 from moestream.engine.options import EngineOptions
-from moestream.engine.sampling import Sampler, SamplingParams
+from moestream.engine.prompt_cache import KVState, PromptCache
+from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
+from moestream.runtime.formats import describe_formats
 from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
 from moestream.store.source import open_source
 from moestream.units import format_size
+
+DEFAULT_CONTEXT = 8192  # --ctx-size when not given: the smaller of this and the model's maximum
 
 
 @dataclass
@@ -36,6 +46,8 @@ class Generation:
     stats: GenerationStats
     finish_reason: str = "length"  # "length", "stop" (eos or a stop string) or "cancelled"
     done: bool = False  # set on the last object `Engine.stream` yields
+    piece: str = ""  # the text new since the previous yield; the pieces join to exactly `text`
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not computed again)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,8 +75,10 @@ def load(
         threads: torch compute threads (None: torch's default).
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
-            `lock_memory` (mlock the cache), `policy` ("lru", "lfu"), `prefetch`, `gpu_cache`, `host_cache`,
-            `unified`, `experts_per_token`, `gpu_floor`.
+            `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
+            "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `experts_per_token`, `gpu_floor`,
+            `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
+            model's maximum and 8192).
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
@@ -97,11 +111,13 @@ class Engine:
         self.source = open_source(path)
         self.path = self.source.path
         self.config = self.source.config()
+        self.tokenizer = self.source.tokenizer()  # before the model: a broken tokenizer fails in a second
         self.arch = arch_for(self.config)
         self.model_top_k = top_k(self.config)
         if options.experts_per_token is not None:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
+        check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
         self.device = torch.device(options.device)
@@ -112,10 +128,11 @@ class Engine:
         self.top_k = top_k(self.config)
         self.family = make_family(self.config, self.emap, self.device, self.dtype)
         self.streaming = self._stream()
-        self.tokenizer = self.source.tokenizer()
         self._step = ForwardStep(self.model)
+        self._init_generation()
         self.floor = self._make_floor()
         self.recorder: Any = None
+        self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
         self._requests = 0
 
     @property
@@ -139,10 +156,45 @@ class Engine:
         self.recorder = TraceRecorder(self, path, predict=predict)
 
     def stop_trace(self) -> None:
+        """Finish the trace file.
+
+        Raises:
+            TraceError: writing the trace failed (during the run or now); the message says what was kept.
+        """
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.detach(self.runtime)
+            recorder.close()
+
+    def replay_routing(self, path: str | Path) -> list[Any]:
+        """Benchmark only: take every layer's routing (and, with prefetch, the stale-gate guesses) from
+        the trace at `path` instead of the model's routers; returns its requests (`ReplayRequest`: run
+        each with `replay_requests`). The checkpoint must have the trace's MoE layers, experts and top-k."""
+        from moestream.trace.reader import load_traces
+        from moestream.trace.routing_replay import RoutingReplay
+
         if self.recorder is not None:
-            self.recorder.detach(self.runtime)
-            self.recorder.close()
-            self.recorder = None
+            raise MoestreamError("a trace is being recorded; routing cannot be replayed at the same time")
+        replay = RoutingReplay(load_traces([path]), name=Path(path).name)
+        replay.check(self.emap.layers, self.emap.num_experts, self.top_k)
+        self.replay = replay
+        self.runtime.replay = replay
+        return replay.requests()
+
+    def replay_requests(self, **sampling: Any) -> Iterator[Generation]:
+        """Run every request of the replayed trace: its prompt length in (meaningless) token ids, then
+        its decode forwards, EOS ignored, no prompt cache. Yields each request's final `Generation`."""
+        if self.replay is None:
+            raise MoestreamError("no routing is being replayed (call replay_routing first)")
+        for request in self.replay.requests():
+            ids = [0] * request.prompt_tokens  # any token: the routing is the trace's
+            yield self.generate(
+                ids,
+                max_tokens=request.decode_tokens + 1,
+                ignore_eos=True,
+                request_id=request.name,
+                **sampling,
+            )
 
     def _stream(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
@@ -154,7 +206,7 @@ class Engine:
             device=self.device,
             make_reader=self._make_reader,
         )
-        if self.options.prefetch:
+        if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)
         return streaming
@@ -188,6 +240,7 @@ class Engine:
         self.streaming = self._stream()
         if recorder is not None:
             recorder.attach(self)
+        self.runtime.replay = self.replay
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
@@ -212,14 +265,21 @@ class Engine:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
         return (
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
-            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}) | "
+            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
+            f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
+            + (
+                f" | ROUTING REPLAYED from {self.replay.name} (benchmark only: outputs are not the model's)"
+                if self.replay is not None
+                else ""
+            )
             + (
                 f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
                 if self.top_k != self.model_top_k
                 else ""
             )
+            + f" | {self.context_line()}"
         )
 
     def counters(self) -> Counters:
@@ -229,16 +289,38 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------------
 
+    def _init_generation(self) -> None:
+        """Context size, prompt cache and the model's own sampling defaults."""
+        model = self.context_length
+        requested = self.options.ctx_size
+        if requested is not None and model is not None and requested > model:
+            self.streaming.close()
+            raise MoestreamError(
+                f"--ctx-size {requested} is beyond the model's trained context of {model} tokens, where its "
+                f"output would look like text but not be the model's"
+            )
+        self.ctx_size = requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        self.prompt_cache = PromptCache()
+        self.sampling_defaults = model_sampling_defaults(self.path)
+
+    def context_line(self) -> str:
+        """The context part of the mode line: tokens, and the KV cache's memory when it is full."""
+        kv = kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
+        return f"context {self.ctx_size} tokens, KV cache {format_size(kv)} when full"
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> token ids (through the tokenizer's chat template when `chat`)."""
+        if chat:
+            return self.encode_messages([{"role": "user", "content": prompt}])
         if self.tokenizer is None:
             raise MoestreamError(f"{self.path} has no tokenizer; pass token ids instead of text")
-        if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
+
+    def encode_messages(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Chat messages -> token ids through the chat template, the assistant turn opened."""
+        return render_chat(self.tokenizer, messages, template_kwargs)
 
     def _bos_or_eos(self) -> int:
         tok = self.tokenizer
@@ -249,60 +331,170 @@ class Engine:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | None = None,
         params: SamplingParams | None = None,
         *,
+        messages: list[dict[str, Any]] | None = None,
         chat: bool = False,
-        **sampling: Any,
+        **options: Any,
     ) -> Generation:
-        """Generate a completion (greedy unless temperature > 0). Keyword args build SamplingParams."""
+        """Generate a completion (greedy unless temperature > 0). Takes what `stream` takes."""
         result = None
-        for result in self.stream(prompt, params, chat=chat, **sampling):
+        for result in self.stream(prompt, params, messages=messages, chat=chat, **options):
             pass
         return result
 
     def stream(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | None = None,
         params: SamplingParams | None = None,
         *,
+        messages: list[dict[str, Any]] | None = None,
         chat: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        cache_prompt: bool = False,
+        keep_cache: bool | None = None,
         cancelled: Callable[[], bool] | None = None,
         request_id: str | None = None,
         **sampling: Any,
     ) -> Iterator[Generation]:
-        """Yields the growing `Generation` after every token; the last one is final."""
+        """Yields the growing `Generation` after every token, its `piece` the new text; the last one is final.
+
+        `prompt` is text or token ids; `messages` (chat messages) go through the chat template instead,
+        as does a text prompt with `chat`. With `cache_prompt` the KV cache kept by the previous request
+        is reused for the longest common prefix. This request's cache is kept for the next one when
+        `keep_cache` (default: `cache_prompt`); at most one is held, and a request that reuses none frees
+        the held one before it starts.
+        Keyword args build SamplingParams (max_tokens, temperature, top_p, top_k, min_p, ..., stop).
+
+        Raises:
+            MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context.
+        """
         try:
             params = params or SamplingParams(**sampling)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise MoestreamError(str(exc)) from None
-        ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
+        self.check_context(len(ids), params.max_tokens)
+        self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
+        self._requests += 1
+        yield from self._run(
+            ids,
+            params,
+            cancelled or (lambda: False),
+            request_id or f"req-{self._requests}",
+            cache_prompt,
+            cache_prompt if keep_cache is None else keep_cache,
+        )
+
+    def _prompt_ids(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, Any]] | None,
+        chat: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise MoestreamError("give either a prompt or messages")
+        if messages is not None:
+            ids = self.encode_messages(messages, template_kwargs)
+        else:
+            ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
-        self._requests += 1
-        yield from self._run(ids, params, cancelled or (lambda: False), request_id or f"req-{self._requests}")
+        self._check_ids(ids)
+        return ids
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
+        value = getattr(text_config(self.config), "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def _check_ids(self, ids: list[Any]) -> None:
+        """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        bad = next(
+            (
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
+            ),
+            None,
+        )
+        if bad is not None:
+            raise MoestreamError(
+                f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})"
+            )
+
+    def check_context(self, prompt_n: int, max_tokens: int) -> None:
+        """Refuse a prompt and max_tokens that do not fit the context (--ctx-size, at most the model's:
+        positions past the trained context give text that looks like output but is not)."""
+        ctx = self.ctx_size
+        if ctx == self.context_length:
+            which = f"the model's context of {ctx} tokens"
+        else:
+            which = f"the context of {ctx} tokens (--ctx-size)"
+        if prompt_n >= ctx:
+            raise MoestreamError(
+                f"the prompt has {prompt_n} tokens, more than {which} leaves room for (at most {ctx - 1})"
+            )
+        if prompt_n + max_tokens > ctx:
+            raise MoestreamError(
+                f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds {which} "
+                f"(at most {ctx - prompt_n} here)"
+            )
 
     def _run(
-        self, ids: list[int], params: SamplingParams, cancelled: Callable[[], bool], request_id: str
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool],
+        request_id: str,
+        cache_prompt: bool,
+        keep: bool,
     ) -> Iterator[Generation]:
         if self.floor is not None:
             self.floor.begin()
+        # the held cache is taken out for the run: a request that fails never leaves a half-updated one
+        state = self.prompt_cache.take(ids) if cache_prompt else KVState()
+        if not cache_prompt:
+            self.prompt_cache.clear()
         try:
-            yield from self._tokens(ids, params, cancelled, self._stepper(request_id))
+            try:
+                yield from self._tokens(
+                    ids, params, cancelled, self._stepper(request_id, len(state.ids)), state
+                )
+            except ContinuationError as exc:  # raised before the first token: run the request cold instead
+                self.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
+                warnings.warn(
+                    f"the prompt cache is off for this model: {self.prompt_cache.disabled}", stacklevel=2
+                )
+                state = KVState()
+                yield from self._tokens(ids, params, cancelled, self._stepper(request_id, 0), state)
         finally:
+            if keep:
+                self.prompt_cache.keep(state)
+            if self.recorder is not None:
+                self.recorder.flush()  # a process killed later loses none of this request's rows
             if self.floor is not None:
                 self.floor.end()
 
-    def _stepper(self, request_id: str) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
-        """The forward step, telling the trace recorder (if any) what each forward covers."""
-        if self.recorder is None:
+    def _stepper(
+        self, request_id: str, position: int
+    ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
+        """The forward step, telling the trace recorder and the routing replay (if any) what each
+        forward covers."""
+        listeners = [x for x in (self.recorder, self.replay) if x is not None]
+        if not listeners:
             return self._step
-        position = 0
+        phase = "prefill"
 
         def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-            nonlocal position
-            self.recorder.forward(request_id, "prefill" if cache is None else "decode", position)
-            position += len(ids)
+            nonlocal position, phase
+            for listener in listeners:
+                listener.forward(request_id, phase, position)
+            position, phase = position + len(ids), "decode"
             return self._step(ids, cache)
 
         return step
@@ -313,31 +505,40 @@ class Engine:
         params: SamplingParams,
         cancelled: Callable[[], bool],
         step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+        state: KVState,
     ) -> Iterator[Generation]:
         eos = _eos_ids(self.model, self.tokenizer)
         start, before = time.perf_counter(), self.counters()
+        cached = len(state.ids)
         tokens: list[int] = []
-        gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()))
+        text = TextStream(self.tokenizer, params.stop)
+        gen = Generation(
+            "", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached
+        )
         prefill_end, after_prefill = start, before
-        for token, _ in token_stream(step, ids, Sampler(params), params.max_tokens):
+        for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
             now = time.perf_counter()
             if not tokens:
                 prefill_end, after_prefill = now, self.counters()
-                gen.stats.prefill = after_prefill.since(before, len(ids), now - start)
+                gen.stats.prefill = after_prefill.since(before, len(ids) - cached, now - start)
             else:
                 gen.stats.decode = self.counters().since(after_prefill, len(tokens), now - prefill_end)
             if token in eos and not params.ignore_eos:
                 gen.finish_reason = "stop"
                 break
             tokens.append(token)
-            gen.text = self.decode(tokens)
-            if _apply_stop(gen, params.stop):
+            stopped = text.push(token)
+            gen.text = text.text
+            if stopped:
+                gen.finish_reason = "stop"
                 break
             if cancelled():
                 gen.finish_reason = "cancelled"
                 break
+            gen.piece = text.piece()
             yield gen
-        gen.done = True
+        gen.piece = text.finish()
+        gen.text, gen.done = text.text, True
         gen.stats.gpu_floor = (
             "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
         )
@@ -345,10 +546,14 @@ class Engine:
 
     def close(self) -> None:
         """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
-        self.stop_trace()
-        if self.floor is not None:
-            self.floor.close()
-        self.streaming.close()
+        try:
+            self.stop_trace()
+        finally:
+            try:
+                if self.floor is not None:
+                    self.floor.close()
+            finally:
+                self.streaming.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -365,14 +570,6 @@ def _override_top_k(config: Any, k: int) -> None:
             f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
         )
     cfg.num_experts_per_tok = k
-
-
-def _apply_stop(gen: Generation, stops: list[str]) -> bool:
-    cut = min((i for i in (gen.text.find(s) for s in stops if s) if i >= 0), default=-1)
-    if cut < 0:
-        return False
-    gen.text, gen.finish_reason = gen.text[:cut], "stop"
-    return True
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

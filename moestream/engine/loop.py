@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from moestream.engine.prompt_cache import KVState
 
 
 class ForwardStep:
@@ -36,12 +38,41 @@ class ForwardStep:
 
 
 def token_stream(
-    step: ForwardStep, prompt: list[int], sample, max_tokens: int
+    step: ForwardStep,
+    prompt: list[int],
+    sample: Callable[[torch.Tensor, list[int]], int],
+    max_tokens: int,
+    state: KVState,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yields (token, logits it was sampled from) up to `max_tokens`; the caller decides when to stop."""
-    logits, cache = step(prompt, None)
+    """Yields (token, logits it was sampled from) up to `max_tokens`; the caller decides when to stop.
+
+    `state` holds what is already cached (a reused prompt prefix, or nothing) and `prompt` the prompt
+    tokens after it. `state.ids` grows with every token fed, so it always says what the cache holds;
+    `sample` gets those ids (the prompt and the tokens generated so far) for its penalties.
+    """
+    logits = _continue(step, prompt, state) if state.ids else _feed(step, prompt, state)
     for i in range(max_tokens):
-        token = sample(logits)
+        token = sample(logits, state.ids)
         yield token, logits
         if i + 1 < max_tokens:
-            logits, cache = step([token], cache)
+            logits = _feed(step, [token], state)
+
+
+class ContinuationError(Exception):
+    """transformers could not feed several tokens after a reused cache (transformers 5.24's DeepSeek
+    attention, for one, fails on that shape); nothing has been generated yet, so a cold run can follow."""
+
+
+def _continue(step: ForwardStep, ids: list[int], state: KVState) -> torch.Tensor:
+    try:
+        return _feed(step, ids, state)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise ContinuationError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _feed(step: ForwardStep, ids: list[int], state: KVState) -> torch.Tensor:
+    state.valid = False  # until the forward has returned: a failed one leaves the cache half-updated
+    logits, state.kv = step(ids, state.kv)
+    state.ids.extend(ids)
+    state.valid = True
+    return logits

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from moestream.io.reader import IO_MODES
+from moestream.runtime.prefetch import MODES as PREFETCH_MODES
 from moestream.runtime.streaming import POLICY_CLASSES, StreamConfig
 from moestream.units import parse_size
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 
 
@@ -28,10 +30,13 @@ class EngineOptions:
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
-    policy: str = "lru"  # eviction: lru, or lfu (uses counted over the whole run)
-    prefetch: bool = False  # read the next layer's stale-gate-predicted experts while this layer computes
+    policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
+    # read the next layer's confident stale-gate guesses while this layer computes: "off" (or False), "on"
+    # (or True), or "auto" (only while the disk has idle time; runtime/prefetch.py)
+    prefetch: bool | str = False
     experts_per_token: int | None = None  # LOSSY override of the model's top-k (printed in the mode line)
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
+    ctx_size: int | None = None  # tokens a request may use, prompt and generation (None: min(model's, 8192))
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
@@ -50,16 +55,21 @@ class EngineOptions:
                 )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
-        if self.io_threads < 1:
-            raise ValueError(f"io threads must be at least 1, got {self.io_threads}")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"io threads must be between 1 and {MAX_IO_THREADS}, got {self.io_threads}")
         if self.piece < 4096 or self.piece % 4096:
             raise ValueError(f"piece size must be a positive multiple of 4 KiB, got {self.piece} bytes")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"compute threads must be at least 1, got {self.threads}")
         if self.experts_per_token is not None and self.experts_per_token < 1:
             raise ValueError(f"experts per token must be at least 1, got {self.experts_per_token}")
+        self.prefetch = {False: "off", True: "on"}.get(self.prefetch, self.prefetch)  # type: ignore[arg-type]
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch {self.prefetch!r} is not one of {', '.join(PREFETCH_MODES)}")
         if self.policy not in POLICIES:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.ctx_size is not None and self.ctx_size < 2:
+            raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
 

@@ -1,56 +1,153 @@
-"""Sampling parameters and the sampler: greedy at temperature 0, else temperature / top-k / top-p."""
+"""Sampling parameters and the sampler: transformers' logits processors, then argmax or a seeded draw.
+
+The processors run in the order transformers' `generate` applies them (logit bias, repetition penalty,
+then temperature, top-k, top-p, min-p), so a request behaves as the same settings do in
+`model.generate`. OpenAI's presence and frequency penalties have no transformers processor; they are the
+small `PresenceFrequencyPenalty` below.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+
+# the settings a model's generation_config.json may give as defaults (vLLM's `--generation-config auto`)
+MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# OpenAI's ranges
+PENALTY_RANGE = 2.0
+LOGIT_BIAS_RANGE = 100.0
 
 
 @dataclass
 class SamplingParams:
-    """What to generate. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """What to generate. temperature 0 means greedy; top_k 0, top_p 1, min_p 0 and the penalties at 1 and 0
+    disable those."""
 
     max_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' (CTRL) penalty over prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one stop string, as OpenAI's API accepts; not a list of its characters
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:  # NaN fails every comparison
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for token, bias in self.logit_bias.items():
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+
+
+class PresenceFrequencyPenalty:
+    """OpenAI's penalties: logit[j] -= frequency x count(j) + presence x (count(j) > 0), counted over the
+    generated tokens only (as vLLM does); transformers has no such processor."""
+
+    def __init__(self, presence: float, frequency: float, prompt_len: int) -> None:
+        self.presence, self.frequency, self.prompt_len = presence, frequency, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # input_ids [1, L] (prompt then generated), scores [1, V]
+        generated = input_ids[0, self.prompt_len :]
+        if generated.numel() == 0:
+            return scores
+        counts = torch.bincount(generated, minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def build_processors(params: SamplingParams, prompt_len: int) -> list:
+    """The processors `params` asks for, in transformers' order (empty: plain argmax / softmax)."""
+    from transformers.generation import logits_process as lp
+
+    processors: list = []
+    if params.logit_bias:
+        processors.append(
+            lp.SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in params.logit_bias.items()])
+        )
+    if params.repetition_penalty != 1.0:
+        processors.append(lp.RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(
+            PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_len)
+        )
+    if params.temperature > 0:  # the warpers only shape a distribution that is sampled from
+        if params.temperature != 1.0:
+            processors += [_shift_to_zero_max, lp.TemperatureLogitsWarper(params.temperature)]
+        if params.top_k:
+            processors.append(lp.TopKLogitsWarper(params.top_k))
+        if params.top_p < 1:
+            processors.append(lp.TopPLogitsWarper(params.top_p))
+        if params.min_p > 0:
+            processors.append(lp.MinPLogitsWarper(params.min_p))
+    return processors
+
+
+def _shift_to_zero_max(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Largest logit to 0 before dividing by the temperature: softmax is unchanged, and a tiny temperature
+    sends the others to -inf (greedy, ties shared) instead of overflowing every logit to inf (NaN probs)."""
+    return scores - scores.max(dim=-1, keepdim=True).values
 
 
 class Sampler:
-    """Picks the next token from last-position logits [V]."""
+    """Picks the next token from last-position logits [V], given every token so far (prompt + generated)."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, prompt_len: int = 0) -> None:
         self.params = params
+        self.processors = build_processors(params, prompt_len)
         self.generator = torch.Generator()
         self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits.float() / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            drop = cumulative - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
-            sorted_probs[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    def __call__(self, logits: torch.Tensor, context: list[int] | None = None) -> int:
+        scores = logits.float()[None]  # [1, V]
+        if self.processors:
+            ids = torch.tensor([context or []], dtype=torch.long)  # [1, L]
+            for processor in self.processors:
+                scores = processor(ids, scores)
+        if self.params.temperature == 0:
+            return int(torch.argmax(scores[0]))
+        probs = torch.softmax(scores[0], dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def model_sampling_defaults(path: Path) -> dict[str, Any]:
+    """The sampling settings in the checkpoint's generation_config.json (only those it names), used
+    where a server request gives none. A file that is unreadable or out of range is ignored with a warning."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        found = {k: data[k] for k in MODEL_DEFAULT_KEYS if isinstance(data, dict) and data.get(k) is not None}
+        SamplingParams(**found)
+    except (OSError, ValueError, TypeError) as exc:
+        warnings.warn(f"ignoring the sampling defaults of {file}: {exc}", stacklevel=2)
+        return {}
+    return found

@@ -14,7 +14,7 @@ import torch
 from moestream.cache.slots import slot_bytes as slot_size
 from moestream.model.loader import router_modules
 from moestream.runtime.experts import LayerRouting
-from moestream.trace import TraceHeader, TraceWriter
+from moestream.trace import TraceError, TraceHeader, TraceWriter
 
 
 class TraceRecorder:
@@ -26,6 +26,7 @@ class TraceRecorder:
 
     def __init__(self, engine: Any, path: str | Path, predict: bool = True, flush_rows: int = 4096) -> None:
         self.writer = TraceWriter(path, _header(engine), flush_rows=flush_rows)
+        self.error: TraceError | None = None  # the write that failed; recording stopped there
         self.top_k = engine.top_k
         self.predict = predict
         self.routers = router_modules(engine.model) if predict else {}
@@ -48,6 +49,14 @@ class TraceRecorder:
 
     @torch.inference_mode()
     def observe(self, event: LayerRouting) -> None:
+        if self.error is not None:
+            return  # a failed trace (a full disk) must not stop the generation; close() reports it
+        try:
+            self._append(event)
+        except TraceError as exc:
+            self.error = exc
+
+    def _append(self, event: LayerRouting) -> None:
         layer, rows = event.layer, event.rows
         tokens = range(self.first_position, self.first_position + len(rows))
         extra: dict[str, Any] = {}
@@ -76,7 +85,16 @@ class TraceRecorder:
         top = torch.topk(scores, min(2 * self.top_k, scores.shape[-1]), dim=-1)
         return top.indices.tolist(), top.values.tolist()
 
+    def flush(self) -> None:
+        """Hand the rows recorded so far to the kernel (a failure is kept for close(), as in observe)."""
+        if self.error is None:
+            try:
+                self.writer.flush()
+            except TraceError as exc:
+                self.error = exc
+
     def close(self) -> None:
+        """Finish the file. Raises TraceError when recording failed (now or during the run)."""
         self.writer.close()
 
 

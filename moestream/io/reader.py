@@ -21,13 +21,14 @@ import mmap
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from moestream.errors import ExpertReadError
+from moestream.errors import CheckpointChangedError, ExpertReadError
 from moestream.io.memory import memmove
 
 IO_MODES = ("direct", "pagecache", "mmap")
@@ -36,6 +37,21 @@ ALIGN = 4096
 # switch interval it can wait that long behind a compute thread running Python (the CUDA path, which
 # mostly enqueues kernels), leaving the disk idle. 200 us keeps a read in flight per thread.
 SWITCH_INTERVAL_S = float(os.environ.get("MOESTREAM_SWITCH_INTERVAL", "0.0002"))
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What says a file is still the one that was opened: a rewrite in place changes size or mtime, a
+    replacement (new file renamed over it) changes the inode behind the path."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileIdentity:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass
@@ -48,6 +64,28 @@ class OpenFile:
     direct: bool
     mapping: mmap.mmap | None = None
     map_address: int = 0
+    identity: FileIdentity | None = None  # recorded at open
+
+    def change(self) -> str | None:
+        """How the file differs from when it was opened (None: unchanged), checked on the open descriptor
+        (rewritten in place) and on the path (replaced or removed)."""
+        now = FileIdentity.of(os.fstat(self.fd))
+        was = self.identity
+        if was is None:
+            return None
+        if now.size != was.size:
+            return f"its size changed from {was.size} to {now.size} bytes"
+        if now.mtime_ns != was.mtime_ns:
+            return "it was modified"
+        try:
+            at_path = FileIdentity.of(os.stat(self.path))
+        except FileNotFoundError:
+            return "it was deleted"
+        except OSError as exc:
+            return f"it can no longer be examined ({exc.strerror})"
+        if (at_path.device, at_path.inode) != (was.device, was.inode):
+            return "another file was put in its place"
+        return None
 
 
 @dataclass(order=True)
@@ -90,6 +128,12 @@ class Reader:
         if SWITCH_INTERVAL_S > 0:
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.bytes_read = 0  # bytes asked of the file system (aligned lengths)
+        # how busy the disk is, for the prefetch gate: bytes queued and not handed to a thread yet,
+        # pieces being read, and the time with neither (idle), all under `_cond`
+        self._pending = 0
+        self._reading = 0
+        self._idle_s = 0.0
+        self._idle_since: float | None = time.perf_counter()
         self._threads = [
             threading.Thread(target=self._run, name=f"moestream-io-{i}", daemon=True) for i in range(threads)
         ]
@@ -108,7 +152,8 @@ class Reader:
                 fd, direct = self._fall_back_to_pagecache(path), False
             else:
                 raise ExpertReadError(f"cannot open {path}: {exc.strerror}") from None
-        handle = OpenFile(path=path, fd=fd, size=os.fstat(fd).st_size, direct=direct)
+        st = os.fstat(fd)
+        handle = OpenFile(path=path, fd=fd, size=st.st_size, direct=direct, identity=FileIdentity.of(st))
         if self.io_mode == "mmap" and handle.size:
             handle.mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             handle.map_address = np.frombuffer(handle.mapping, dtype=np.uint8).ctypes.data
@@ -123,6 +168,18 @@ class Reader:
         self.io_mode = "pagecache"
         return os.open(path, os.O_RDONLY)
 
+    def check_files(self) -> None:
+        """Refuse to go on reading a checkpoint file that changed since it was opened: its bytes would no
+        longer be the weights the model was built with.
+
+        Raises:
+            CheckpointChangedError: naming the first changed file and how it changed.
+        """
+        for handle in list(self._files.values()):
+            change = handle.change()
+            if change is not None:
+                raise CheckpointChangedError(_changed_message(handle.path, change))
+
     def submit(self, requests: list[Request]) -> None:
         """Queue requests; each one's callback fires exactly once."""
         if not requests:
@@ -132,7 +189,24 @@ class Reader:
             for request in requests:
                 heapq.heappush(self._heap, request)
                 pieces += -(-request.length // request.piece)
+                self._pending += request.length - request.cursor
+            if self._idle_since is not None:
+                self._idle_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
             self._cond.notify(min(pieces, len(self._threads)))
+
+    def pending_bytes(self) -> int:
+        """Bytes queued that no I/O thread has started on yet."""
+        with self._cond:
+            return self._pending
+
+    def idle_seconds(self) -> float:
+        """Seconds so far with nothing queued and nothing being read."""
+        with self._cond:
+            idle = self._idle_s
+            if self._idle_since is not None:
+                idle += time.perf_counter() - self._idle_since
+            return idle
 
     def next_seq(self) -> int:
         return next(self._seq)
@@ -163,6 +237,8 @@ class Reader:
                 if request.cursor >= request.length:
                     heapq.heappop(self._heap)
                 request.in_flight += 1
+                self._pending -= min(request.piece, request.length - start)
+                self._reading += 1
             error: BaseException | None = None
             got = 0
             try:
@@ -177,14 +253,28 @@ class Reader:
                 error = ExpertReadError(
                     f"reading {request.file.path} at offset {request.offset + start} failed: {exc!r}"
                 )
+            if error is not None:
+                error = self._explain(request.file, error)
             with self._cond:
                 self.bytes_read += got
                 request.in_flight -= 1
+                self._reading -= 1
+                if not self._reading and not self._heap:
+                    self._idle_since = time.perf_counter()
                 if error is not None and request.error is None:
                     request.error = error
                 finished = request.in_flight == 0 and request.cursor >= request.length
             if finished:
                 request.on_done(request.error)
+
+    @staticmethod
+    def _explain(handle: OpenFile, error: BaseException) -> BaseException:
+        """A read that failed because the file changed under the process says so, naming the file."""
+        try:
+            change = handle.change()
+        except OSError:
+            return error
+        return error if change is None else CheckpointChangedError(_changed_message(handle.path, change))
 
     def _read(self, request: Request, start: int) -> int:
         """Read the piece of `request` that starts `start` bytes into it. Returns the bytes read."""
@@ -203,10 +293,18 @@ class Reader:
                 # a short O_DIRECT read means end of file; retrying would use an unaligned offset
                 if n == 0 or (handle.direct and n < want):
                     break
-        if got < min(length, request.needed - start):
+        wanted = min(length, request.needed - start)
+        if got < wanted:
             raise ExpertReadError(
-                f"short read from {handle.path} at offset {offset}: got {got} of "
-                f"{min(length, request.needed - start)} "
-                "bytes (the file is truncated or changed since it was opened)"
+                f"short read from {handle.path} at offset {offset}: got {got} of {wanted} bytes "
+                "(the file is truncated or changed since it was opened)"
             )
         return got
+
+
+def _changed_message(path: str, change: str) -> str:
+    return (
+        f"checkpoint file {path} changed since it was opened ({change}); the weights in memory no "
+        "longer match it, so moestream stops rather than compute with a mix: restart once the checkpoint "
+        "is complete"
+    )

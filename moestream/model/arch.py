@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.errors import UnsupportedModelError
+from moestream.errors import CheckpointError, UnsupportedModelError
+from moestream.hfconfig import text_config
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,6 @@ ARCHES: dict[str, Arch] = {
         Arch("gpt_oss", "GptOssExperts", "gpt_oss"),
     )
 }
-
-
-def text_config(config: Any) -> Any:
-    """The language-model part of a (possibly composite, e.g. vision-language) config."""
-    sub = getattr(config, "text_config", None)
-    return sub if sub is not None and hasattr(sub, "num_hidden_layers") else config
 
 
 def arch_for(config: Any) -> Arch:
@@ -69,4 +64,15 @@ def num_experts(config: Any) -> int:
 
 
 def top_k(config: Any) -> int:
-    return int(text_config(config).num_experts_per_tok)
+    """Experts routed per token.
+
+    Raises:
+        CheckpointError: the config's `num_experts_per_tok` is not between 1 and the routed expert count.
+    """
+    k = int(text_config(config).num_experts_per_tok)
+    if not 1 <= k <= num_experts(config):
+        raise CheckpointError(
+            f"config.json sets num_experts_per_tok to {k}, outside "
+            f"1..{num_experts(config)} (the routed expert count)"
+        )
+    return k

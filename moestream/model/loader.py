@@ -55,18 +55,33 @@ def build_model(
     """The model built on the meta device with the experts class patched, then given the source's trunk.
 
     Raises:
-        CheckpointError: a non-expert tensor the model needs is not in the checkpoint.
+        CheckpointError: a non-expert tensor the model needs is not in the checkpoint, or has a shape
+            the config does not imply.
     """
     model_class = _causal_lm_class(config)
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
             trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config))
+            # sizes that disagree with the config are reported below, naming the tensor, instead of
+            # transformers' RuntimeError pointing at a report it logged
             model, info = model_class.from_pretrained(
-                None, config=config, state_dict=trunk, dtype=dtype, output_loading_info=True
+                None,
+                config=config,
+                state_dict=trunk,
+                dtype=dtype,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
             )
         finally:
             unregister_patch_mapping([arch.experts_class])
+    mismatched = sorted(info.get("mismatched_keys", []))
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        raise CheckpointError(
+            f"tensor {name} in {source.path} has shape {list(stored)}, but config.json implies "
+            f"{list(expected)} ({len(mismatched)} tensors disagree with the config)"
+        )
     missing = [k for k in info.get("missing_keys", []) if not _EXPERT_KEY.search(k)]
     if missing:
         raise CheckpointError(

@@ -75,8 +75,7 @@ class _PinnedHost(DeviceTier):
     GPU events before a host slot is refilled (counted)."""
 
     def __init__(self, cache: ExpertCache, device: torch.device, mapped: bool) -> None:
-        super().__init__(cache)
-        self.device = device
+        super().__init__(cache, device)
         self._registered = [c.buffer for c in cache.classes]
         for buffer in self._registered:
             register_pinned(buffer, mapped=mapped)
@@ -119,7 +118,7 @@ class GpuSlotTier(_PinnedHost):
         layouts = {k: gpu_layout(emap, k, fusions) for k in emap.units}
         self.layouts = {k: layout for k, (layout, _) in layouts.items()}
         self.slot_bytes = max(size for _, size in layouts.values())
-        capacity = min(len(emap.units), slots_for_budget(budget_bytes, self.slot_bytes))
+        capacity = slots_for_budget(budget_bytes, self.slot_bytes, limit=len(emap.units))
         if capacity < top_k:
             raise CacheBudgetError(
                 f"GPU cache {format_size(budget_bytes)} holds fewer than top_k {top_k} experts of "
@@ -134,6 +133,9 @@ class GpuSlotTier(_PinnedHost):
         self.copy_stream = torch.cuda.Stream(device=device)
         self._compute_stream = torch.cuda.current_stream(device)
         self._layer_keys: set[tuple[int, int]] = set()
+
+    def begin_group(self, layer: int, order: list[int], uses: list[int], tokens: int) -> None:
+        self.residents.begin_group([(layer, e) for e in order], uses, tokens)
 
     def split(self, layer: int, order: list[int]) -> tuple[list[int], list[int]]:
         self._compute_stream = torch.cuda.current_stream(self.device)  # looked up once per layer (it is slow)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from moestream.cache.expert_cache import ExpertCache, LayerJob
 from moestream.cache.policy import execution_order
 from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
+from moestream.runtime.prefetch import PrefetchGate
 from moestream.runtime.tiers import DeviceTier
 
 
@@ -81,11 +83,12 @@ class ExpertRuntime:
         self.formats = self._formats(tier.fuses)
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
         self.observers: list[Callable[[LayerRouting], None]] = []
-        self.prefetch = False
+        self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
+        self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
 
     def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
-        formats = layer_formats(self.emap)
+        formats = layer_formats(self.emap, self.tier.device.type)
         if fuses:
             for layer in self.emap.layers:
                 for name, kinds in self.family.fusions.items():
@@ -109,8 +112,38 @@ class ExpertRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
+        if self.replay is not None:
+            return self._replayed(layer, hidden, top_k_index, top_k_weights)
         ahead = self._lookahead(layer, hidden)
         rows, predicted = self._readback(layer, top_k_index, ahead)
+        return self._forward(layer, hidden, rows, top_k_weights, ahead, predicted)
+
+    def _replayed(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` with the routing (and with prefetch, the stale-gate guess) of a recorded trace."""
+        rows, weights, guesses = self.replay.route(
+            layer, top_k_index.tolist(), top_k_weights.float().tolist()
+        )
+        top_k_weights = torch.tensor(weights, dtype=top_k_weights.dtype, device=top_k_weights.device)
+        ahead = self._ahead.get(layer)
+        predicted = None
+        if self.prefetch is not None and ahead is not None and guesses is not None:
+            predicted = (ahead[0], self.prefetch.choose(ahead[0], self.emap.num_experts, guesses))
+        return self._forward(layer, hidden, rows, top_k_weights, None, predicted)
+
+    def _forward(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rows: list[list[int]],
+        top_k_weights: torch.Tensor,
+        ahead: tuple[int, object] | None,
+        predicted: tuple[int, list[int]] | None,
+    ) -> torch.Tensor:
+        """The layer forward once the routing is on the host: `rows` per token, weights [T,K]."""
+        if self.prefetch is not None:
+            self.prefetch.observe(layer, rows)  # how good the guess for this layer was
         if self.observers:
             event = LayerRouting(layer, hidden, rows, top_k_weights, ahead[1] if ahead else None)
             for observe in self.observers:
@@ -138,14 +171,19 @@ class ExpertRuntime:
     def _readback(
         self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
     ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
-        """The routing as lists, and with prefetch on, the next layer's predicted experts, in one readback."""
-        if ahead is None or not self.prefetch:
+        """The routing as lists, and with prefetch on, the next layer's experts guessed confidently enough
+        (`PrefetchGate.choose`), in one readback."""
+        if ahead is None or self.prefetch is None:
             return top_k_index.tolist(), None  # the one host readback of the routing
         next_layer, out = ahead
         k = top_k_index.shape[1]
-        guess = out[-1] if isinstance(out, tuple) else torch.topk(out, k, dim=-1).indices
-        both = torch.cat([top_k_index, guess.to(top_k_index.dtype)], dim=1).tolist()  # still one readback
-        return [row[:k] for row in both], (next_layer, execution_order(row[k:] for row in both))
+        scores = torch.softmax((out[0] if isinstance(out, tuple) else out).float(), dim=-1)  # [T, E]
+        confidence, guess = torch.topk(scores, k, dim=-1)  # [T, k] each
+        # one readback of routing, guesses and their scores (expert ids are exact in float32)
+        both = torch.cat([top_k_index.float(), guess.float(), confidence], dim=1).tolist()
+        rows = [[int(e) for e in row[:k]] for row in both]
+        guesses = [list(zip(map(int, row[k : 2 * k]), row[2 * k :])) for row in both]
+        return rows, (next_layer, self.prefetch.choose(next_layer, scores.shape[-1], guesses))
 
     def _compute(
         self,
@@ -155,10 +193,17 @@ class ExpertRuntime:
         routes: dict[int, Route],
         predicted: tuple[int, list[int]] | None,
     ) -> dict[int, torch.Tensor]:
+        uses = [routes[e].span.stop - routes[e].span.start for e in order]  # tokens routed to each
+        self.tier.begin_group(layer, order, uses, hidden.shape[0])
         ready, rest = self.tier.split(layer, order)
         outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
-        job = self.cache.open_layer(layer, rest) if rest else None
-        if predicted is not None:  # read ahead into the host cache only what the tier lacks
+        if rest:
+            served = dict(zip(order, uses))
+            job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
+        else:
+            job = None
+        go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
+        if go and predicted is not None and predicted[1]:  # read ahead only what the tier lacks
             self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
         if job is not None:
             outputs.update(self._run(job, hidden, routes, rest))

@@ -18,7 +18,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from moestream.errors import UnsupportedModelError
-from moestream.model.arch import text_config
+from moestream.hfconfig import text_config
 from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 
@@ -32,6 +32,16 @@ class ExpertFamily(ABC):
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         """The kinds each stage needs, in execution order; `fused`: the tier computes `fusions` as one."""
         return [(kind,) for kind in self.kinds]
+
+    @staticmethod
+    @abstractmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        """kind -> the [out, in] matrix its stage multiplies by, for hidden size H and expert size I."""
+
+    @staticmethod
+    def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the per-layer tensors kept resident beside the streamed experts."""
+        return {}
 
     @abstractmethod
     def stage(
@@ -58,6 +68,10 @@ class SwiGLU(ExpertFamily):
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
+
+    @staticmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
 
     def stage(
         self,
@@ -92,6 +106,26 @@ class GptOss(ExpertFamily):
 
     def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
         self.params, self.biases = params, biases
+
+    @staticmethod
+    def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+        # gate_up fused (HF checkpoints), or gate and up apart (GGUF: `GptOssSplit`)
+        return {
+            "gate_up": (2 * inter, hidden),
+            "gate": (inter, hidden),
+            "up": (inter, hidden),
+            "down": (hidden, inter),
+        }
+
+    @staticmethod
+    def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
+        fused = {"gate_up_proj_bias": (experts, 2 * inter), "down_proj_bias": (experts, hidden)}
+        return {
+            **fused,
+            "gate_bias": (experts, inter),
+            "up_bias": (experts, inter),
+            "down_bias": (experts, hidden),
+        }
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """(clamp(up) + 1) * swish_alpha(clamp(gate)), as transformers' GptOssExperts._apply_gate."""
@@ -164,6 +198,9 @@ _FAMILIES: dict[str, Callable[[Any, ExpertMap, torch.device, torch.dtype], Exper
     "swiglu": _swiglu,
     "gpt_oss": _gpt_oss,
 }
+
+
+FAMILY_CLASSES: dict[str, type[ExpertFamily]] = {"swiglu": SwiGLU, "gpt_oss": GptOss}
 
 
 def make_family(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> ExpertFamily:

@@ -17,15 +17,26 @@ import torch
 
 from moestream.cache.expert_cache import ExpertCache, budget_requirements
 from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
+from moestream.cache.predictive import PredictivePolicy
 from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import ExpertFamily
+from moestream.runtime.prefetch import PrefetchGate
 from moestream.runtime.tiers import DeviceTier, HostTier
 from moestream.store.experts import ExpertMap
 from moestream.units import format_size
 
-POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lfu": LFUPolicy}
+POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "predictive": PredictivePolicy,
+}
 ReaderFactory = Callable[[str, int], Reader]  # (io_mode, io_threads) -> Reader
+_PREFETCH_LINE = {
+    "off": "",
+    "on": ", next-layer prefetch (confident guesses)",
+    "auto": ", next-layer prefetch auto (confident guesses, while the disk idles)",
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +49,7 @@ class StreamConfig:
     piece: int = 128 * 1024
     lock_memory: bool = True
     policy: str = "lru"
-    prefetch: bool = False
+    prefetch: str = "off"  # "off", "on" or "auto" (runtime/prefetch.py)
     gpu_cache: int | None = None  # CUDA: GPU expert slots (None: `cache`)
     host_cache: int = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
@@ -80,10 +91,16 @@ class ExpertStreaming:
         except BaseException:
             self.close()
             raise
-        self.runtime.prefetch = config.prefetch
+        if config.prefetch != "off":
+            self.runtime.prefetch = PrefetchGate(
+                config.prefetch,
+                self.reader,
+                len(emap.layers),
+                queue_full_bytes=top_k * max(emap.unit_bytes(*key) for key in emap.units),
+            )
 
     def _tier(self, top_k: int, family: ExpertFamily) -> tuple[ExpertCache, DeviceTier]:
-        c, policy = self.config, POLICY_CLASSES[self.config.policy]
+        c, policy = self.config, policy_factory(self.config.policy, self.emap)
         if self.device.type != "cuda":
             cache = self._cache(c.cache, top_k, policy)
             return cache, HostTier(cache)
@@ -95,7 +112,7 @@ class ExpertStreaming:
         minimum, working_set = budget_requirements(self.emap, top_k)
         # pinned host tier between disk and GPU; 0 means staging only: one layer's worst case, or two with
         # prefetch (the next layer's reads need slots while this layer's are still pinned)
-        host = max(c.host_cache, minimum * (2 if c.prefetch else 1))
+        host = max(c.host_cache, minimum * (2 if c.prefetch != "off" else 1))
         cache = self._cache(host, top_k, policy, warn_working_set=False)
         gpu = GpuSlotTier(
             cache,
@@ -115,7 +132,7 @@ class ExpertStreaming:
         return cache, gpu
 
     def _cache(
-        self, budget: int, top_k: int, policy: type[EvictionPolicy], warn_working_set: bool = True
+        self, budget: int, top_k: int, policy: Callable[[], EvictionPolicy], warn_working_set: bool = True
     ) -> ExpertCache:
         c = self.config
         return ExpertCache(
@@ -148,7 +165,7 @@ class ExpertStreaming:
         )
         return (
             f"io {io}, {c.io_threads} io threads, {c.piece // 1024} KiB pieces"
-            f"{', next-layer prefetch' if c.prefetch else ''} | {self.tier.describe()}"
+            f"{_PREFETCH_LINE[c.prefetch]} | {self.tier.describe()}"
             f"{'' if c.policy == 'lru' else ', ' + c.policy.upper() + ' eviction'}"
         )
 
@@ -168,6 +185,14 @@ class ExpertStreaming:
         if self.tier is not None:
             self.tier.close()
         self.reader.close()
+
+
+def policy_factory(name: str, emap: ExpertMap) -> Callable[[], EvictionPolicy]:
+    """A new policy per resident set: the predictive one learns over this map's layers and experts."""
+    if name == "predictive":
+        layers, n_experts = sorted(emap.layers), emap.num_experts
+        return lambda: PredictivePolicy(layers, n_experts)
+    return POLICY_CLASSES[name]
 
 
 def uses_unified_memory(unified: bool | None, device: torch.device) -> bool:

@@ -35,10 +35,15 @@ class DeviceTier(ABC):
 
     fuses = False  # lays out a family's fusions back to back, so they are computed as one matrix
 
-    def __init__(self, cache: ExpertCache) -> None:
+    def __init__(self, cache: ExpertCache, device: torch.device | None = None) -> None:
         self.cache = cache
+        self.device = device if device is not None else torch.device("cpu")  # where kernels read weights
         self.stats = TierStats()
         self._views = SlotTensors()
+
+    def begin_group(self, layer: int, order: list[int], uses: list[int], tokens: int) -> None:
+        """A layer forward over `order` starts (before `split`): a tier with its own eviction policy
+        tells it (`ResidentSet.begin_group`); `uses[i]` of the `tokens` are routed to `order[i]`."""
 
     def split(self, layer: int, order: list[int]) -> tuple[list[int], list[int]]:
         """(experts usable now without the host cache, the rest), both in execution order."""

@@ -12,13 +12,13 @@ is only compared with the served names.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,10 +29,9 @@ from starlette.requests import ClientDisconnect
 
 from moestream.engine.engine import Engine
 from moestream.server import generation
+from moestream.server.access import AccessLog, access_record
 from moestream.server.errors import APIError
-from moestream.server.metrics import Metrics
-from moestream.server.prompts import Prompts
-from moestream.server.worker import Worker
+from moestream.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("moestream.server")
 ENDPOINTS = {
@@ -44,36 +43,13 @@ ENDPOINTS = {
 }
 
 
-@dataclass
-class ServerOptions:
-    """What `moestream serve` decides besides the engine."""
-
-    model_id: str
-    api_key: str | None = None
-    max_body: int = 4 << 20
-    queue_size: int = 16
-    aliases: list[str] = field(default_factory=list)  # other names a request may use for the model
-
-
-class ServerState:
-    """Everything the routes share; owns the worker thread (not the engine)."""
-
-    def __init__(self, engine: Engine, options: ServerOptions) -> None:
-        self.engine, self.options = engine, options
-        self.model_id = options.model_id
-        self.model_names = {options.model_id, *options.aliases}
-        self.created = int(time.time())
-        self.metrics = Metrics(engine.counters, lambda: self.worker.waiting)
-        self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
-        self.prompts = Prompts(engine)
-
-
 def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     """The app serving `engine`; its worker thread runs from startup to shutdown of the app."""
     state = ServerState(engine, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         state.worker.start()
         try:
             yield
@@ -85,6 +61,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     app.state.server = state
     app.include_router(router)
     _install_error_handlers(app, state)
+    app.add_middleware(AccessLog)
     return app
 
 
@@ -152,7 +129,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     started = time.perf_counter()
     state = _state(request)
     body = await read_json(request, state.options.max_body)
-    pending, stream = await generation.submit(state, body, chat, started)
+    pending, stream = await generation.submit(state, body, chat, started, access_record(request))
     if stream:
         return generation.stream(state, pending)
     return await generation.answer(state, pending, request)

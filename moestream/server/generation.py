@@ -15,14 +15,14 @@ from starlette.background import BackgroundTask
 
 from moestream.engine.engine import Generation
 from moestream.engine.sampling import SamplingParams
+from moestream.server.access import AccessRecord
 from moestream.server.errors import APIError, from_validation
 from moestream.server.protocol import ChatRequest, CompletionRequest
 from moestream.server.responses import SSE_DONE, Shape, sse
-from moestream.server.textstream import DeltaTracker
-from moestream.server.worker import Busy, Done, Failed, Job, Token
+from moestream.server.worker import Busy, Done, Failed, Job, ShuttingDown, Token
 
 if TYPE_CHECKING:
-    from moestream.server.app import ServerState
+    from moestream.server.state import ServerState
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
@@ -33,19 +33,47 @@ class Pending:
 
     job: Job
     shape: Shape
-    stops: list[str]
     endpoint: str
     started: float
+    access: AccessRecord
 
 
 async def submit(
-    state: ServerState, body: dict[str, Any], chat: bool, started: float
+    state: ServerState, body: dict[str, Any], chat: bool, started: float, access: AccessRecord
 ) -> tuple[Pending, bool]:
     """Validate `body`, build the prompt and queue it; returns the pending job and whether to stream.
 
     Raises:
-        APIError: a 4xx for anything wrong with the request, 503 when the queue is full.
+        APIError: a 4xx for anything wrong with the request, 503 when the queue is full or the server stops.
     """
+    req = _validate(state, body, chat)
+    if chat:
+        ids = await state.prompts.chat(req.template_messages(), req.chat_template_kwargs)
+        max_tokens = state.prompts.budget(len(ids), req.limit(), None, param="messages")
+    else:
+        ids = await state.prompts.completion(req.prompt)
+        max_tokens = state.prompts.budget(len(ids), req.limit(), COMPLETION_DEFAULT_MAX_TOKENS)
+    state.prompts.check_bias(req.logit_bias)
+    params = _params(req, max_tokens, state.engine.sampling_defaults)
+    shape = Shape(state.model_id, chat, include_usage=req.include_usage())
+    job = Job(ids, params, shape.id, asyncio.get_running_loop(), cache_prompt=req.cache_prompt)
+    try:
+        state.worker.submit(job)
+    except Busy as exc:
+        raise APIError(
+            503,
+            f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
+            f"retry after {exc.retry_after} s",
+            code="server_busy",
+            headers={"Retry-After": str(exc.retry_after)},
+        ) from None
+    except ShuttingDown as exc:
+        raise APIError(503, str(exc), code="server_shutting_down") from None
+    endpoint = "chat" if chat else "completions"
+    return Pending(job, shape, endpoint, started, access), req.stream
+
+
+def _validate(state: ServerState, body: dict[str, Any], chat: bool) -> ChatRequest | CompletionRequest:
     try:
         req = (ChatRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as exc:
@@ -60,38 +88,16 @@ async def submit(
     refusal = req.refusal()
     if refusal is not None:
         raise APIError(400, refusal[1], param=refusal[0], code="unsupported_parameter")
-    if chat:
-        ids = await state.prompts.chat(req.template_messages())
-        max_tokens = state.prompts.budget(len(ids), req.limit(), None, param="messages")
-    else:
-        ids = await state.prompts.completion(req.prompt)
-        max_tokens = state.prompts.budget(len(ids), req.limit(), COMPLETION_DEFAULT_MAX_TOKENS)
+    return req
+
+
+def _params(
+    req: ChatRequest | CompletionRequest, max_tokens: int, model_defaults: dict[str, Any]
+) -> SamplingParams:
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop=req.stop,
-            ignore_eos=req.ignore_eos,
-        )
+        return req.sampling(max_tokens, model_defaults)
     except ValueError as exc:  # SamplingParams has the last word on values
         raise APIError(400, str(exc), code="invalid_value") from None
-    shape = Shape(state.model_id, chat)
-    job = Job(ids, params, shape.id, asyncio.get_running_loop())
-    try:
-        state.worker.submit(job)
-    except Busy as exc:
-        raise APIError(
-            503,
-            f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
-            f"retry after {exc.retry_after} s",
-            code="server_busy",
-            headers={"Retry-After": str(exc.retry_after)},
-        ) from None
-    endpoint = "chat" if chat else "completions"
-    return Pending(job, shape, params.stop, endpoint, started), req.stream
 
 
 def stream(state: ServerState, pending: Pending) -> StreamingResponse:
@@ -119,7 +125,7 @@ async def answer(state: ServerState, pending: Pending, request: Request) -> Resp
         state.metrics.requests.labels(pending.endpoint, "499").inc()
         return Response(status_code=499)
     gen = final.result()  # raises the APIError of a failed generation
-    _record(state, pending, 200)
+    _record(state, pending, 200, gen)
     return JSONResponse(pending.shape.whole(gen))
 
 
@@ -138,7 +144,7 @@ async def _final(state: ServerState, pending: Pending) -> Generation:
 
 async def _sse(state: ServerState, pending: Pending) -> AsyncIterator[str]:
     """The event stream; leaving it early (client gone, starlette cancels us) cancels the job."""
-    tracker, shape, first, finished = DeltaTracker(pending.stops), pending.shape, True, False
+    shape, first, finished = pending.shape, True, False
     try:
         opening = shape.opening()
         if opening:
@@ -147,30 +153,34 @@ async def _sse(state: ServerState, pending: Pending) -> AsyncIterator[str]:
             event = await pending.job.events.get()
             if isinstance(event, Failed):
                 finished = True
-                state.metrics.requests.labels(pending.endpoint, "500").inc()
-                yield sse(_failure(event).body())
+                error = _failure(event)
+                state.metrics.requests.labels(pending.endpoint, str(error.status)).inc()
+                pending.access.status = error.status
+                yield sse(error.body())
                 yield SSE_DONE
                 return
             if first:
                 state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
                 first = False
             if isinstance(event, Token):
-                text = tracker.delta(event.text)
-                if text:
-                    yield shape.delta(text)
+                if event.piece:
+                    yield shape.delta(event.piece)
             elif isinstance(event, Done):
                 finished = True
-                _record(state, pending, 200)
-                yield shape.last(tracker.final(event.gen.text), event.gen)
+                _record(state, pending, 200, event.gen)
+                yield shape.last(event.gen.piece, event.gen)
                 yield SSE_DONE
                 return
     finally:
         pending.job.cancel()
         if not finished:
             state.metrics.requests.labels(pending.endpoint, "499").inc()
+            pending.access.status = 499
 
 
 def _failure(event: Failed) -> APIError:
+    if isinstance(event.error, ShuttingDown):
+        return APIError(503, str(event.error), code="server_shutting_down")
     return APIError(500, f"generation failed: {event.error}", code="generation_failed")
 
 
@@ -180,7 +190,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _record(state: ServerState, pending: Pending, status: int) -> None:
+def _record(state: ServerState, pending: Pending, status: int, gen: Generation) -> None:
     # tokens and finish reasons are counted by the worker (Metrics.generation), for cancelled jobs too
     state.metrics.requests.labels(pending.endpoint, str(status)).inc()
     state.metrics.latency.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
+    pending.access.tokens(gen.prompt_tokens, gen.cached_tokens, len(gen.tokens))

@@ -59,6 +59,9 @@ class Metrics:
         )
         self.prompt_tokens = Counter("moestream_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generated_tokens = Counter("moestream_generated_tokens", "Tokens generated.", registry=r)
+        self.cached_tokens = Counter(
+            "moestream_prompt_tokens_cached", "Prompt tokens taken from the prompt cache.", registry=r
+        )
         self.latency = Histogram(
             "moestream_request_latency_seconds",
             "Request arrival to last token.",
@@ -82,6 +85,7 @@ class Metrics:
         self.finished.labels(gen.finish_reason).inc()
         self.prompt_tokens.inc(gen.prompt_tokens)
         self.generated_tokens.inc(len(gen.tokens))
+        self.cached_tokens.inc(gen.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,8 +11,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from moestream.engine.chat import TemplateKwargsError, render_chat
 from moestream.engine.engine import Engine
-from moestream.model.arch import text_config
+from moestream.errors import MoestreamError
 from moestream.server.errors import APIError
 
 
@@ -20,11 +21,12 @@ class Prompts:
     """Encodes completion prompts and renders chat messages the way `Engine.encode` does."""
 
     def __init__(self, engine: Engine) -> None:
-        self.context = int(text_config(engine.config).max_position_embeddings)
+        self.context = engine.ctx_size
         self.vocab = int(engine.model.get_input_embeddings().num_embeddings)
         self.tokenizer: Any = None
         if engine.tokenizer is not None:
             self.tokenizer = engine.source.tokenizer()  # a copy of its own, from the checkpoint
+            self.tokenizer.chat_template = engine.tokenizer.chat_template  # --chat-template replaces it
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-tokenizer")
 
     async def completion(self, prompt: str | list[int]) -> list[int]:
@@ -42,8 +44,9 @@ class Prompts:
         self._need_tokenizer("prompt")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt)
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Ids of the messages rendered by the tokenizer's chat template, with the assistant turn opened."""
+    async def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+        """Ids of the messages rendered by the tokenizer's chat template, with the assistant turn opened;
+        `template_kwargs` are the request's chat_template_kwargs."""
         self._need_tokenizer("messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
@@ -52,7 +55,20 @@ class Prompts:
                 param="messages",
                 code="no_chat_template",
             )
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._render, messages)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._render, messages, template_kwargs
+        )
+
+    def check_bias(self, logit_bias: dict[str, float]) -> None:
+        """logit_bias keys must be token ids of the vocabulary."""
+        bad = next((k for k in logit_bias if int(k) >= self.vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"token id {bad} in 'logit_bias' is outside the vocabulary (0..{self.vocab - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
 
     def _encode(self, text: str) -> list[int]:
         # as Engine.encode: no special tokens added; an empty prompt becomes BOS (or EOS)
@@ -65,14 +81,12 @@ class Prompts:
             ) from None
         return ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # templates raise on message orders they do not accept (jinja exceptions)
-            raise APIError(
-                400, f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
-            ) from None
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return render_chat(self.tokenizer, messages, template_kwargs)
+        except MoestreamError as exc:
+            param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -111,7 +125,7 @@ class Prompts:
             raise APIError(
                 400,
                 f"max_tokens {requested} plus the prompt's {prompt_n} tokens exceeds the context "
-                f"of {self.context} tokens (at most {room} here)",
+                f"of {self.context} tokens (at most {room} here; the server's --ctx-size)",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

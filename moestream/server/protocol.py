@@ -1,43 +1,84 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (a string is never an integer).
 
-Fields that OpenAI clients send routinely and that change nothing here (user, presence_penalty, ...) are
-accepted and ignored; fields whose meaning we cannot honour (n > 1, logprobs, echo, tools) are refused
-with a message, so a client never silently gets something other than what it asked for.
+`null` for an optional field means its default, as the openai package and its wrappers send it. Fields
+that change nothing here (user, metadata, store, ...) are accepted and ignored; fields whose meaning we
+cannot honour (n > 1, logprobs, tools, response_format, ...) are refused with a message naming the
+field, so a client never silently gets something other than what it asked for.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moestream.engine.sampling import SamplingParams
 
 # the range torch.Generator.manual_seed accepts
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 MAX_STOP_STRINGS = 16
+# OpenAI's defaults, used where neither the request nor the model's generation_config.json says
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# fields of OpenAI's API that ask for something this server does not do: refused when set to anything
+# but their "off" values
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "functions": (),
+    "function_call": ("none",),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "modalities": (["text"],),
+    "tool_choice": ("none", "auto"),
+    "tools": ([],),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False  # a last chunk with `choices: []` and the usage
 
 
 class _Sampling(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    # None: the model's generation_config.json default, else OpenAI's (OPENAI_DEFAULTS)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # extensions of llama-server and vLLM
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] = Field(default_factory=dict)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False  # llama-server's extension: fixed-length runs for benchmarks
-    logprobs: Any = None
+    cache_prompt: bool = True  # llama-server's: reuse the previous request's KV cache for the common prefix
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
+        body = {k: v for k, v in body.items() if v is not None}
+        if "repeat_penalty" in body and "repetition_penalty" not in body:  # llama.cpp's name
+            body["repetition_penalty"] = body["repeat_penalty"]
+        return body
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, value: Any) -> Any:
-        if value is None:
-            return []
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
@@ -46,17 +87,55 @@ class _Sampling(BaseModel):
             return value
         raise ValueError("must be a string or a list of strings")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key[:40]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
     def refusal(self) -> tuple[str, str] | None:
         """(param, message) when the request asks for something this server does not do."""
         if self.n != 1:
             return "n", f"n must be 1: this server generates one choice per request (got n={self.n})"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not supported by this server"
+        extra = self.model_extra or {}
+        for name, off in UNSUPPORTED.items():
+            if name in extra and extra[name] not in off:
+                return name, f"'{name}' is not supported by this server"
         return None
 
     def limit(self) -> int | None:
         """The requested number of tokens, or None when the request leaves it to the server."""
         return self.max_tokens
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, max_tokens: int, model_defaults: dict[str, Any]) -> SamplingParams:
+        """SamplingParams of this request; unset fields from `model_defaults`, then OpenAI's.
+
+        Raises:
+            ValueError: a value SamplingParams refuses.
+        """
+        chosen = {
+            name: getattr(self, name)
+            if getattr(self, name) is not None
+            else model_defaults.get(name, default)
+            for name, default in OPENAI_DEFAULTS.items()
+        }
+        return SamplingParams(
+            max_tokens=max_tokens,
+            seed=self.seed,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()},
+            **chosen,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -122,12 +201,7 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
-    tools: list[Any] | None = None
-
-    def refusal(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools are not supported by this server"
-        return super().refusal()
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # template variables (vLLM's)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

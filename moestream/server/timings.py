@@ -22,14 +22,15 @@ def _per(count: int, ms: float) -> tuple[float, float]:
 
 
 def timings(gen: Generation) -> dict[str, Any]:
-    """llama-server's field names and meanings; cache_n is 0 because there is no prompt cache."""
+    """llama-server's field names and meanings: cache_n prompt tokens came from the prompt cache and
+    prompt_n were computed (so cache_n + prompt_n is the whole prompt, usage.prompt_tokens)."""
     prompt_ms = 1000.0 * gen.stats.prefill.seconds
     predicted_ms = 1000.0 * gen.stats.decode.seconds
-    prompt_n, predicted_n = gen.prompt_tokens, len(gen.tokens)
+    prompt_n, predicted_n = gen.prompt_tokens - gen.cached_tokens, len(gen.tokens)
     prompt_per_token_ms, prompt_per_second = _per(prompt_n, prompt_ms)
     predicted_per_token_ms, predicted_per_second = _per(predicted_n, predicted_ms)
     return {
-        "cache_n": 0,
+        "cache_n": gen.cached_tokens,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_per_token_ms,
@@ -54,7 +55,7 @@ def moe(gen: Generation) -> dict[str, Any]:
 
 
 def usage(gen: Generation) -> dict[str, int]:
-    """OpenAI's token counts."""
+    """OpenAI's token counts (prompt_tokens: the whole prompt, cached or not)."""
     return {
         "prompt_tokens": gen.prompt_tokens,
         "completion_tokens": len(gen.tokens),

@@ -28,9 +28,9 @@ log = logging.getLogger("moestream.server")
 
 @dataclass
 class Token:
-    """The engine produced a token; `text` is the whole text so far."""
+    """The engine produced a token; `piece` is the new text that is safe to send (may be empty)."""
 
-    text: str
+    piece: str
     n_tokens: int
 
 
@@ -51,6 +51,10 @@ class Failed:
 Event = Token | Done | Failed
 
 
+class ShuttingDown(MoestreamError):
+    """The server is stopping: the request was not run, or was stopped early."""
+
+
 class Busy(Exception):
     """The queue is full; `retry_after` is a guess, in whole seconds, of when there will be room."""
 
@@ -67,6 +71,7 @@ class Job:
     params: SamplingParams
     request_id: str
     loop: asyncio.AbstractEventLoop
+    cache_prompt: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -94,6 +99,7 @@ class Worker:
         self.on_done = on_done  # sees every finished generation, cancelled ones too (metrics)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self.running: Job | None = None
+        self.closing = False  # set by `shutdown`: no new job is taken, the running one is stopped
         self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
         # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded
         # with
@@ -108,7 +114,10 @@ class Worker:
         return self.jobs.qsize()
 
     def submit(self, job: Job) -> None:
-        """Queue `job`, or raise Busy when the queue is full (the caller answers 503)."""
+        """Queue `job`, or raise Busy when the queue is full and ShuttingDown when the server is stopping
+        (the caller answers 503)."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -118,8 +127,10 @@ class Worker:
         """Seconds until the queue has likely drained by one job: at least 1."""
         return max(1, math.ceil(self.mean_seconds))
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running job, fail the queued ones (their clients get an answer) and end the thread."""
+    def shutdown(self) -> None:
+        """Stop taking jobs: the running one ends within one token and its client is told why, the queued
+        ones are answered at once. Called on the event loop when SIGTERM or SIGINT arrives."""
+        self.closing = True
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -127,9 +138,13 @@ class Worker:
                 break
             if job is not None:
                 job.cancel()
-                job.emit(Failed(MoestreamError("the server is shutting down")))
+                job.emit(Failed(ShuttingDown("the server is shutting down")))
         if self.running is not None:
             self.running.cancel()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel the running job, fail the queued ones (their clients get an answer) and end the thread."""
+        self.shutdown()
         if self._thread.is_alive():
             self.jobs.put(None)
             self._thread.join(timeout)
@@ -137,6 +152,9 @@ class Worker:
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
         while (job := self.jobs.get()) is not None:
+            if self.closing:
+                job.emit(Failed(ShuttingDown("the server is shutting down")))
+                continue
             if job.stop.is_set():
                 continue  # its client left while it was queued
             self.running, start = job, time.perf_counter()
@@ -150,13 +168,33 @@ class Worker:
                 self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - start)
 
     def _generate(self, job: Job) -> None:
+        def cancelled() -> bool:
+            return job.stop.is_set() or self.closing
+
+        # every request keeps its KV cache for the next one, as llama-server's slot does; cache_prompt
+        # says whether this one reuses the previous request's
         for gen in self.engine.stream(
-            job.ids, job.params, cancelled=job.stop.is_set, request_id=job.request_id
+            job.ids,
+            job.params,
+            cache_prompt=job.cache_prompt,
+            keep_cache=True,
+            cancelled=cancelled,
+            request_id=job.request_id,
         ):
             # the same Generation object grows: read what we need now, before the next token changes it
             if not gen.done:
-                job.emit(Token(gen.text, len(gen.tokens)))
+                job.emit(Token(gen.piece, len(gen.tokens)))
                 continue
             if self.on_done is not None:
                 self.on_done(gen)
-            job.emit(Done(gen))
+            if gen.finish_reason == "cancelled" and self.closing:
+                job.emit(
+                    Failed(
+                        ShuttingDown(
+                            f"the server is shutting down; the generation was stopped after "
+                            f"{len(gen.tokens)} tokens"
+                        )
+                    )
+                )
+            else:
+                job.emit(Done(gen))

@@ -65,8 +65,19 @@ def shard_files(path: Path) -> list[str]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
+        except KeyError:
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (it has no weight_map)"
+            ) from None
+        except (ValueError, TypeError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {index}: {exc.strerror}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index (its weight_map must map tensor "
+                "names to shard file names)"
+            )
         files = sorted({str(path / name) for name in weight_map.values()})
         for name in files:
             if not os.path.exists(name):

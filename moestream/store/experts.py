@@ -138,9 +138,10 @@ def build_expert_map(
             continue
         layer = int(match["layer"])
         if match.groupdict().get("expert") is not None:
-            kind = _PER_EXPERT_KIND[match["name"]]
-            emap.units.setdefault((layer, int(match["expert"])), {})[kind] = (ref,)
-            emap.formats[(layer, kind)] = StoredFormat(ref.dtype)
+            kind, expert = _PER_EXPERT_KIND[match["name"]], int(match["expert"])
+            emap.units.setdefault((layer, expert), {})[kind] = (ref,)
+            if expert == 0:  # the layer's format is expert 0's; the load-time check holds the others to it
+                emap.formats[(layer, kind)] = StoredFormat(ref.dtype)
         else:
             fused[(layer, match["name"])] = ref
     for layer in sorted({lay for lay, _ in fused}):
@@ -190,6 +191,11 @@ _FUSED_SPLITTERS: dict[str, Callable[[ExpertMap, int, dict[tuple[int, str], Tens
 
 def expert_row(ref: TensorRef, e: int) -> TensorRef:
     """Expert e's slice of a fused [E, ...] tensor: one contiguous byte range."""
+    if not ref.shape or e >= ref.shape[0]:
+        # a shorter E would make the last experts' rows point past the tensor, into its neighbours' bytes
+        raise CheckpointError(
+            f"tensor {ref.name} in {ref.file} has shape {list(ref.shape)}, which holds no row for expert {e}"
+        )
     per = ref.nbytes // ref.shape[0]
     return TensorRef(ref.file, ref.offset + e * per, per, ref.dtype, ref.shape[1:], f"{ref.name}[{e}]")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,16 @@ class SafetensorsSource:
     def config(self) -> Any:
         from transformers import AutoConfig
 
+        _check_json(self.path / "config.json")
         try:
             config = AutoConfig.from_pretrained(str(self.path))
         except ValueError as exc:
             raise UnsupportedModelError(
                 f"transformers cannot read the config in {self.path} ({exc})"
+            ) from None
+        except Exception as exc:  # a field of the wrong type (huggingface_hub's strict dataclass validation)
+            raise CheckpointError(
+                f"transformers cannot read the config in {self.path} ({_one_line(exc)})"
             ) from None
         quant = getattr(config, "quantization_config", None)
         if quant is not None:
@@ -51,14 +57,25 @@ class SafetensorsSource:
             return None
         from transformers import GenerationConfig
 
-        return GenerationConfig.from_pretrained(str(self.path))
+        _check_json(self.path / "generation_config.json")
+        try:
+            return GenerationConfig.from_pretrained(str(self.path))
+        except Exception as exc:  # a value GenerationConfig validates and refuses
+            raise CheckpointError(
+                f"transformers cannot read {self.path / 'generation_config.json'} ({_one_line(exc)})"
+            ) from None
 
     def tokenizer(self) -> Any | None:
         if not any((self.path / name).exists() for name in _TOKENIZER_FILES):
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        try:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as exc:  # a malformed tokenizer file raises whatever its parser raises
+            raise CheckpointError(
+                f"the tokenizer files in {self.path} cannot be loaded ({_one_line(exc)})"
+            ) from None
 
     def expert_map(self, family: str, num_experts: int) -> ExpertMap:
         return build_expert_map(self.tensors, family, None, num_experts)
@@ -67,3 +84,17 @@ class SafetensorsSource:
         self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
     ) -> dict[str, Any]:
         return {name: LazyTensor(ref) for name, ref in self.tensors.items() if name not in emap.tensor_names}
+
+
+def _check_json(path: Path) -> None:
+    """A JSON file transformers will read, parsed first so a broken one is named with the position."""
+    try:
+        json.loads(path.read_bytes())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -93,8 +93,10 @@ def _tensor_refs(path: str, header: dict, data_start: int, size: int) -> dict[st
             continue
         begin, end = (int(v) for v in info["data_offsets"])
         dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
-        if dtype not in DTYPE_BYTES or end < begin:
-            raise ValueError(f"tensor {name} has dtype {dtype} and offsets {begin}..{end}")
+        if dtype not in DTYPE_BYTES or begin < 0 or end < begin or min(shape, default=0) < 0:
+            raise ValueError(
+                f"tensor {name} has dtype {dtype}, shape {list(shape)} and offsets {begin}..{end}"
+            )
         expected = DTYPE_BYTES[dtype]
         for dim in shape:
             expected *= dim
@@ -103,7 +105,20 @@ def _tensor_refs(path: str, header: dict, data_start: int, size: int) -> dict[st
                 f"tensor {name} spans {end - begin} bytes but shape {list(shape)} needs {expected}"
             )
         refs[name] = TensorRef(path, data_start + begin, end - begin, dtype, shape, name)
+    _check_disjoint(refs)
     return refs
+
+
+def _check_disjoint(refs: dict[str, TensorRef]) -> None:
+    """Two tensors sharing bytes would make one expert's read return another's weights."""
+    previous: TensorRef | None = None
+    for ref in sorted((r for r in refs.values() if r.nbytes), key=lambda r: (r.offset, r.end)):
+        if previous is not None and ref.offset < previous.end:
+            raise ValueError(
+                f"tensors {previous.name} (bytes {previous.offset}..{previous.end}) and "
+                f"{ref.name} (bytes {ref.offset}..{ref.end}) overlap"
+            )
+        previous = ref
 
 
 def check_not_truncated(path: str, refs: dict[str, TensorRef]) -> None:

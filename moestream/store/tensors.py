@@ -8,6 +8,7 @@ SIGBUS. Read bytes are owned by the process.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -80,3 +81,48 @@ class LazyTensor:
     def __getitem__(self, index: object) -> torch.Tensor:
         tensor = read_tensor(self.ref)
         return tensor if index is Ellipsis else tensor[index]
+
+
+class QuantizedTensor(LazyTensor):
+    """A trunk tensor stored in a block type (GGUF's Q8_0, Q6_K, ...): [rows, cols] logically, `ref.nbytes`
+    of blocks on disk. transformers gets a zero-size placeholder of the logical shape in `dtype` (no
+    memory); the loader then gives the module the blocks (`raw`) or their dequantization."""
+
+    def __init__(
+        self,
+        ref: TensorRef,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        dequantize: Callable[[torch.Tensor, str, tuple[int, ...]], torch.Tensor],
+    ) -> None:
+        super().__init__(ref)
+        self.logical_shape, self.placeholder_dtype, self._dequantize = tuple(shape), dtype, dequantize
+
+    @property
+    def type_name(self) -> str:
+        return self.ref.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placeholder_dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.logical_shape)
+
+    def get_shape(self) -> list[int]:
+        return list(self.logical_shape)
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        # every element the same zero: a stride-0 view of one element, whatever the logical size
+        return torch.zeros((), dtype=self.placeholder_dtype).expand(self.logical_shape)
+
+    def raw(self) -> torch.Tensor:
+        """The stored blocks, uint8 [nbytes], read into memory the process owns."""
+        return read_bytes(self.ref)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequantize(self.raw(), self.type_name, self.logical_shape).to(dtype)

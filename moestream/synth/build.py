@@ -13,21 +13,18 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-import moestream
 from moestream.errors import MoestreamError
-from moestream.synth.configs import build_config
-from moestream.synth.layout import TensorSpec, checkpoint_tensors, expert_layout
-from moestream.synth.noise import NoiseSource
-from moestream.synth.shapes import DTYPES, SynthSpec, resolve_spec
-from moestream.synth.tokenizer import DEFAULT_VOCAB, IM_END, save_tokenizer
-from moestream.synth.weights import InitScheme, chunks_for
+from moestream.synth.marker import progress_counter, synth_marker
+from moestream.synth.prepare import meta_model, prepare
+from moestream.synth.shapes import SynthSpec, resolve_spec
+from moestream.synth.weights import chunks_for
 from moestream.synth.writer import TensorData, write_checkpoint
-from moestream.units import round_up
 
 SYNTH_MARKER = "moestream_synth.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+# meta_model and synth_marker live in prepare/marker; importers of build keep finding them here
+__all__ = ["SYNTH_MARKER", "meta_model", "prepare", "synth_marker", "synthesize"]
 
 
 def synthesize(
@@ -48,6 +45,9 @@ def synthesize(
     vocab_size: int | None = None,
     force: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
+    format: str = "safetensors",
+    quant: str | None = None,
+    threads: int | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` (or of `preset`, overridden by explicit sizes).
 
@@ -55,6 +55,11 @@ def synthesize(
     BPE tokenizer with a ChatML template, the weights as safetensors (sharded at `shard_bytes`, with
     model.safetensors.index.json), and moestream_synth.json marking the checkpoint as synthetic.
     `on_progress(done, total)` is called as tensor bytes are written (for progress bars).
+
+    With `format="gguf"`, `out_dir` is the GGUF file to write instead: the same model (same values
+    for the same arguments and seed) in llama.cpp's layout, quantized to `quant` (Q4_K_M, Q5_K_M,
+    Q8_0, MXFP4_MOE or BF16; default Q4_K_M) with llama.cpp's per-tensor type choices, on `threads`
+    threads (default: every CPU), the synth marker in its `moestream.synth` metadata.
 
     Raises:
         MoestreamError: bad sizes or names, or `out_dir` exists and is not empty (without `force`).
@@ -76,6 +81,12 @@ def synthesize(
     if not isinstance(shard_bytes, int) or shard_bytes < 1:
         raise MoestreamError(f"shard size must be a positive number of bytes, not {shard_bytes!r}")
     out = Path(out_dir)
+    if format == "gguf":
+        return _synthesize_gguf(out, spec, quant or "Q4_K_M", threads, force, on_progress)
+    if format != "safetensors":
+        raise MoestreamError(f"unknown format {format!r} (choose from safetensors, gguf)")
+    if quant is not None:
+        raise MoestreamError("--quant is for --format gguf; safetensors synths are written in --dtype")
     _check_target(out, force)
     tmp = out.parent / f".{out.name}.synth-partial-{os.getpid()}"
     if tmp.exists():
@@ -112,100 +123,45 @@ def _write_all(
 ) -> None:
     """Tokenizer, configs, weights and the synth marker, in that order, into `tmp`."""
     t0 = time.perf_counter()
-    tok = save_tokenizer(tmp, DEFAULT_VOCAB)
-    vocab = spec.vocab_size or round_up(tok["size"], 64)
-    if vocab < tok["size"]:
-        raise MoestreamError(f"vocab size {vocab} is smaller than the {tok['size']}-token tokenizer")
-    cfg = build_config(spec, vocab, eos_id=tok["eos"], pad_id=tok["eos"])
-    cfg.save_pretrained(str(tmp))
-    _save_generation_config(tmp, eos_ids=[tok["eos"], tok["im_end"]], pad_id=tok["eos"])
-    model = meta_model(cfg, spec.dtype)
-    specs = checkpoint_tensors(
-        model,
-        spec.arch,
-        spec.dtype,
-        experts=spec.experts,
-        hidden=spec.hidden,
-        moe_intermediate=spec.moe_intermediate,
-        mxfp4=spec.mxfp4,
-    )
-    scheme = InitScheme() if spec.realistic_routing else InitScheme.plain()
-    source = NoiseSource(spec.seed)
+    p = prepare(tmp, spec)
     data = [
-        TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, scheme, source, model, spec.seed))
-        for s in specs
+        TensorData(s.name, s.dtype, s.shape, partial(chunks_for, s, p.scheme, p.source, p.model, spec.seed))
+        for s in p.specs
     ]
-    files = write_checkpoint(tmp, data, shard_bytes, _progress_counter(data, on_progress))
-    marker = synth_marker(spec, scheme, specs, files, vocab, tok["size"], time.perf_counter() - t0)
+    total = sum(t.nbytes for t in data)
+    files = write_checkpoint(tmp, data, shard_bytes, progress_counter(total, on_progress))
+    seconds = time.perf_counter() - t0
+    marker = synth_marker(spec, p.scheme, p.specs, files, p.vocab, p.tokenizer_size, seconds)
     (tmp / SYNTH_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _progress_counter(
-    data: list[TensorData], on_progress: Callable[[int, int], None] | None
-) -> Callable[[int], None] | None:
-    """Turn per-chunk byte counts into on_progress(done, total) calls."""
-    if on_progress is None:
-        return None
-    total = sum(t.nbytes for t in data)
-    done = 0
-
-    def on_bytes(n: int) -> None:
-        nonlocal done
-        done += n
-        on_progress(done, total)
-
-    on_progress(0, total)
-    return on_bytes
-
-
-def meta_model(cfg: Any, dtype: str = "bf16") -> Any:
-    """The transformers CausalLM of `cfg` on the meta device: names, shapes, no memory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, DTYPES[dtype]))
-
-
-def _save_generation_config(tmp: Path, eos_ids: list[int], pad_id: int) -> None:
-    from transformers import GenerationConfig
-
-    GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id).save_pretrained(str(tmp))
-
-
-def synth_marker(
+def _synthesize_gguf(
+    out: Path,
     spec: SynthSpec,
-    scheme: InitScheme,
-    specs: list[TensorSpec],
-    files: list[str],
-    vocab: int,
-    tokenizer_size: int,
-    seconds: float,
-) -> dict[str, Any]:
-    """Contents of moestream_synth.json: the synth parameters, byte counts and `"synthetic": true`."""
-    expert_bytes = sum(s.nbytes for s in specs if s.routed)
-    return {
-        "synthetic": True,
-        "generator": f"moestream synth {moestream.__version__}",
-        "preset": spec.preset,
-        "arch": spec.arch,
-        "layers": spec.layers,
-        "experts": spec.experts,
-        "top_k": spec.top_k,
-        "hidden": spec.hidden,
-        "moe_intermediate": spec.moe_intermediate,
-        "dtype": spec.dtype,
-        "seed": spec.seed,
-        "mxfp4": spec.mxfp4,
-        "realistic_routing": spec.realistic_routing,
-        "init": {"std": scheme.std, "embed_scale": scheme.embed_scale, "out_scale": scheme.out_scale},
-        "vocab_size": vocab,
-        "tokenizer_size": tokenizer_size,
-        "expert_layout": expert_layout(spec.arch, spec.mxfp4),
-        "moe_layers": len({s.layer for s in specs if s.routed}),
-        "expert_bytes": expert_bytes,
-        "total_bytes": sum(s.nbytes for s in specs),
-        "files": files,
-        "seconds": round(seconds, 3),
-        "chat_stop_token": IM_END,
-    }
+    quant: str,
+    threads: int | None,
+    force: bool,
+    on_progress: Callable[[int, int], None] | None,
+) -> Path:
+    """The GGUF flavour of `synthesize`: scratch files in a hidden sibling directory, then one rename."""
+    from moestream.synth.gguf_build import write_gguf
+    from moestream.synth.gguf_meta import check_loadable
+    from moestream.synth.gguf_quant import normalize_quant
+
+    quant = normalize_quant(quant)
+    check_loadable(spec)
+    if out.is_dir():
+        raise MoestreamError(f"{out} is a directory; --format gguf writes one .gguf file")
+    if out.exists() and not force:
+        raise MoestreamError(f"{out} exists (use --force to overwrite it)")
+    tmp = out.parent / f".{out.name}.synth-partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        p = prepare(tmp, spec)
+        path = write_gguf(tmp / out.name, p, quant, threads or os.cpu_count() or 1, on_progress)
+        path.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

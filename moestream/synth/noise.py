@@ -14,10 +14,15 @@ at offset (start + k * step) mod PERIOD, where k counts the chunks written so fa
   number of bytes, 4096-multiples included, reads values that differ from the expected ones, which
   a period of 2**k elements would hide;
 - the output depends only on the seed and the order of the tensors, so a synth is reproducible.
+
+Chunk k's window is a function of k alone, so a writer that knows how many chunks the tensors before
+a tensor drew (`gaussian_chunks`, `byte_chunks`) can produce that tensor out of order (`at=k`), and
+several tensors at once from threads: the GGUF writer regroups per-expert tensors this way.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -37,41 +42,75 @@ class NoiseSource:
         self._bytes = torch.cat([raw, raw])  # doubled, so a window never wraps around
         self._scaled: dict[tuple[torch.dtype, float], torch.Tensor] = {}
         self._step = int(PERIOD * _GOLDEN) + seed % 997
-        self._next = (seed * 2_654_435_761) % PERIOD
+        self._first = (seed * 2_654_435_761) % PERIOD
+        self._lock = threading.Lock()
         self.chunks_drawn = 0
 
-    def _offset(self) -> int:
-        offset = self._next
-        self._next = (self._next + self._step) % PERIOD
-        self.chunks_drawn += 1
-        return offset
+    def offset_of(self, k: int) -> int:
+        """Start, in the base buffer, of the window of chunk number `k`."""
+        return (self._first + k * self._step) % PERIOD
+
+    def _offsets(self, at: int | None) -> Iterator[int]:
+        """Window starts of consecutive chunks: from the running count, or from chunk `at` on."""
+        k = at
+        while True:
+            if k is None:
+                offset = self.offset_of(self.chunks_drawn)
+                self.chunks_drawn += 1
+                yield offset
+            else:
+                yield self.offset_of(k)
+                k += 1
 
     def _scaled_buffer(self, std: float, dtype: torch.dtype) -> torch.Tensor:
         key = (dtype, float(std))
-        if key not in self._scaled:
-            one = (self._normal * std).to(dtype)
-            self._scaled[key] = torch.cat([one, one])
-        return self._scaled[key]
+        with self._lock:  # writer threads may ask for the same buffer at once
+            if key not in self._scaled:
+                one = (self._normal * std).to(dtype)
+                self._scaled[key] = torch.cat([one, one])
+            return self._scaled[key]
 
-    def gaussian(self, numel: int, std: float, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """Bytes of `numel` N(0, std**2) values of `dtype`, in chunks of at most 64 MiB."""
+    def gaussian(
+        self, numel: int, std: float, dtype: torch.dtype, at: int | None = None
+    ) -> Iterator[torch.Tensor]:
+        """Bytes of `numel` N(0, std**2) values of `dtype`, in chunks of at most 64 MiB.
+
+        `at`: start from chunk number `at` and leave the running count alone (random access).
+        """
         buf = self._scaled_buffer(std, dtype)
-        chunk = min(PERIOD, MAX_CHUNK_BYTES // buf.element_size())
+        chunk = gaussian_chunk_elements(buf.element_size())
         remaining = numel
+        offsets = self._offsets(at)
         while remaining > 0:
             n = min(chunk, remaining)
-            start = self._offset()
+            start = next(offsets)
             yield buf[start : start + n].view(torch.uint8)
             remaining -= n
 
-    def uniform_bytes(self, nbytes: int) -> Iterator[torch.Tensor]:
+    def uniform_bytes(self, nbytes: int, at: int | None = None) -> Iterator[torch.Tensor]:
         """`nbytes` independent-looking uniform random bytes (for MXFP4 blocks and scales)."""
         remaining = nbytes
+        offsets = self._offsets(at)
         while remaining > 0:
             n = min(PERIOD, remaining)
-            start = self._offset()
+            start = next(offsets)
             yield self._bytes[start : start + n]
             remaining -= n
+
+
+def gaussian_chunk_elements(itemsize: int) -> int:
+    """Elements per chunk of `gaussian` for a dtype of `itemsize` bytes."""
+    return min(PERIOD, MAX_CHUNK_BYTES // itemsize)
+
+
+def gaussian_chunks(numel: int, itemsize: int) -> int:
+    """How many chunks `gaussian` draws for `numel` values of `itemsize` bytes."""
+    return -(-numel // gaussian_chunk_elements(itemsize))
+
+
+def byte_chunks(nbytes: int) -> int:
+    """How many chunks `uniform_bytes` draws for `nbytes` bytes."""
+    return -(-nbytes // PERIOD)
 
 
 def zeros(nbytes: int) -> Iterator[torch.Tensor]:

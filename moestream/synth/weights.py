@@ -71,9 +71,18 @@ def transformers_init(model: Any, param: str, seed: int) -> torch.Tensor:
 
 
 def chunks_for(
-    spec: TensorSpec, scheme: InitScheme, source: _noise.NoiseSource, model: Any, seed: int
+    spec: TensorSpec,
+    scheme: InitScheme,
+    source: _noise.NoiseSource,
+    model: Any,
+    seed: int,
+    at: int | None = None,
 ) -> Iterable[torch.Tensor]:
-    """The bytes of one tensor, produced lazily in chunks of at most 64 MiB."""
+    """The bytes of one tensor, produced lazily in chunks of at most 64 MiB.
+
+    `at` is the number of noise chunks that the tensors before this one drew (`first_chunks`):
+    given, the tensor is produced out of order with the bytes it gets in sequence.
+    """
     if spec.role == "zeros":
         return _noise.zeros(spec.nbytes)
     if spec.role == "init":
@@ -81,11 +90,30 @@ def chunks_for(
         return _noise.tensor_bytes(value.to(TORCH_DTYPE[spec.dtype]))
     std = scheme.std_for(spec.role)
     if spec.mxfp4 == "blocks":
-        return source.uniform_bytes(spec.nbytes)  # uniform random E2M1 codes
+        return source.uniform_bytes(spec.nbytes, at)  # uniform random E2M1 codes
     if spec.mxfp4 == "scales":
-        return mxfp4_scales(source, spec.nbytes, std)
+        return mxfp4_scales(source, spec.nbytes, std, at)
     numel = spec.nbytes // TORCH_DTYPE[spec.dtype].itemsize
-    return source.gaussian(numel, std, TORCH_DTYPE[spec.dtype])
+    return source.gaussian(numel, std, TORCH_DTYPE[spec.dtype], at)
+
+
+def noise_chunks(spec: TensorSpec) -> int:
+    """How many noise chunks `chunks_for` draws for `spec` (zeros and transformers-init tensors: none)."""
+    if spec.role in ("zeros", "init"):
+        return 0
+    if spec.mxfp4:
+        return _noise.byte_chunks(spec.nbytes)
+    itemsize = TORCH_DTYPE[spec.dtype].itemsize
+    return _noise.gaussian_chunks(spec.nbytes // itemsize, itemsize)
+
+
+def first_chunks(specs: list[TensorSpec]) -> list[int]:
+    """For each tensor, written in this order, the number of noise chunks drawn before it."""
+    out, k = [], 0
+    for spec in specs:
+        out.append(k)
+        k += noise_chunks(spec)
+    return out
 
 
 def mxfp4_scale_exponent(std: float) -> int:
@@ -93,8 +121,10 @@ def mxfp4_scale_exponent(std: float) -> int:
     return 127 + round(math.log2(std / (FP4_RMS * _SCALE_JITTER_RMS)))
 
 
-def mxfp4_scales(source: _noise.NoiseSource, nbytes: int, std: float) -> Iterable[torch.Tensor]:
+def mxfp4_scales(
+    source: _noise.NoiseSource, nbytes: int, std: float, at: int | None = None
+) -> Iterable[torch.Tensor]:
     """E8M0 scale bytes around `mxfp4_scale_exponent(std)`, each jittered by -1, 0 or +1."""
     base = mxfp4_scale_exponent(std) - 1
-    for chunk in source.uniform_bytes(nbytes):
+    for chunk in source.uniform_bytes(nbytes, at):
         yield torch.remainder(chunk, 3).add_(base)

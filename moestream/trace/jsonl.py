@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from moestream.trace.atomic import atomic_output
 from moestream.trace.errors import TraceError
 from moestream.trace.schema import FORMAT_NAME, PHASES, PREDICTION_COLUMNS, TraceHeader
 from moestream.trace.table import Trace, trace_from_pylists
@@ -24,13 +25,11 @@ _REQUIRED = ("request", "token", "phase", "layer", "step", "experts", "weights")
 
 def write_jsonl(trace: Trace, path: str | Path) -> None:
     """Write `trace` as moestream JSONL (header line first)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as out:
+    # a reader never sees half an export under the final name, and a failed one leaves nothing behind
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
         out.write(json.dumps({"type": "header", **trace.header.to_dict()}) + "\n")
         for row in _rows(trace):
             out.write(json.dumps(row, separators=(",", ":")) + "\n")
-    tmp.replace(path)  # a reader never sees half an export under the final name
 
 
 def _rows(trace: Trace) -> Iterator[dict[str, Any]]:

@@ -30,14 +30,19 @@ _STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 def detect_format(path: Path) -> str:
     """Which format `path` holds, judged from its first bytes or its first JSON line."""
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-        if magic == b"PAR1":
-            return PARQUET
-        if magic == _STREAM_MAGIC:
-            return STREAM
-        handle.seek(0)
-        first = next((line for line in handle if line.strip()), b"")
+    if path.is_dir():
+        raise TraceError(f"{path} is a directory, not a trace file")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+            if magic == b"PAR1":
+                return PARQUET
+            if magic == _STREAM_MAGIC:
+                return STREAM
+            handle.seek(0)
+            first = next((line for line in handle if line.strip()), b"")
+    except OSError as exc:
+        raise TraceError(f"cannot read the trace file {path}: {exc.strerror}") from None
     if not first:
         raise TraceError(f"{path} is empty")
     try:

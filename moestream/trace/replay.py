@@ -8,6 +8,8 @@ touches each distinct expert of its layer once, and decode goes token by token, 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,9 @@ class Replay:
         tokens: [4] tokens per cell (distinct (request, token) pairs), the denominators of MiB/token.
         split: how the trace was cut in halves, for the report.
         layers: layers present in the trace.
+        n_experts: experts per layer (the header's).
+        uses: for policies that learn from routing, per forward the number of its rows (tokens) routed
+            to each of its keys, and its number of rows; None unless asked for.
     """
 
     keys: list[list[Key]]
@@ -42,6 +47,8 @@ class Replay:
     tokens: list[int]
     split: str
     layers: list[int]
+    n_experts: int = 0
+    uses: list[tuple[list[int], int]] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -65,11 +72,15 @@ def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
     return (trace.step >= cut).astype(np.int8), f"forward steps before / from step {cut} (of {len(steps)})"
 
 
-def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
+def build_replay(
+    trace: Trace, prefetch_top: int | None = None, uses: bool = False, min_score: float = 0.0
+) -> Replay:
     """Group a trace's rows into layer forwards in execution order (see the module docstring).
 
     Args:
         prefetch_top: how many predicted experts per token to prefetch; None skips predictions.
+        min_score: prefetch only predicted experts whose stale-gate softmax score is at least this.
+        uses: also count, per forward, the rows routed to each key (`Replay.uses`).
     """
     check_ids(trace)
     n, n_exp = len(trace), trace.header.n_experts
@@ -83,30 +94,59 @@ def build_replay(trace: Trace, prefetch_top: int | None = None) -> Replay:
     layer_keys = {lay: [(lay, e) for e in range(n_exp)] for lay in set(layers) | {x + 1 for x in layers}}
     rows = trace.experts[order].tolist()
     keys = []
+    counts: list[tuple[list[int], int]] | None = [] if uses else None
     for a, b, lay in zip(starts, ends, layers):
         table = layer_keys[lay]
         distinct = dict.fromkeys(rows[a]) if b - a == 1 else execution_order(rows[a:b])
         keys.append([table[e] for e in distinct])
+        if counts is not None:
+            counts.append(([1] * len(distinct), 1) if b - a == 1 else (_uses(rows[a:b], distinct), b - a))
     cell = (2 * half[order][starts] + trace.phase[order][starts]).tolist()
     predicted = None
     if prefetch_top and trace.pred_experts is not None:
-        predicted = _predictions(
-            trace.pred_experts[order][:, :prefetch_top], starts, ends, step_s, layers, layer_keys, n_exp
-        )
-    return Replay(keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)))
+        pred = trace.pred_experts[order][:, :prefetch_top]
+        if min_score > 0 and trace.pred_scores is not None:
+            pred = np.where(trace.pred_scores[order][:, :prefetch_top] >= min_score, pred, -1)
+        predicted = _predictions(pred, starts, ends, step_s, layers, layer_keys, n_exp)
+    return Replay(
+        keys, layers, cell, predicted, _token_counts(trace, half), split, sorted(set(layers)), n_exp, counts
+    )
+
+
+def _uses(rows: list[list[int]], distinct: Iterable[int]) -> list[int]:
+    """How many of `rows` route to each of `distinct` (a row names an expert at most once)."""
+    count: Counter[int] = Counter()
+    for row in rows:
+        count.update(row)
+    return [count[e] for e in distinct]
 
 
 def check_ids(trace: Trace) -> None:
-    """Refuse an empty trace, and layer or expert ids outside what the header declares."""
+    """Refuse an empty trace, and layer, expert or predicted-expert ids outside what the header declares
+    (-1 pads a prediction row), naming the first row at fault."""
     name = trace.header.source or trace.header.model_id
     if len(trace) == 0:
         raise TraceError(f"the trace {name} holds no rows")
     h = trace.header
-    for what, ids, bound in (("expert", trace.experts, h.n_experts), ("layer", trace.layer, h.n_layers)):
-        if int(ids.min()) < 0 or int(ids.max()) >= bound:
+    columns = [
+        ("expert", trace.experts, 0, h.n_experts, "expert"),
+        ("layer", trace.layer, 0, h.n_layers, "layer"),
+    ]
+    columns += [
+        (f"predicted expert ({col})", getattr(trace, col), -1, h.n_experts, "expert")
+        for col in ("pred_experts", "pred2_experts")
+        if getattr(trace, col) is not None
+    ]
+    for what, ids, low, bound, noun in columns:
+        bad = (ids < low) | (ids >= bound)
+        if bad.any():
+            row = int(np.flatnonzero(bad.reshape(len(trace), -1).any(axis=1))[0])
+            value = int(ids[row][bad[row]][0]) if ids.ndim > 1 else int(ids[row])
+            request = trace.request_names[trace.request[row]]
             raise TraceError(
-                f"the trace {name} has {what} id {int(ids.max())} or {int(ids.min())}, outside "
-                f"the header's {bound} {what}s"
+                f"the trace {name} has {what} id {value} at row {row} (request {request!r}, "
+                f"token {int(trace.token[row])}, layer {int(trace.layer[row])}), outside "
+                f"0..{bound - 1} (the header's {bound} {noun}s)"
             )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from moestream.trace.replay import Replay
-from moestream.trace.simulator import Sizes
+from moestream.trace.simulator import PREFETCHING, Sizes
 from moestream.trace.table import Trace
 from moestream.units import format_size
 
@@ -66,11 +66,11 @@ def simulate_table(
                     f"{phase}, {title}: MiB read per token (hit rate)",
                     *_grid(index, rows, budgets, phase, scope),
                 ]
-        if "lru-prefetch" in policies and ("lru-prefetch", budgets[0], phase, "all") in index:
+        for policy in (p for p in PREFETCHING if p in policies and (p, budgets[0], phase, "all") in index):
             lines += [
                 "",
-                f"{phase}, lru-prefetch: MiB/token read = waited for + prefetched; prefetches used",
-                *_prefetch_grid(index, budgets, phase),
+                f"{phase}, {policy}: MiB/token read = waited for + prefetched; prefetches used",
+                *_prefetch_grid(index, policy, budgets, phase),
             ]
     lines += [
         "",
@@ -98,10 +98,12 @@ def _grid(
     return out
 
 
-def _prefetch_grid(index: dict[tuple[Any, ...], dict[str, Any]], budgets: list[int], phase: str) -> list[str]:
+def _prefetch_grid(
+    index: dict[tuple[Any, ...], dict[str, Any]], policy: str, budgets: list[int], phase: str
+) -> list[str]:
     out = [f"{'budget':<12}{'read':>10}{'waited':>10}{'prefetch':>10}{'used':>8}"]
     for budget in budgets:
-        r = index[("lru-prefetch", budget, phase, "all")]
+        r = index[(policy, budget, phase, "all")]
         used = "-" if r["prefetch_used_fraction"] is None else f"{r['prefetch_used_fraction']:.0%}"
         out.append(
             f"{format_size(budget):<12}{r['mib_per_token']:>10.1f}{r['wait_mib_per_token']:>10.1f}"

@@ -5,8 +5,10 @@ header, else the expert size). Every forward goes through `ResidentSet.access_gr
 policy needs), so LRU here makes the same decisions as the engine's LRU. Compute is instantaneous: a
 victim still used by the current forward is evicted at once (the engine would wait instead).
 
-Policies: lru, lfu, partitioned-lru (per-layer quotas), static (pinned from the first half of the trace,
-evaluated on the second), opt (Belady, the bound: needs the future) and lru-prefetch (LRU plus a
+Policies: lru, lfu, predictive (learns when each expert is used next; `moestream.cache.predictive`),
+partitioned-lru (per-layer quotas), static (pinned from the first half of the trace,
+evaluated on the second), opt (Belady, the bound: needs the future), predictive-prefetch (the same with
+the predictive policy) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
 """
 
@@ -17,16 +19,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from moestream.cache.partitions import PartitionedResidentSet, PinnedResidentSet, split_evenly
 from moestream.cache.policy import (
     BeladyPolicy,
     LFUPolicy,
     LRUPolicy,
-    PartitionedResidentSet,
-    PinnedResidentSet,
     ResidentSet,
     prefetch,
-    split_evenly,
+    slots_for_budget,
 )
+from moestream.cache.predictive import PredictivePolicy
 from moestream.errors import CacheBudgetError
 from moestream.trace.errors import TraceError
 from moestream.trace.replay import Replay, build_replay
@@ -34,7 +36,18 @@ from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
 from moestream.units import MiB, format_size
 
-POLICIES = ("lru", "lfu", "partitioned-lru", "static", "opt", "lru-prefetch")
+POLICIES = (
+    "lru",
+    "lfu",
+    "predictive",
+    "partitioned-lru",
+    "static",
+    "opt",
+    "lru-prefetch",
+    "predictive-prefetch",
+)
+LEARNING = ("predictive", "predictive-prefetch")  # they read each forward's routing counts (`Replay.uses`)
+PREFETCHING = ("lru-prefetch", "predictive-prefetch")  # they need the trace's stale-gate predictions
 ALIASES = {
     "belady": "opt",
     "plru": "partitioned-lru",
@@ -62,8 +75,9 @@ class Counters:
 
 
 def capacity_for(budget_bytes: int, slot_bytes: int) -> int:
-    """Slots a budget buys; a budget below one slot is a user error."""
-    capacity = budget_bytes // slot_bytes
+    """Slots a budget buys (`slots_for_budget`, as the engine's cache counts them); a budget below one slot
+    is a user error. A budget far above the trace's keys costs no memory: slots are handed out lazily."""
+    capacity = slots_for_budget(budget_bytes, slot_bytes)
     if capacity < 1:
         raise CacheBudgetError(
             f"a budget of {format_size(budget_bytes)} holds no expert slot of {format_size(slot_bytes)}"
@@ -81,6 +95,15 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         return _run(ResidentSet(capacity, LRUPolicy()), replay, unit)
     if policy == "lfu":
         return _run(ResidentSet(capacity, LFUPolicy()), replay, unit)
+    if policy == "predictive":
+        if replay.uses is None:
+            raise ValueError("the predictive policy needs a replay built with uses=True")
+        return _run(
+            ResidentSet(capacity, PredictivePolicy(replay.layers, replay.n_experts)),
+            replay,
+            unit,
+            uses=replay.uses,
+        )
     if policy == "opt":
         return _run(ResidentSet(capacity, BeladyPolicy(replay.keys)), replay, unit)
     if policy == "partitioned-lru":
@@ -96,6 +119,11 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         )
     if policy == "lru-prefetch":
         return _run_prefetch(ResidentSet(capacity, LRUPolicy()), replay, unit)
+    if policy == "predictive-prefetch":
+        if replay.uses is None:
+            raise ValueError("the predictive policy needs a replay built with uses=True")
+        policy_ = PredictivePolicy(replay.layers, replay.n_experts)
+        return _run_prefetch(ResidentSet(capacity, policy_), replay, unit, replay.uses)
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -108,13 +136,17 @@ def rank_by_frequency(groups: Iterable[list[tuple[int, int]]]) -> list[tuple[int
 
 
 def _run(
-    resident: ResidentSet, replay: Replay, unit: list[int], indices: Iterable[int] | None = None
+    resident: ResidentSet,
+    replay: Replay,
+    unit: list[int],
+    indices: Iterable[int] | None = None,
+    uses: list[tuple[list[int], int]] | None = None,
 ) -> list[Counters]:
     # plain int lists instead of Counters objects in the hot loop: this loop is the simulator's speed
     hits, misses, nbytes = [0] * 4, [0] * 4, [0] * 4
     access, keys, layer, cell = resident.access_group, replay.keys, replay.layer, replay.cell
     for i in range(len(keys)) if indices is None else indices:
-        h, m = access(keys[i])
+        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
         c = cell[i]
         hits[c] += len(h)
         if m:
@@ -123,10 +155,13 @@ def _run(
     return [Counters(hits[c], misses[c], nbytes[c]) for c in range(4)]
 
 
-def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> list[Counters]:
-    """LRU, and after each forward of layer L, prefetch the predicted keys of layer L+1 (same step)."""
+def _run_prefetch(
+    resident: ResidentSet, replay: Replay, unit: list[int], uses: list[tuple[list[int], int]] | None = None
+) -> list[Counters]:
+    """The resident set's policy, and after each forward of layer L, a prefetch of the predicted keys of
+    layer L+1 (same step)."""
     if replay.predicted is None:
-        raise ValueError("lru-prefetch needs a replay built with predictions")
+        raise ValueError("a prefetching policy needs a replay built with predictions")
     out = [Counters() for _ in range(4)]
     pending: tuple[set[tuple[int, int]], Counters] | None = None
     access, keys, layer, cell, predicted = (
@@ -137,7 +172,7 @@ def _run_prefetch(resident: ResidentSet, replay: Replay, unit: list[int]) -> lis
         replay.predicted,
     )
     for i in range(len(keys)):
-        h, m = access(keys[i])
+        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
         counters = out[cell[i]]
         counters.hits += len(h)
         counters.misses += len(m)
@@ -197,19 +232,25 @@ def simulate(
     budgets: list[int],
     unit_bytes: int | None = None,
     prefetch_top: int | None = None,
+    prefetch_min_score: float = 0.0,
 ) -> tuple[list[dict[str, Any]], Replay, Sizes]:
     """Replay `trace` under every (budget, policy). Returns (records, the replay, the sizes used).
 
     Each record: policy, budget_bytes, capacity_slots, phase, scope ("all", or "second-half": the half
     static pinning is evaluated on), tokens, hits, misses, hit_rate, bytes_read, mib_per_token (all
     reads, prefetches included), wait_mib_per_token (demand misses only), prefetch figures, synthetic.
+    Prefetching policies read the top `prefetch_top` (default top_k) predicted experts of each token
+    whose stale-gate score is at least `prefetch_min_score`.
     """
-    if "lru-prefetch" in policies and not trace.has_predictions:
+    prefetching = [p for p in policies if p in PREFETCHING]
+    if prefetching and not trace.has_predictions:
         raise TraceError(
-            f"{trace.header.source or 'the trace'} has no stale-gate predictions, which lru-prefetch needs"
+            f"{trace.header.source or 'the trace'} has no stale-gate predictions, which "
+            f"{', '.join(prefetching)} need{'s' if len(prefetching) == 1 else ''}"
         )
-    top = (prefetch_top or trace.header.top_k) if "lru-prefetch" in policies else None
-    replay = build_replay(trace, top)
+    top = (prefetch_top or trace.header.top_k) if prefetching else None
+    uses = any(p in LEARNING for p in policies)
+    replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     records = []
     for budget in budgets:

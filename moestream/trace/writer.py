@@ -8,10 +8,16 @@ torn by the kill is detected by its length prefix when read (`read_trace` says w
 `close()` converts the stream to `PATH` (Parquet, written to a temporary name, then renamed) and
 deletes the stream, so a reader sees either the finished Parquet file or the partial stream, never a
 half-written Parquet file.
+
+Failures: the path is checked when the writer is made (a missing directory fails before any row). A
+write that fails later (a full disk) raises `TraceError` once, saying which rows are kept where; after
+that the writer takes no more rows, and `close()` leaves the stream, readable up to its last complete
+batch, instead of a Parquet file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -22,6 +28,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moestream.trace.atomic import atomic_output, check_output_path, describe
+from moestream.trace.errors import TraceError
 from moestream.trace.schema import PHASES, PREDICTION_COLUMNS, TraceHeader, arrow_schema
 
 PARTIAL_SUFFIX = ".partial"
@@ -65,12 +73,23 @@ class TraceWriter:
         self._buffer: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
         self._step = -1
         self._step_key: tuple[Any, ...] | None = None
-        self._file = open(self.partial, "wb")
-        self._stream = pa.ipc.new_stream(self._file, self._schema)
-        # pyarrow writes the schema lazily; an empty batch forces it out now, so a writer killed before
-        # its first flush leaves a file that says "a trace with no rows yet" rather than an empty file
-        self._stream.write_batch(pa.RecordBatch.from_pylist([], schema=self._schema))
-        self._file.flush()
+        self.failure: TraceError | None = None  # set by the first write that failed
+        check_output_path(self.path)
+        try:
+            self._file = open(self.partial, "wb")
+        except OSError as exc:
+            raise TraceError(f"cannot write the trace {self.partial}: {describe(exc)}") from None
+        try:
+            self._stream = pa.ipc.new_stream(self._file, self._schema)
+            # pyarrow writes the schema lazily; an empty batch forces it out now, so a writer killed before
+            # its first flush leaves a file that says "a trace with no rows yet" rather than an empty file
+            self._stream.write_batch(pa.RecordBatch.from_pylist([], schema=self._schema))
+            self._file.flush()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self.partial.unlink(missing_ok=True)
+            raise TraceError(f"cannot write the trace {self.partial}: {describe(exc)}") from None
         self._closed = False
 
     def __enter__(self) -> TraceWriter:
@@ -79,7 +98,11 @@ class TraceWriter:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()  # the rows appended before an exception are still valid
+        try:
+            self.close()  # the rows appended before an exception are still valid
+        except TraceError:
+            if exc is None:
+                raise  # else the exception in flight says more; the stream keeps what was written
 
     def append(
         self,
@@ -103,6 +126,8 @@ class TraceWriter:
             pred_experts / pred_scores: the top-2k experts (best first) and scores of layer+1's router
                 applied to this layer's router input; pred2_*: the same for layer+2. None when not recorded.
         """
+        if self.failure is not None:
+            raise self.failure
         if self._closed:
             raise ValueError(f"trace writer for {self.path} is closed")
         if phase not in PHASES:
@@ -165,26 +190,55 @@ class TraceWriter:
     def flush(self) -> None:
         """Write the buffered rows as one record batch and hand it to the kernel."""
         n = len(self._buffer["layer"])
-        if n == 0 or self._closed:
+        if n == 0 or self._closed or self.failure is not None:
             return
         arrays = [pa.array(self._buffer[f.name], f.type) for f in self._schema]
-        self._stream.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
-        self._file.flush()
-        if self.fsync:
-            os.fsync(self._file.fileno())
+        try:
+            self._stream.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+        except OSError as exc:
+            self.failure = TraceError(
+                f"writing the trace {self.partial} failed ({describe(exc)}): recording stopped; the "
+                f"{self.rows_written} rows written before are kept there (`moestream simulate` reads it), "
+                f"the {n} rows of the failed batch and any later ones are lost"
+            )
+            raise self.failure from None
+        finally:
+            for column in self._buffer.values():
+                column.clear()
         self.rows_written += n
-        for column in self._buffer.values():
-            column.clear()
 
     def close(self) -> None:
         """Flush, then convert the stream to the final Parquet file and remove the stream."""
         if self._closed:
             return
-        self.flush()
-        self._stream.close()
-        self._file.close()
+        if self.failure is None:
+            try:
+                self.flush()
+                self._stream.close()
+                self._file.close()
+            except TraceError:
+                pass  # flush recorded it
+            except OSError as exc:  # the end-of-stream marker did not fit: the batches before it are whole
+                self.failure = TraceError(
+                    f"finishing the trace {self.partial} failed ({describe(exc)}); its {self.rows_written} "
+                    "rows are kept there (`moestream simulate` reads it)"
+                )
         self._closed = True
-        stream_to_parquet(self.partial, self.path)
+        if self.failure is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()  # a failed stream is left as it is: its complete batches stay readable
+            raise self.failure
+        try:
+            stream_to_parquet(self.partial, self.path)
+        except TraceError as exc:
+            self.failure = TraceError(
+                f"{exc}; its {self.rows_written} rows are kept in {self.partial} "
+                "(`moestream simulate` and `moestream trace-convert` read it)"
+            )
+            raise self.failure from None
         self.partial.unlink()
 
     def _derive_step(self, request: str, phase: str, token: int) -> int:
@@ -196,14 +250,16 @@ class TraceWriter:
 
 
 def stream_to_parquet(stream_path: Path, path: Path) -> None:
-    """Copy an Arrow IPC stream of trace batches into a Parquet file (atomically, via a temporary name)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(stream_path), "rb") as source:
+    """Copy an Arrow IPC stream of trace batches into a Parquet file (atomically, via a temporary name).
+
+    Raises:
+        TraceError: writing failed; no temporary file is left behind.
+    """
+    with atomic_output(path) as tmp, pa.OSFile(str(stream_path), "rb") as source:
         reader = pa.ipc.open_stream(source)
         with pq.ParquetWriter(str(tmp), reader.schema, compression="zstd") as out:
             for batch in reader:
                 out.write_batch(batch)
-    os.replace(tmp, path)
 
 
 def _ints(values: Sequence[int] | None) -> list[int] | None:

@@ -1,13 +1,5 @@
-"""Weight formats: how one stored matrix type is viewed in slot memory and multiplied.
-
-A format is chosen per (layer, kind) from the `StoredFormat` the checkpoint source recorded, because
-one file may mix types (a GGUF Q4_K_M keeps some `ffn_down` at Q6_K). A `WeightFormat` instance knows
-the shapes of its parts, the alignment its kernels need, how to view slot bytes as a weight without
-copying, and computes `linear(x, weight)` = x @ W^T for W [out, in]. This module is the only place that
-looks at format names; a new stored type is one subclass registered here (or by a test).
-
-Shapes: t tokens routed to the expert, `out` x `in` the logical matrix.
-"""
+"""The weight format protocol and the formats torch computes: plain floating point, and gpt-oss's MXFP4
+safetensors blocks (dequantized after each read)."""
 
 from __future__ import annotations
 
@@ -17,8 +9,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moestream.errors import UnsupportedModelError
-from moestream.store.experts import ExpertMap, Parts, StoredFormat
+from moestream.store.experts import StoredFormat
 from moestream.store.tensors import TORCH_DTYPES
 
 # E2M1 values indexed by a 4-bit code (sign bit 3)
@@ -29,6 +20,7 @@ class WeightFormat(ABC):
     """One stored matrix type, for the parts of one (layer, kind)."""
 
     name: ClassVar[str] = "abstract"
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
         self.stored, self.shapes, self.part_bytes = stored, shapes, part_bytes
@@ -52,6 +44,11 @@ class WeightFormat(ABC):
         both, e.g. gate and up), or None when the two cannot be computed as one."""
         return None
 
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(stored dtype, shape) of each part of a logical [out, in] matrix in this format, for the check
+        at load; None: the format does not say (its parts are not checked)."""
+        return None
+
     @property
     def row_bytes(self) -> int:
         """Bytes of one stored row of the first part."""
@@ -59,6 +56,14 @@ class WeightFormat(ABC):
 
     def describe(self) -> str:
         return self.stored.name
+
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [n] of the matrix stored in `raw`, dequantized: [n, cols] (embedding lookups)."""
+        raise NotImplementedError(f"{self.describe()} matrices cannot be looked up by row")
+
+    def kernels(self) -> str | None:
+        """What computes this format when it is not plain torch (for the mode line)."""
+        return None
 
 
 class Dense(WeightFormat):
@@ -79,6 +84,9 @@ class Dense(WeightFormat):
         if raw.data_ptr() % self.alignment:
             raw = raw.clone()  # misaligned for the element type (odd header padding): copy once
         return raw.view(self.storage).view(self.shapes[0])
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (inp, out) if self.stored.transposed else (out, inp))]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -106,6 +114,10 @@ class MXFP4(WeightFormat):
     def view(self, raws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return raws[0].view(self.shapes[0]), raws[1].view(self.shapes[1])
 
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        groups = inp // 32  # 32 elements per E8M0 scale, packed two per byte
+        return [("U8", (out, groups, 16)), ("U8", (out, groups))]
+
     def linear(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return x @ dequantize_mxfp4(*weight, x.dtype).T  # [R,K] -> [K,R], as transformers computes it
 
@@ -118,50 +130,3 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     values = lut[codes.long()]  # [R, G, 32]
     exponents = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponents[..., None]).to(dtype).reshape(rows, groups * 32)
-
-
-_REGISTRY: dict[str, type[WeightFormat]] = {
-    "F32": Dense,
-    "F16": Dense,
-    "BF16": Dense,
-    "F64": Dense,
-    "mxfp4": MXFP4,
-}
-
-
-def register(stored_name: str, cls: type[WeightFormat]) -> type[WeightFormat] | None:
-    """Make `cls` compute parts stored as `stored_name`. Returns the class it replaces (or None)."""
-    previous = _REGISTRY.get(stored_name)
-    _REGISTRY[stored_name] = cls
-    return previous
-
-
-def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> None:
-    """Undo `register` (restoring `previous` when given)."""
-    if previous is None:
-        _REGISTRY.pop(stored_name, None)
-    else:
-        _REGISTRY[stored_name] = previous
-
-
-def make_format(stored: StoredFormat, parts: Parts) -> WeightFormat:
-    """The format computing `parts` (one expert's parts of one kind: their shapes are every expert's).
-
-    Raises:
-        UnsupportedModelError: no format computes this stored type.
-    """
-    cls = _REGISTRY.get(stored.name)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"experts stored as {stored.name} are not supported (supported: {', '.join(sorted(_REGISTRY))})"
-        )
-    return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
-
-
-def layer_formats(emap: ExpertMap) -> dict[tuple[int, str], WeightFormat]:
-    """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
-    their formats and shapes, so expert 0's parts describe them all)."""
-    return {
-        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind])
-        for (layer, kind), stored in emap.formats.items()
-    }

@@ -1,0 +1,38 @@
+"""`moestream generate PATH --replay-routing TRACE`: every request of a recorded trace with its routing
+(benchmark only). The mode line and the summed stats line go to stderr, a JSON object to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moestream.cli._engine_args import engine_kwargs, model_path
+from moestream.errors import MoestreamError
+
+
+def replay_routing(args: argparse.Namespace) -> int:
+    """Run the trace's requests on the checkpoint; print one stats line summed over them (or JSON)."""
+    import moestream
+    from moestream.engine.stats import GenerationStats, PhaseStats
+
+    if args.trace:
+        raise MoestreamError("--replay-routing and --trace cannot be used together")
+    with moestream.load(model_path(args), **engine_kwargs(args)) as engine:
+        requests = engine.replay_routing(args.replay_routing)
+        print(engine.mode_line(), file=sys.stderr, flush=True)
+        total = GenerationStats(PhaseStats(), PhaseStats())
+        for gen in engine.replay_requests():
+            for mine, theirs in ((total.prefill, gen.stats.prefill), (total.decode, gen.stats.decode)):
+                for name, value in vars(theirs).items():
+                    setattr(mine, name, getattr(mine, name) + value)
+        replayed, own = engine.replay.replayed, engine.replay.own
+        if args.json:
+            out = {"mode": engine.mode_line(), "requests": len(requests), "stats": total.to_dict()}
+            print(json.dumps({**out, "rows_replayed": replayed, "rows_own_routing": own}), flush=True)
+        print(
+            f"replayed {len(requests)} requests: {replayed} token rows from the trace, {own} by the model",
+            file=sys.stderr,
+        )
+        print(total.line(), file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,303 @@
+"""Find, check and load ggml's shared libraries (ggml-base + ggml-cpu) and declare the C API we call.
+
+Which library: $MOESTREAM_GGML_LIB (a folder holding libggml-base.so and libggml-cpu.so, or the word
+"prebuilt"), else the `make native` build in `build.native_dir()` when present, else the prebuilt
+libggml-python wheel. Before anything is dlopen'ed, the CPU's flags are checked against what the library
+was compiled for, so a missing instruction set is an error that says what to do, never a SIGILL. After
+loading, the struct layouts this module declares are checked against the library itself.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+from moestream.ggml.host import cpu_flags, native_dir
+
+GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_NAME, GGML_MAX_N_THREADS = 4, 10, 64, 512
+# What the prebuilt x86_64 wheel is compiled with (GGML_NATIVE=OFF, AVX2 baseline).
+PREBUILT_X86_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2")
+# /proc/cpuinfo flags that a -march=native build may depend on; the current CPU must have the build's.
+_ISA_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "bmi", "amx", "asimd", "sve", "sme", "i8mm", "bf16")
+
+
+class GgmlUnavailableError(MoestreamError):
+    """No usable ggml library: missing, built for another CPU, or of an incompatible layout."""
+
+
+class GgmlTensor(C.Structure):
+    """struct ggml_tensor (ggml.h), 336 bytes on 64-bit; `data` is the field we swap."""
+
+    _fields_ = [
+        ("type", C.c_int),
+        ("buffer", C.c_void_p),
+        ("ne", C.c_int64 * GGML_MAX_DIMS),
+        ("nb", C.c_size_t * GGML_MAX_DIMS),
+        ("op", C.c_int),
+        ("op_params", C.c_int32 * 16),
+        ("flags", C.c_int32),
+        ("src", C.c_void_p * GGML_MAX_SRC),
+        ("view_src", C.c_void_p),
+        ("view_offs", C.c_size_t),
+        ("data", C.c_void_p),
+        ("name", C.c_char * GGML_MAX_NAME),
+        ("extra", C.c_void_p),
+        ("padding", C.c_char * 8),
+    ]
+
+
+class GgmlObject(C.Structure):
+    """struct ggml_object (ggml.c): the header in front of each tensor in a context."""
+
+    _fields_ = [
+        ("offs", C.c_size_t),
+        ("size", C.c_size_t),
+        ("next", C.c_void_p),
+        ("type", C.c_int),
+        ("padding", C.c_char * 4),
+    ]
+
+
+class InitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+
+class Cplan(C.Structure):
+    """struct ggml_cplan (ggml-cpu.h): what ggml_graph_plan returns and ggml_graph_compute takes."""
+
+    _fields_ = [
+        ("work_size", C.c_size_t),
+        ("work_data", C.c_void_p),
+        ("n_threads", C.c_int),
+        ("threadpool", C.c_void_p),
+        ("abort_callback", C.c_void_p),
+        ("abort_callback_data", C.c_void_p),
+        ("use_ref", C.c_bool),
+    ]
+
+
+class ThreadpoolParams(C.Structure):
+    _fields_ = [
+        ("cpumask", C.c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", C.c_int),
+        ("prio", C.c_int),
+        ("poll", C.c_uint32),
+        ("strict_cpu", C.c_bool),
+        ("paused", C.c_bool),
+    ]
+
+
+ToFloat = C.CFUNCTYPE(None, C.c_void_p, C.c_void_p, C.c_int64)
+
+
+class TypeTraits(C.Structure):
+    _fields_ = [
+        ("type_name", C.c_char_p),
+        ("blck_size", C.c_int64),
+        ("blck_size_interleave", C.c_int64),
+        ("type_size", C.c_size_t),
+        ("is_quantized", C.c_bool),
+        ("to_float", C.c_void_p),
+        ("from_float_ref", C.c_void_p),
+    ]
+
+
+class TypeTraitsCpu(C.Structure):
+    _fields_ = [
+        ("from_float", C.c_void_p),
+        ("vec_dot", C.c_void_p),
+        ("vec_dot_type", C.c_int),
+        ("nrows", C.c_int64),
+    ]
+
+
+_P, _I, _I64, _SZ, _B = C.c_void_p, C.c_int, C.c_int64, C.c_size_t, C.c_bool
+_BASE_API = {  # name: (restype, argtypes)
+    "ggml_version": (C.c_char_p, []),
+    "ggml_tensor_overhead": (_SZ, []),
+    "ggml_graph_overhead_custom": (_SZ, [_SZ, _B]),
+    "ggml_init": (_P, [InitParams]),
+    "ggml_free": (None, [_P]),
+    "ggml_new_tensor_2d": (_P, [_P, _I, _I64, _I64]),
+    "ggml_new_tensor_3d": (_P, [_P, _I, _I64, _I64, _I64]),
+    "ggml_set_name": (_P, [_P, C.c_char_p]),
+    "ggml_get_data": (_P, [_P]),
+    "ggml_nbytes": (_SZ, [_P]),
+    "ggml_mul_mat": (_P, [_P, _P, _P]),
+    "ggml_swiglu_split": (_P, [_P, _P, _P]),
+    "ggml_get_rows": (_P, [_P, _P, _P]),
+    "ggml_new_graph_custom": (_P, [_P, _SZ, _B]),
+    "ggml_build_forward_expand": (None, [_P, _P]),
+    "ggml_get_type_traits": (C.POINTER(TypeTraits), [_I]),
+    "ggml_row_size": (_SZ, [_I, _I64]),
+    "ggml_quantize_requires_imatrix": (_B, [_I]),
+    "ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
+    "ggml_threadpool_params_default": (ThreadpoolParams, [_I]),
+}
+_CPU_API = {
+    "ggml_cpu_init": (None, []),
+    "ggml_get_type_traits_cpu": (C.POINTER(TypeTraitsCpu), [_I]),
+    "ggml_threadpool_new": (_P, [C.POINTER(ThreadpoolParams)]),
+    "ggml_threadpool_free": (None, [_P]),
+    "ggml_threadpool_pause": (None, [_P]),
+    "ggml_threadpool_resume": (None, [_P]),
+    "ggml_graph_plan": (Cplan, [_P, _I, _P]),
+    "ggml_graph_compute": (_I, [_P, C.POINTER(Cplan)]),
+}
+# ggml_cpu_has_<name>: the compiled-in features named in the mode line, in this order.
+_ISA_NAMES = (
+    "avx2",
+    "avx512",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_int8",
+    "neon",
+    "dotprod",
+    "matmul_int8",
+    "sve",
+    "sme",
+    "llamafile",
+)
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded ggml: `base` and `cpu` are the ctypes handles; `describe()` is for the mode line."""
+
+    base: C.CDLL
+    cpu: C.CDLL
+    folder: Path
+    kind: str  # "prebuilt" | "native" | "custom"
+    version: str  # ggml's own version string, e.g. "0.20.2"
+    isa: tuple[str, ...]
+
+    def describe(self) -> str:
+        """E.g. 'ggml 0.20.2 prebuilt (AVX2)' or 'ggml 0.25.3 native (AVX2, AVX512, AVX512_VNNI, ...)'."""
+        return f"ggml {self.version} {self.kind} ({', '.join(self.isa) or 'no SIMD'})"
+
+
+def locate() -> tuple[Path, str]:
+    """The folder of the ggml libraries to load and its kind, following the order in the module doc."""
+    env = os.environ.get("MOESTREAM_GGML_LIB", "").strip()
+    if env and env != "prebuilt":
+        folder = Path(env)
+        if (folder / "lib").is_dir():
+            folder = folder / "lib"
+        if not (folder / "libggml-base.so").exists() or not (folder / "libggml-cpu.so").exists():
+            raise GgmlUnavailableError(
+                f"MOESTREAM_GGML_LIB={env} holds no libggml-base.so and libggml-cpu.so."
+            )
+        return folder, "native" if (folder.parent / "build.json").exists() else "custom"
+    if not env and (native_dir() / "build.json").exists():
+        return native_dir() / "lib", "native"
+    try:
+        import libggml
+    except ImportError:
+        raise GgmlUnavailableError(
+            "ggml is not installed: pip install libggml-python, or run `make native`."
+        ) from None
+    root = Path(libggml.__file__).parent
+    for sub in ("lib64", "lib"):
+        if (root / sub / "libggml-cpu.so").exists():
+            return root / sub, "prebuilt"
+    raise GgmlUnavailableError(
+        f"the libggml-python package at {root} has no libggml-cpu.so for this platform; run `make native`."
+    )
+
+
+def check_cpu(kind: str, machine: str, flags: set[str], build_flags: set[str] | None = None) -> None:
+    """Refuse a library whose instructions this CPU lacks (fake `flags` to test it)."""
+    if not flags:  # /proc/cpuinfo unreadable: nothing to check against
+        return
+    if kind == "prebuilt" and machine in ("x86_64", "AMD64"):
+        missing = [f for f in PREBUILT_X86_FLAGS if f not in flags]
+        if missing:
+            raise GgmlUnavailableError(
+                f"this CPU lacks {', '.join(m.upper() for m in missing)}, which the prebuilt ggml library "
+                "(libggml-python) needs; run `make native` to build ggml for this CPU."
+            )
+    if build_flags is not None:
+        missing = sorted(f for f in build_flags - flags if f.startswith(_ISA_PREFIXES))
+        if missing:
+            raise GgmlUnavailableError(
+                f"the native ggml build was compiled on a CPU with {', '.join(missing)}, which this CPU "
+                "lacks; run `make native` again on this machine."
+            )
+
+
+def _declare(lib: C.CDLL, api: dict) -> None:
+    for name, (res, args) in api.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+
+
+def _check_layout(base: C.CDLL) -> None:
+    """Create a tensor and read it back through our struct: a library of another layout is refused."""
+    if base.ggml_tensor_overhead() != C.sizeof(GgmlObject) + C.sizeof(GgmlTensor):
+        raise GgmlUnavailableError(
+            f"ggml's tensor struct is {base.ggml_tensor_overhead() - C.sizeof(GgmlObject)} bytes, "
+            f"moestream expects {C.sizeof(GgmlTensor)}: this ggml version is not supported."
+        )
+    ctx = base.ggml_init(InitParams(4 * base.ggml_tensor_overhead(), None, True))
+    try:
+        ptr = base.ggml_new_tensor_2d(ctx, 0, 7, 3)  # F32 [3, 7]
+        base.ggml_set_name(ptr, b"probe")
+        t = GgmlTensor.from_address(ptr)
+        t.data = 0x1000
+        ok = (
+            t.type == 0
+            and tuple(t.ne) == (7, 3, 1, 1)
+            and tuple(t.nb) == (4, 28, 84, 84)
+            and t.name == b"probe"
+            and base.ggml_get_data(ptr) == 0x1000
+            and base.ggml_nbytes(ptr) == 84
+        )
+    finally:
+        base.ggml_free(ctx)
+    tp = base.ggml_threadpool_params_default(3)
+    ok = ok and tp.n_threads == 3 and tp.poll == 50 and not tp.paused and not any(tp.cpumask)
+    if not ok:
+        raise GgmlUnavailableError(
+            "ggml's struct layout differs from moestream's binding: this ggml version "
+            "is not supported (use libggml-python 0.20.x or `make native`)."
+        )
+
+
+def load() -> Library:
+    """Locate, check and load ggml; raises GgmlUnavailableError with the reason and the remedy."""
+    folder, kind = locate()
+    build = folder.parent / "build.json"
+    build_flags = set(json.loads(build.read_text())["cpu_flags"]) if kind == "native" else None
+    check_cpu(kind, platform.machine(), cpu_flags(), build_flags)
+    try:  # base first, by path: libggml-cpu's DT_NEEDED libggml-base.so.0 then binds to this very copy
+        base = C.CDLL(str(folder / "libggml-base.so"))
+        cpu = C.CDLL(str(folder / "libggml-cpu.so"))
+        _declare(base, _BASE_API)
+        _declare(cpu, _CPU_API)
+    except (OSError, AttributeError) as e:
+        raise GgmlUnavailableError(f"cannot load ggml from {folder}: {e}") from e
+    _check_layout(base)
+    cpu.ggml_cpu_init()
+    isa = []
+    for name in _ISA_NAMES:
+        fn = getattr(cpu, f"ggml_cpu_has_{name}", None)
+        if fn is not None and fn():
+            isa.append(name.upper())
+    return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa))
+
+
+_LIB: Library | None = None
+
+
+def library() -> Library:
+    """The process-wide ggml, loaded on first use (one per process: both builds share their sonames)."""
+    global _LIB
+    if _LIB is None:
+        _LIB = load()
+    return _LIB

@@ -1,0 +1,76 @@
+"""GGML block types (GGUF's Q4_K, Q6_K, Q8_0, MXFP4, IQ4_XS, ...) as weight formats, computed by ggml's
+CPU kernels on the blocks as stored.
+
+ggml quantizes the activations to 8 bits inside its product (llama.cpp's behaviour), so results match a
+dequantize-then-fp32 reference only within a tolerance; streamed and resident runs go through the same
+kernel for the same batch and are identical. From a measured batch size per format and build
+(`moestream.ggml.dequant_threshold`), dequantizing the blocks and running F.linear is faster (prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moestream.runtime.formats.base import WeightFormat
+from moestream.store.experts import StoredFormat
+
+
+class Ggml(WeightFormat):
+    """One GGML block type of one (layer, kind): [rows, cols] stored as rows of `row_bytes` bytes."""
+
+    name = "ggml"
+    devices = ("cpu",)
+
+    @staticmethod
+    def check_type(name: str) -> None:
+        """Raise `UnsupportedTypeError` unless ggml's CPU backend multiplies `name`."""
+        from moestream import ggml
+
+        ggml.ggml_type(name)
+
+    def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
+        from moestream import ggml
+
+        super().__init__(stored, shapes, part_bytes)
+        self.type = ggml.ggml_type(stored.name)  # raises for a type ggml cannot multiply
+        self.rows, self.cols = shapes[0]
+        lib = ggml.library()
+        self._ggml = ggml
+        self.threshold = ggml.dequant_threshold(stored.name, lib.kind, torch.get_num_threads())
+
+    @property
+    def alignment(self) -> int:
+        return self._ggml.WEIGHT_ALIGNMENT
+
+    def view(self, raws: list[torch.Tensor]) -> torch.Tensor:
+        raw = raws[0]
+        if raw.data_ptr() % self.alignment:
+            raw = raw.clone()  # torch allocations are 64-byte aligned
+        return raw
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.threshold:  # [t,in] @ dequantized [out,in]^T in the activations' dtype
+            return F.linear(x, self._ggml.dequantize(weight, self.type, self.rows, self.cols).to(x.dtype))
+        y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]
+        return picked.to(dtype)
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        if not isinstance(other, Ggml) or other.stored != self.stored or other.cols != self.cols:
+            return None
+        return Ggml(
+            self.stored, [(self.rows + other.rows, self.cols)], [self.part_bytes[0] + other.part_bytes[0]]
+        )
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (out, inp))]
+
+    def describe(self) -> str:
+        return self.type.name
+
+    def kernels(self) -> str | None:
+        return self._ggml.describe()

@@ -1,0 +1,60 @@
+"""GGML block types on NVIDIA GPUs: Triton kernels that read the blocks as stored (`moestream.kernels`),
+either multiplying directly (decode-sized batches) or dequantizing into a scratch tensor for a torch
+matmul (large batches), as the measured route table says per type and batch."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.runtime.formats.base import WeightFormat
+from moestream.store.experts import StoredFormat
+
+
+class GgufCuda(WeightFormat):
+    """One GGML block type of one (layer, kind) on the GPU: [rows, cols] as rows of `row_bytes`."""
+
+    name = "gguf-cuda"
+    devices = ("cuda",)
+
+    @staticmethod
+    def check_type(name: str) -> None:
+        """Raise `UnsupportedTypeError` unless the GPU kernels decode `name`."""
+        from moestream import kernels
+
+        kernels.block_type(name)
+
+    def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
+        from moestream import kernels
+
+        super().__init__(stored, shapes, part_bytes)
+        self.rows, self.cols = shapes[0]
+        self._kernels = kernels
+        kernels.block_type(stored.name)
+
+    def view(self, raws: list[torch.Tensor]) -> torch.Tensor:
+        return raws[0]  # the kernels read bytes at any offset
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # [t, in] -> [t, out] in x's dtype, fp32 accumulation
+        return self._kernels.linear(x.contiguous(), weight, self.stored.name, self.rows)
+
+    def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._kernels.dequantize(raw, self.stored.name, self.rows, self.cols, dtype, ids=ids)
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        if not isinstance(other, GgufCuda) or other.stored != self.stored or other.cols != self.cols:
+            return None
+        return GgufCuda(
+            self.stored, [(self.rows + other.rows, self.cols)], [self.part_bytes[0] + other.part_bytes[0]]
+        )
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (out, inp))]
+
+    def describe(self) -> str:
+        return self.stored.name
+
+    def kernels(self) -> str | None:
+        from moestream.kernels.choice import MEASURED
+
+        return f"Triton GGUF kernels ({'measured' if MEASURED else 'untuned'} routes)"

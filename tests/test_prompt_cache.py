@@ -1,0 +1,120 @@
+"""The prompt cache: a second turn that repeats the first one's prompt and output computes only its new
+tokens, generates exactly what a cold run generates (itself checked against stock transformers), and
+reads fewer expert bytes; a prompt that diverges crops the cache where the architecture allows it; a
+failed request never leaves a half-updated cache behind."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as T
+from tiny_models import ARCHS
+
+import moestream
+from moestream.engine.prompt_cache import PromptCache, common_prefix
+
+FIRST = [5, 17, 33, 2, 41, 9, 12, 60, 7, 88]
+NEW_TURN = [3, 19, 44, 101, 6]
+# cache budgets of two slots: nearly every expert a layer needs is read again, so bytes track the work
+MIN_CACHE = {"gpt_oss": "112KiB", "gpt_oss_mxfp4": "64KiB", "mixtral": "112KiB", "olmoe": "112KiB"}
+
+
+def _stock_greedy(path, ids: list[int], n: int) -> list[int]:
+    ref = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_second_turn_equals_a_cold_run_and_reads_less(tiny_dir, arch):
+    path = tiny_dir(arch, experts=16)
+    with moestream.load(str(path), cache=MIN_CACHE.get(arch, "100KiB")) as engine:
+        first = engine.generate(FIRST, max_tokens=6, ignore_eos=True, cache_prompt=True)
+        second_prompt = FIRST + first.tokens + NEW_TURN
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warm = engine.generate(second_prompt, max_tokens=8, ignore_eos=True, cache_prompt=True)
+        cold = engine.generate(second_prompt, max_tokens=8, ignore_eos=True)
+    assert warm.tokens == cold.tokens
+    if engine.prompt_cache.disabled:  # transformers 5.24's DeepSeek attention cannot continue a cache
+        assert arch.startswith("deepseek") and "cannot continue" in str(caught[-1].message)
+        assert warm.cached_tokens == 0
+        return
+    # the cache held the first prompt and every generated token but the last (sampled, never fed back)
+    assert warm.cached_tokens == len(FIRST) + len(first.tokens) - 1 and cold.cached_tokens == 0
+    assert warm.stats.prefill.tokens == len(second_prompt) - warm.cached_tokens == len(NEW_TURN) + 1
+    assert warm.stats.prefill.bytes_read < cold.stats.prefill.bytes_read
+    assert warm.stats.bytes_read < cold.stats.bytes_read
+    if arch == "qwen3_moe":
+        assert cold.tokens == _stock_greedy(path, second_prompt, 8)
+
+
+@pytest.mark.parametrize(
+    "arch, croppable",
+    [
+        ("qwen3_moe", True),
+        ("mixtral", True),
+        ("gpt_oss", True),
+        ("qwen3_next", False),
+        ("qwen3_5_moe", False),
+    ],
+)
+def test_a_diverging_prompt_reuses_the_common_prefix_where_the_cache_can_be_cropped(
+    tiny_dir, arch, croppable
+):
+    diverging = FIRST[:6] + [77, 78, 79]
+    with moestream.load(str(tiny_dir(arch, experts=16)), cache="1MiB") as engine:
+        engine.generate(FIRST, max_tokens=4, ignore_eos=True, cache_prompt=True)
+        warm = engine.generate(diverging, max_tokens=6, ignore_eos=True, cache_prompt=True)
+        cold = engine.generate(diverging, max_tokens=6, ignore_eos=True)
+        # the same prompt twice: all but its last token (which must be fed to get logits) is reused
+        engine.generate(FIRST, max_tokens=3, ignore_eos=True, cache_prompt=True)
+        again = engine.generate(FIRST, max_tokens=3, ignore_eos=True, cache_prompt=True)
+    assert warm.tokens == cold.tokens
+    # linear-attention (recurrent) layers cannot forget tokens: only an exact continuation reuses them
+    assert warm.cached_tokens == (6 if croppable else 0)
+    assert again.cached_tokens == (len(FIRST) - 1 if croppable else 0)
+
+
+def test_sliding_window_beyond_its_window_only_continues(tiny_dir):
+    # tiny gpt_oss has a 16-token sliding window: past it the oldest keys are gone and cannot be cropped back
+    long = list(range(20, 40))
+    with moestream.load(str(tiny_dir("gpt_oss", experts=16)), cache="1MiB") as engine:
+        first = engine.generate(long, max_tokens=3, ignore_eos=True, cache_prompt=True)
+        follow = long + first.tokens + [5, 6]
+        cont = engine.generate(follow, max_tokens=4, ignore_eos=True, cache_prompt=True)
+        diverge = engine.generate(long[:10] + [7, 8], max_tokens=4, ignore_eos=True, cache_prompt=True)
+        assert cont.cached_tokens == len(long) + 2 and diverge.cached_tokens == 0
+        assert cont.tokens == engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
+
+
+def test_a_failed_forward_drops_the_cache_and_the_engine_stays_usable(tiny_dir, monkeypatch):
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB") as engine:
+        engine.generate(FIRST, max_tokens=4, ignore_eos=True, cache_prompt=True)
+        step, calls = engine._step, []
+
+        def failing(ids, cache):
+            calls.append(len(ids))
+            if len(calls) == 3:  # the third forward of the next request raises, half-way through the run
+                raise RuntimeError("read error")
+            return step(ids, cache)
+
+        monkeypatch.setattr(engine, "_step", failing)
+        with pytest.raises(RuntimeError):
+            engine.generate(FIRST + [1, 2], max_tokens=6, ignore_eos=True, cache_prompt=True)
+        monkeypatch.setattr(engine, "_step", step)
+        after = engine.generate(FIRST + [1, 2], max_tokens=6, ignore_eos=True, cache_prompt=True)
+        assert after.cached_tokens == 0 and engine.prompt_cache.tokens == len(FIRST) + 2 + 5
+        # a request without cache_prompt frees the held cache, and keeps none unless asked to
+        assert after.tokens == engine.generate(FIRST + [1, 2], max_tokens=6, ignore_eos=True).tokens
+        assert engine.prompt_cache.tokens == 0 and engine.prompt_cache.nbytes() == 0
+        engine.generate([4, 5, 6], max_tokens=2, ignore_eos=True, keep_cache=True)
+        assert engine.prompt_cache.tokens == 4 and engine.prompt_cache.nbytes() > 0
+
+
+def test_common_prefix_and_take_leave_one_token_to_feed():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert PromptCache().take([1, 2, 3]).ids == []  # nothing held
