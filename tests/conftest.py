@@ -37,6 +37,27 @@ def tiny_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """tiny_gguf(arch, **write_gguf options) -> (HF directory, GGUF file), written once per session: a tiny
+    model of `arch` with random vectors too, and the GGUF llama.cpp's converter would make of it."""
+    from tiny_gguf import OVERRIDES, perturb_vectors, write_gguf
+    from tiny_models import write_tiny
+
+    made = {}
+
+    def make(arch: str, **options):
+        key = (arch, tuple(sorted(options.items())))
+        if key not in made:
+            root = tmp_path_factory.mktemp(f"gguf-{arch}")
+            hf = write_tiny(arch, root / "hf", **OVERRIDES.get(arch, {}))
+            perturb_vectors(hf)
+            made[key] = (hf, write_gguf(hf, root / "model.gguf", **options))
+        return made[key]
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _no_cache_size_warnings():
     # budgets below a token's working set are the point of many tests; the warning has its own test

@@ -35,7 +35,14 @@ LINEAR_ATTN = dict(
 )
 
 
-def tiny_config(arch: str, experts: int = 8, top_k: int = 2):
+def tiny_config(arch: str, experts: int = 8, top_k: int = 2, **overrides):
+    config = _tiny_config(arch, experts, top_k)
+    for name, value in overrides.items():  # e.g. a layout a real checkpoint of the family has
+        setattr(config, name, value)
+    return config
+
+
+def _tiny_config(arch: str, experts: int, top_k: int):
     moe = dict(num_experts_per_tok=top_k)
     if arch == "qwen3_moe":
         return T.Qwen3MoeConfig(
@@ -150,7 +157,7 @@ ARCHS = [
 ]
 
 
-def write_tiny(arch: str, out: Path, seed: int = 0, experts: int = 8, top_k: int = 2) -> Path:
+def write_tiny(arch: str, out: Path, seed: int = 0, experts: int = 8, top_k: int = 2, **overrides) -> Path:
     """Save a tiny random model of `arch` with transformers' save_pretrained (its real on-disk layout).
 
     Weights are scaled up from transformers' tiny init so routing and logits are not degenerate.
@@ -158,7 +165,7 @@ def write_tiny(arch: str, out: Path, seed: int = 0, experts: int = 8, top_k: int
     gpt_oss_mxfp4 into MXFP4 blocks and scales.
     """
     torch.manual_seed(seed)
-    config = tiny_config(arch, experts, top_k)
+    config = tiny_config(arch, experts, top_k, **overrides)
     model = T.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -11,7 +11,12 @@ from moestream.errors import MoestreamError
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """PATH as the first argument, or as `-m/--model PATH` (llama.cpp's spelling)."""
-    parser.add_argument("path", nargs="?", metavar="PATH", help="checkpoint directory or hub id")
+    parser.add_argument(
+        "path",
+        nargs="?",
+        metavar="PATH",
+        help="checkpoint directory, GGUF file (first part of a split) or hub id",
+    )
     parser.add_argument("-m", "--model", dest="model_path", metavar="PATH", help="the same as PATH")
 
 

@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info", help="describe a checkpoint: expert bytes, working set, minimum cache, routing"
     )
-    p.add_argument("path", help="checkpoint directory or hub id")
+    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
     p.add_argument(
         "--no-routing",
         action="store_true",
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def describe(path: str) -> dict[str, Any]:
-    """Everything `info` reports that needs only config.json and the safetensors headers."""
+    """Everything `info` reports that needs only the checkpoint's config and tensor headers."""
     from moestream.cache.expert_cache import budget_requirements
     from moestream.cache.slots import slot_bytes
     from moestream.model.arch import arch_for, num_experts, top_k
@@ -39,19 +39,25 @@ def describe(path: str) -> dict[str, Any]:
     check_experts(emap, config)  # sizes printed from a malformed expert would be wrong too
     k = top_k(config)
     minimum, working_set = budget_requirements(emap, k)
-    first = emap.units[next(iter(emap.units))]
+    largest = max(emap.units, key=lambda key: emap.unit_bytes(*key))
+    sizes = [emap.unit_bytes(*key) for key in emap.units]
+    per_layer = {layer: 0 for layer in emap.layers}
+    for (layer, _), size in zip(emap.units, sizes):
+        per_layer[layer] += size
     total_bytes = sum(ref.nbytes for ref in source.tensors.values())
     return {
         "path": str(source.path),
         "model_type": config.model_type,
         "family": arch.family,
         "formats": emap.format_names(),
+        "formats_by_kind": formats_by_kind(emap),
         "moe_layers": len(emap.layers),
         "experts_per_layer": emap.num_experts,
         "top_k": k,
-        "expert_bytes": emap.unit_bytes(*next(iter(emap.units))),
-        "expert_slot_bytes": slot_bytes(first),
-        "expert_bytes_per_layer": emap.num_experts * emap.unit_bytes(*next(iter(emap.units))),
+        "expert_bytes": emap.unit_bytes(*largest),
+        "expert_bytes_min": min(sizes),
+        "expert_slot_bytes": slot_bytes(emap.units[largest]),
+        "expert_bytes_per_layer": max(per_layer.values()),
         "all_expert_bytes": emap.expert_bytes,
         "checkpoint_bytes": total_bytes,
         "non_expert_bytes": total_bytes - emap.expert_bytes - sum(r.nbytes for r in emap.resident.values()),
@@ -59,6 +65,15 @@ def describe(path: str) -> dict[str, Any]:
         "minimum_cache_bytes": minimum,
         "synthetic": source.synthetic,
     }
+
+
+def formats_by_kind(emap: Any) -> dict[str, dict[str, int]]:
+    """kind -> stored format -> number of MoE layers storing that kind in it (a Q4_K_M GGUF keeps some
+    layers' down at Q6_K)."""
+    out: dict[str, dict[str, int]] = {kind: {} for kind in emap.kinds}
+    for (_, kind), stored in sorted(emap.formats.items()):
+        out[kind][stored.name] = out[kind].get(stored.name, 0) + 1
+    return out
 
 
 def routing(path: str, cache: str) -> dict[str, Any]:
@@ -87,10 +102,17 @@ def _print(info: dict[str, Any]) -> None:
         f"{', '.join(info['formats'])}){'  [synthetic]' if info['synthetic'] else ''}"
     )
     print(f"  MoE layers {info['moe_layers']} x {info['experts_per_layer']} experts, top-{info['top_k']}")
+    stored = "; ".join(
+        f"{kind} " + ", ".join(f"{name} ({n} layers)" for name, n in by_format.items())
+        for kind, by_format in info["formats_by_kind"].items()
+    )
+    print(f"  stored as: {stored}")
+    smallest, largest = info["expert_bytes_min"], info["expert_bytes"]
+    low = f"{smallest / MiB:.2f}.." if smallest != largest else ""
     print(
-        f"  one expert {info['expert_bytes'] / MiB:.2f} MiB on disk "
+        f"  one expert {low}{info['expert_bytes'] / MiB:.2f} MiB on disk "
         f"({format_size(info['expert_slot_bytes'])} slot); "
-        f"per layer {format_size(info['expert_bytes_per_layer'])}; all experts "
+        f"per layer {format_size(info['expert_bytes_per_layer'])} (largest); all experts "
         f"{format_size(info['all_expert_bytes'])}"
     )
     print(f"  resident (non-expert) weights {format_size(info['non_expert_bytes'])}")

@@ -13,7 +13,7 @@ from moestream.errors import MoestreamError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text file, experts streamed from disk")
-    p.add_argument("path", help="checkpoint directory or hub id")
+    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
     p.add_argument(
         "--text", required=True, metavar="FILE", help="UTF-8 text to score (e.g. wikitext-2's test split)"
     )

@@ -62,10 +62,11 @@ def load(
     make_reader: ReaderFactory | None = None,
     **extra: Any,
 ) -> Engine:
-    """Load a HF MoE checkpoint (local directory or hub id) with its routed experts streamed from disk.
+    """Load a MoE checkpoint (HF directory, GGUF file or hub id) with its routed experts streamed from disk.
 
     Args:
-        path: checkpoint directory (config.json, *.safetensors, tokenizer files) or hub id.
+        path: checkpoint directory (config.json, *.safetensors, tokenizer files), GGUF file (the first
+            part of a split GGUF) or a directory holding one, or hub id.
         cache: expert cache budget in bytes or as "512MiB"/"2GiB".
         device: "cpu".
         io_mode: "direct" (O_DIRECT), "pagecache" (buffered reads) or "mmap" (reads through a memory map).

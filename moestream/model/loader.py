@@ -13,11 +13,12 @@ import contextlib
 import logging
 import re
 import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.monkey_patching import register_patch_mapping, unregister_patch_mapping
+from transformers.monkey_patching import apply_patches, register_patch_mapping, unregister_patch_mapping
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.model.arch import Arch
@@ -58,10 +59,10 @@ def build_model(
             the config does not imply.
     """
     model_class = _causal_lm_class(config)
-    trunk = source.trunk_state_dict(emap)
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
+            trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config))
             # sizes that disagree with the config are reported below, naming the tensor, instead of
             # transformers' RuntimeError pointing at a report it logged
             model, info = model_class.from_pretrained(
@@ -91,6 +92,32 @@ def build_model(
         model.generation_config = generation
     model.eval()
     return model
+
+
+class ExpectedKeys(Mapping):
+    """The model's state-dict keys and shapes (StreamingExperts patched in, so no expert keys), from the
+    model built on the meta device on first use: a source whose names are not transformers' (GGUF)
+    maps them onto these; a safetensors source never asks, so pays nothing."""
+
+    def __init__(self, model_class: type, config: Any) -> None:
+        self._model_class, self._config = model_class, config
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def _built(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            with torch.device("meta"), apply_patches():
+                model = self._model_class(self._config)
+            self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        return self._shapes
+
+    def __getitem__(self, key: str) -> tuple[int, ...]:
+        return self._built()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
 
 
 def _causal_lm_class(config: Any) -> type:

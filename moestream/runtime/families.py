@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from transformers.activations import ACT2FN
 
+from moestream.errors import UnsupportedModelError
 from moestream.hfconfig import text_config
 from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
@@ -108,11 +109,29 @@ class GptOss(ExpertFamily):
 
     @staticmethod
     def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-        return {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        # gate_up fused (HF checkpoints), or gate and up apart (GGUF: `GptOssSplit`)
+        return {
+            "gate_up": (2 * inter, hidden),
+            "gate": (inter, hidden),
+            "up": (inter, hidden),
+            "down": (hidden, inter),
+        }
 
     @staticmethod
     def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
-        return {"gate_up_proj_bias": (experts, 2 * inter), "down_proj_bias": (experts, hidden)}
+        fused = {"gate_up_proj_bias": (experts, 2 * inter), "down_proj_bias": (experts, hidden)}
+        return {
+            **fused,
+            "gate_bias": (experts, inter),
+            "up_bias": (experts, inter),
+            "down_bias": (experts, hidden),
+        }
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """(clamp(up) + 1) * swish_alpha(clamp(gate)), as transformers' GptOssExperts._apply_gate."""
+        gate = gate.clamp(max=self.params.limit)
+        up = up.clamp(min=-self.params.limit, max=self.params.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.params.alpha))
 
     def stage(
         self,
@@ -125,10 +144,39 @@ class GptOss(ExpertFamily):
     ) -> torch.Tensor:
         if kinds == ("gate_up",):  # [t,H] @ [H,2I]
             gate_up = linear("gate_up", x) + self.biases[(layer, "gate_up_proj_bias")][expert]
-            gate = gate_up[..., ::2].clamp(max=self.params.limit)
-            up = gate_up[..., 1::2].clamp(min=-self.params.limit, max=self.params.limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * self.params.alpha))
+            return self.glu(gate_up[..., ::2], gate_up[..., 1::2])
         return linear("down", carry) + self.biases[(layer, "down_proj_bias")][expert]  # [t,I] @ [I,H]
+
+
+class GptOssSplit(GptOss):
+    """gpt-oss as GGUF stores it: gate [I,H], up [I,H] and down [H,I], each [out, in] with its own bias
+    [E, out] (llama.cpp's converter de-interleaves gate_up's columns). The same math as `GptOss`;
+    stages gate -> up -> down, or gate+up -> down when the tier fuses them ([2I,H], gate rows first)."""
+
+    kinds = ("gate", "up", "down")
+    fusions: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate", "up")}
+
+    def stages(self, fused: bool) -> list[tuple[str, ...]]:
+        return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
+
+    def stage(
+        self,
+        kinds: tuple[str, ...],
+        x: torch.Tensor,
+        carry: torch.Tensor | None,
+        linear: Linear,
+        layer: int,
+        expert: int,
+    ) -> torch.Tensor:
+        bias = self.biases
+        if kinds == ("gate", "up"):  # [t,H] -> [t,2I]: gate columns, then up columns
+            gate, up = linear("gate_up", x).chunk(2, dim=-1)
+            return self.glu(gate + bias[(layer, "gate_bias")][expert], up + bias[(layer, "up_bias")][expert])
+        if kinds == ("gate",):  # [t,H] -> [t,I], carried to the up stage
+            return linear("gate", x) + bias[(layer, "gate_bias")][expert]
+        if kinds == ("up",):
+            return self.glu(carry, linear("up", x) + bias[(layer, "up_bias")][expert])
+        return linear("down", carry) + bias[(layer, "down_bias")][expert]  # [t,I] -> [t,H]
 
 
 def _swiglu(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> SwiGLU:
@@ -136,13 +184,14 @@ def _swiglu(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dty
 
 
 def _gpt_oss(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> GptOss:
+    """`GptOss` for HF's fused gate_up, `GptOssSplit` for separate gate and up (GGUF)."""
     cfg = text_config(config)
     biases = {key: read_tensor(ref).to(dtype).to(device) for key, ref in emap.resident.items()}
     # transformers < 5.2x hard-codes these two constants of gpt-oss's clamped SwiGLU
     params = GptOssParams(
         alpha=float(getattr(cfg, "swiglu_alpha", 1.702)), limit=float(getattr(cfg, "swiglu_limit", 7.0))
     )
-    return GptOss(params, biases)
+    return (GptOssSplit if emap.kinds == GptOssSplit.kinds else GptOss)(params, biases)
 
 
 _FAMILIES: dict[str, Callable[[Any, ExpertMap, torch.device, torch.dtype], ExpertFamily]] = {
@@ -155,5 +204,15 @@ FAMILY_CLASSES: dict[str, type[ExpertFamily]] = {"swiglu": SwiGLU, "gpt_oss": Gp
 
 
 def make_family(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> ExpertFamily:
-    """The family object computing `emap`'s experts on `device` in `dtype`."""
-    return _FAMILIES[emap.family](config, emap, device, dtype)
+    """The family object computing `emap`'s experts on `device` in `dtype`.
+
+    Raises:
+        UnsupportedModelError: the family's kinds are not the ones the expert map stores.
+    """
+    family = _FAMILIES[emap.family](config, emap, device, dtype)
+    if family.kinds != emap.kinds:  # a runtime would wait forever for a kind that is never read
+        raise UnsupportedModelError(
+            f"{emap.family} experts stored as {', '.join(emap.kinds)} cannot be computed as "
+            f"{', '.join(family.kinds)}"
+        )
+    return family

@@ -25,9 +25,7 @@ class Prompts:
         self.vocab = int(engine.model.get_input_embeddings().num_embeddings)
         self.tokenizer: Any = None
         if engine.tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(str(engine.path))
+            self.tokenizer = engine.source.tokenizer()  # a copy of its own, from the checkpoint
             self.tokenizer.chat_template = engine.tokenizer.chat_template  # --chat-template replaces it
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-tokenizer")
 

@@ -27,21 +27,24 @@ class Checkpoint:
 
 
 def resolve_path(path_or_id: str) -> Path:
-    """A local checkpoint directory, or a hub id resolved through the local HF cache / a download.
+    """A local checkpoint directory or .gguf file, or a hub id resolved through the local HF cache.
 
     Raises:
-        CheckpointError: the path does not exist and is not a hub id that can be fetched.
+        CheckpointError: the path does not exist and is not a hub id that can be fetched, or it is a
+            file that is not a .gguf file.
     """
     path = Path(path_or_id).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists():
         raise CheckpointError(
-            f"{path} is a file; moestream needs the checkpoint directory (config.json + *.safetensors)"
+            f"{path} is a file but not a .gguf file; moestream needs a checkpoint directory "
+            "(config.json + *.safetensors) or a GGUF file"
         )
     if path_or_id.count("/") == 1 and not path_or_id.startswith((".", "/", "~")):
         return _from_hub(path_or_id)
-    raise CheckpointError(f"checkpoint directory {path} does not exist")
+    kind = "file" if path.suffix == ".gguf" else "directory"
+    raise CheckpointError(f"checkpoint {kind} {path} does not exist")
 
 
 def _from_hub(repo_id: str) -> Path:

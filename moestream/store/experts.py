@@ -157,12 +157,12 @@ def _split_swiglu(emap: ExpertMap, layer: int, fused: dict[tuple[int, str], Tens
     if len(gate_up.shape) != 3 or gate_up.shape[1] % 2:
         raise CheckpointError(f"tensor {gate_up.name} has shape {list(gate_up.shape)}, expected [E, 2I, H]")
     for e in range(emap.num_experts):
-        row = _row(gate_up, e)
+        row = expert_row(gate_up, e)
         half = row.nbytes // 2
         inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
         gate = TensorRef(row.file, row.offset, half, row.dtype, (inter, hidden), f"{row.name}[gate]")
         up = TensorRef(row.file, row.offset + half, half, row.dtype, (inter, hidden), f"{row.name}[up]")
-        emap.units.setdefault((layer, e), {}).update(gate=(gate,), up=(up,), down=(_row(down, e),))
+        emap.units.setdefault((layer, e), {}).update(gate=(gate,), up=(up,), down=(expert_row(down, e),))
     for kind, ref in (("gate", gate_up), ("up", gate_up), ("down", down)):
         emap.formats[(layer, kind)] = StoredFormat(ref.dtype)
 
@@ -172,11 +172,11 @@ def _split_gpt_oss(emap: ExpertMap, layer: int, fused: dict[tuple[int, str], Ten
         if (layer, base + "_blocks") in fused:  # MXFP4: [R, K/32, 16] blocks and [R, K/32] E8M0 scales
             blocks, scales = fused[(layer, base + "_blocks")], fused[(layer, base + "_scales")]
             for e in range(emap.num_experts):
-                emap.units.setdefault((layer, e), {})[kind] = (_row(blocks, e), _row(scales, e))
+                emap.units.setdefault((layer, e), {})[kind] = (expert_row(blocks, e), expert_row(scales, e))
             emap.formats[(layer, kind)] = StoredFormat("mxfp4")
         elif (layer, base) in fused:  # bf16, stored [in, out]
             for e in range(emap.num_experts):
-                emap.units.setdefault((layer, e), {})[kind] = (_row(fused[(layer, base)], e),)
+                emap.units.setdefault((layer, e), {})[kind] = (expert_row(fused[(layer, base)], e),)
             emap.formats[(layer, kind)] = StoredFormat(fused[(layer, base)].dtype, transposed=True)
     for bias in ("gate_up_proj_bias", "down_proj_bias"):
         if (layer, bias) in fused:
@@ -189,7 +189,7 @@ _FUSED_SPLITTERS: dict[str, Callable[[ExpertMap, int, dict[tuple[int, str], Tens
 }
 
 
-def _row(ref: TensorRef, e: int) -> TensorRef:
+def expert_row(ref: TensorRef, e: int) -> TensorRef:
     """Expert e's slice of a fused [E, ...] tensor: one contiguous byte range."""
     if not ref.shape or e >= ref.shape[0]:
         # a shorter E would make the last experts' rows point past the tensor, into its neighbours' bytes

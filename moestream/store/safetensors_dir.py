@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ class SafetensorsSource:
     def expert_map(self, family: str, num_experts: int) -> ExpertMap:
         return build_expert_map(self.tensors, family, None, num_experts)
 
-    def trunk_state_dict(self, emap: ExpertMap) -> dict[str, Any]:
+    def trunk_state_dict(
+        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
+    ) -> dict[str, Any]:
         return {name: LazyTensor(ref) for name, ref in self.tensors.items() if name not in emap.tensor_names}
 
 

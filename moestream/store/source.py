@@ -8,10 +8,11 @@ format is one module implementing `CheckpointSource`.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from moestream.errors import CheckpointError
 from moestream.store.experts import ExpertMap
 from moestream.store.safetensors_file import TensorRef
 
@@ -34,20 +35,41 @@ class CheckpointSource(Protocol):
     def expert_map(self, family: str, num_experts: int) -> ExpertMap:
         """Every routed expert of every MoE layer: byte ranges and stored formats."""
 
-    def trunk_state_dict(self, emap: ExpertMap) -> dict[str, Any]:
-        """Non-expert tensors by name, as values transformers materializes with `value[...]`."""
+    def trunk_state_dict(
+        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
+    ) -> dict[str, Any]:
+        """Non-expert tensors by name, as values transformers materializes with `value[...]`.
+
+        `expected`: the model's own keys and shapes (its state dict built on the meta device), for a
+        source whose tensor names are not transformers' (GGUF); a source that stores transformers'
+        names may ignore it.
+        """
 
 
 def open_source(path_or_id: str | Path) -> CheckpointSource:
-    """Open a checkpoint: a local directory, or a hub id resolved through the local HF cache.
+    """Open a checkpoint: a HF directory, a GGUF file (or the first part of a split GGUF), a directory
+    holding one GGUF model, or a hub id resolved through the local HF cache.
+
+    A directory with both a HF checkpoint (config.json) and GGUF files opens the HF checkpoint, with a
+    warning; pass the .gguf file itself to use it.
 
     Raises:
         CheckpointError: nothing usable at `path_or_id`.
     """
     from moestream.store.checkpoint import resolve_path
+    from moestream.store.gguf import GgufSource, find_gguf
     from moestream.store.safetensors_dir import SafetensorsSource
 
     path = resolve_path(str(path_or_id))
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is not a checkpoint directory")
+    if path.is_file():
+        return GgufSource(path)
+    gguf = find_gguf(path)
+    if gguf is not None and (path / "config.json").exists():
+        warnings.warn(
+            f"{path} holds a HF checkpoint and {gguf.name}; using the HF checkpoint (pass the .gguf file "
+            "to use it instead)",
+            stacklevel=2,
+        )
+    elif gguf is not None:
+        return GgufSource(gguf)
     return SafetensorsSource(path)
