@@ -31,18 +31,14 @@ from moestream.store.experts import SWIGLU_KINDS, ExpertMap, StoredFormat
 from moestream.store.safetensors_file import TensorRef
 
 H, I, E, LAYERS, K = 256, 256, 8, 2, 2
-TYPES = {
-    (0, "gate"): "Q4_K",
-    (0, "up"): "Q4_K",
-    (0, "down"): "Q6_K",
-    (1, "gate"): "Q4_K",
-    (1, "up"): "Q4_K",
-    (1, "down"): "Q4_K",
-}
+# a Q4_K_M file's two kinds of layer: down at Q6_K (llama.cpp's use_more_bits layers) or Q4_K
+MIX = {(0, "gate"): "Q4_K", (0, "up"): "Q4_K", (0, "down"): "Q6_K"}
+MIX |= {(1, "gate"): "Q4_K", (1, "up"): "Q4_K", (1, "down"): "Q4_K"}
+SINGLE = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_XS"]
 SHAPES = {"gate": (I, H), "up": (I, H), "down": (H, I)}
 
 
-def write_experts(path, seed=0):
+def write_experts(path, types, seed=0):
     """Write every (layer, kind) as one [E, rows, K] tensor of its type at 32-byte aligned offsets (the
     first one 4096*3 + 96 bytes in); returns the ExpertMap and the file's bytes."""
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +47,7 @@ def write_experts(path, seed=0):
     for layer in range(LAYERS):
         for kind in SWIGLU_KINDS:
             rows, cols = SHAPES[kind]
-            name = TYPES[(layer, kind)]
+            name = types[(layer, kind)]
             per = ggml.row_bytes(name, cols) * rows
             for e in range(E):
                 data = ggml.quantize(torch.randn(rows, cols, generator=g) * 0.2, name).numpy().tobytes()
@@ -95,7 +91,8 @@ def fp64_reference(emap, blob, layer, hidden, index, weights):
         for k in SWIGLU_KINDS:
             ref = emap.units[(layer, e)][k][0]
             raw = np.frombuffer(blob[ref.offset : ref.end], dtype=np.uint8).reshape(SHAPES[k][0], -1)
-            w[k] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[TYPES[(layer, k)]])).double()
+            qtype = GGMLQuantizationType[emap.formats[(layer, k)].name]
+            w[k] = torch.from_numpy(gguf_dequantize(raw, qtype)).double()
         x = hidden[tokens].double()
         h = F.silu(x @ w["gate"].T) * (x @ w["up"].T)
         out.index_add_(0, tokens, (h @ w["down"].T) * weights[tokens, positions, None].double())
@@ -119,7 +116,13 @@ def _runtime(emap, budget, reader):
 
 @pytest.fixture(scope="module")
 def experts(tmp_path_factory):
-    return write_experts(tmp_path_factory.mktemp("q") / "experts.bin")
+    return write_experts(tmp_path_factory.mktemp("q") / "experts.bin", MIX)
+
+
+@pytest.fixture(scope="module", params=SINGLE)
+def single(request, tmp_path_factory):
+    types = {(layer, kind): request.param for layer in range(LAYERS) for kind in SWIGLU_KINDS}
+    return write_experts(tmp_path_factory.mktemp(request.param) / "experts.bin", types)
 
 
 def _inputs(gen, tokens):
@@ -147,6 +150,24 @@ def test_streamed_quantized_experts_equal_the_kernels_on_the_file(experts, io_mo
                 assert torch.equal(got, direct(emap, blob, layer, hidden, index, weights)), (budget, i)
         finally:
             reader.close()
+
+
+def test_every_format_streams_like_the_kernels_on_the_file(single):
+    emap, blob = single
+    reader = Reader("direct", 4)
+    try:
+        runtime = _runtime(emap, budget_requirements(emap, K)[0], reader)
+        gen = torch.Generator().manual_seed(6)
+        for i in range(9):
+            hidden, index, weights = _inputs(gen, (1, 3, 200)[i % 3])
+            got = runtime.forward(i % LAYERS, hidden, index, weights)
+            assert torch.equal(got, direct(emap, blob, i % LAYERS, hidden, index, weights)), i
+            if i % 3 < 2:  # decode and small batches: ggml on the blocks, within 3e-2 of fp64 (see above)
+                ref = fp64_reference(emap, blob, i % LAYERS, hidden, index, weights)
+                assert (got.double() - ref).norm() / ref.norm() < 3e-2, i
+        assert runtime.cache.stats.misses > 0
+    finally:
+        reader.close()
 
 
 def test_quantized_experts_against_an_fp64_dequantized_reference(experts):

@@ -88,6 +88,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype (default: the checkpoint's)",
     )
     group.add_argument(
+        "--trunk-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dequantize the non-expert weights a GGUF stores in block types (Q8_0, Q6_K, ...) into "
+        "this dtype (default: keep them quantized, computed on their blocks; more memory, maybe faster)",
+    )
+    group.add_argument(
         "--policy",
         default="lru",
         choices=["lru", "lfu", "predictive"],
@@ -133,6 +140,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         piece=args.piece,
         threads=args.threads,
         dtype=args.dtype,
+        trunk_dtype=args.trunk_dtype,
         lock_memory=not args.no_mlock,
         gpu_floor=args.gpu_floor,
     )

@@ -118,8 +118,11 @@ class Engine:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
         check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
-        dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
-        self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
+        dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
+        dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.model = build_model(
+            self.source, self.config, self.arch, dtype, self.emap, keep_blocks=options.trunk_dtype is None
+        )
         self.device = torch.device(options.device)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none

@@ -26,6 +26,7 @@ class EngineOptions:
     piece: int | str = "128KiB"
     threads: int | None = None
     dtype: str = "auto"
+    trunk_dtype: str | None = None  # dequantize block-type trunk weights into this dtype (None: keep them)
     lock_memory: bool = True
     gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
     host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
@@ -72,6 +73,8 @@ class EngineOptions:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.trunk_dtype is not None and self.trunk_dtype not in DTYPES[1:]:
+            raise ValueError(f"trunk dtype {self.trunk_dtype!r} is not one of {', '.join(DTYPES[1:])}")
 
     def stream_config(self) -> StreamConfig:
         """The fields that decide how experts are streamed."""

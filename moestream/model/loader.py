@@ -22,9 +22,11 @@ from transformers.monkey_patching import apply_patches, register_patch_mapping, 
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.model.arch import Arch
+from moestream.model.quantized import apply_quantized_trunk
 from moestream.model.streaming import StreamingExperts
 from moestream.store.experts import ExpertMap
 from moestream.store.source import CheckpointSource
+from moestream.store.tensors import QuantizedTensor
 
 _PATCH_LOCK = threading.Lock()  # the patch mapping is process-global
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -50,9 +52,16 @@ def _quiet_transformers():
 
 
 def build_model(
-    source: CheckpointSource, config: Any, arch: Arch, dtype: str | torch.dtype, emap: ExpertMap
+    source: CheckpointSource,
+    config: Any,
+    arch: Arch,
+    dtype: str | torch.dtype,
+    emap: ExpertMap,
+    keep_blocks: bool = True,
 ) -> torch.nn.Module:
     """The model built on the meta device with the experts class patched, then given the source's trunk.
+    Trunk weights stored in block types stay in them (`QuantLinear`, `QuantEmbedding`) unless not
+    `keep_blocks`, when they are dequantized into the model's dtype.
 
     Raises:
         CheckpointError: a non-expert tensor the model needs is not in the checkpoint, or has a shape
@@ -62,7 +71,10 @@ def build_model(
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config))
+            trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config), keep_blocks)
+            blocks = {k: v for k, v in trunk.items() if isinstance(v, QuantizedTensor)}
+            for value in blocks.values():  # placeholders in the model's dtype: never cast, never allocated
+                value.placeholder_dtype = model_dtype(dtype, config)
             # sizes that disagree with the config are reported below, naming the tensor, instead of
             # transformers' RuntimeError pointing at a report it logged
             model, info = model_class.from_pretrained(
@@ -87,11 +99,23 @@ def build_model(
         raise CheckpointError(
             f"{source.path} lacks {len(missing)} non-expert tensors, e.g. {sorted(missing)[0]}"
         )
+    if blocks:
+        apply_quantized_trunk(model, blocks, dense=False, dtype=model_dtype(dtype, config))
     generation = source.generation_config()
     if generation is not None:
         model.generation_config = generation
     model.eval()
     return model
+
+
+def model_dtype(dtype: str | torch.dtype, config: Any) -> torch.dtype:
+    """The dtype transformers builds the model in for `dtype` ("auto": the config's, else float32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    configured = getattr(config, "dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured, None)
+    return configured if isinstance(configured, torch.dtype) else torch.float32
 
 
 class ExpectedKeys(Mapping):

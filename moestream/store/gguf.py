@@ -87,11 +87,11 @@ class GgufSource:
         return gguf_expert_map(self.tensors, family, num_experts, decoder_layers(self.gguf))
 
     def trunk_state_dict(
-        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
+        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None, keep_blocks: bool = True
     ) -> dict[str, Any]:
         if expected is None:
             raise CheckpointError("a GGUF trunk needs the model's expected keys (see model/loader.py)")
-        trunk = Trunk(self.arch.name, self.arch.tensor_arch, _text(self.config()), self.tensors)
+        trunk = Trunk(self.arch.name, self.arch.tensor_arch, _text(self.config()), self.tensors, keep_blocks)
         return trunk.state_dict(expected, emap.tensor_names)
 
 

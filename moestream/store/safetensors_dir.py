@@ -81,8 +81,9 @@ class SafetensorsSource:
         return build_expert_map(self.tensors, family, None, num_experts)
 
     def trunk_state_dict(
-        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
+        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None, keep_blocks: bool = True
     ) -> dict[str, Any]:
+        # transformers' names, no block types: `expected` and `keep_blocks` change nothing here
         return {name: LazyTensor(ref) for name, ref in self.tensors.items() if name not in emap.tensor_names}
 
 

@@ -36,13 +36,14 @@ class CheckpointSource(Protocol):
         """Every routed expert of every MoE layer: byte ranges and stored formats."""
 
     def trunk_state_dict(
-        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None
+        self, emap: ExpertMap, expected: Mapping[str, tuple[int, ...]] | None = None, keep_blocks: bool = True
     ) -> dict[str, Any]:
         """Non-expert tensors by name, as values transformers materializes with `value[...]`.
 
         `expected`: the model's own keys and shapes (its state dict built on the meta device), for a
         source whose tensor names are not transformers' (GGUF); a source that stores transformers'
-        names may ignore it.
+        names may ignore it. `keep_blocks`: tensors stored in block types come as `QuantizedTensor`
+        (computed on their blocks), else dequantized.
         """
 
 
