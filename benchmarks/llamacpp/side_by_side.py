@@ -81,6 +81,7 @@ def moestream_args(opts: dict[str, str]) -> list[str]:
         "piece": "--piece",
         "k": "--experts-per-token",
         "policy": "--policy",
+        "ctx": "--ctx-size",
     }
     unknown = set(opts) - set(names) - {"ra", "prefetch", "model"}
     if unknown:
