@@ -17,6 +17,8 @@ from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
+from moestream.engine.memory import TrunkLock
+from moestream.engine.memory_plan import plan_memory, plan_restream
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
@@ -116,16 +118,27 @@ class Engine:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
         check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
+        self.top_k = top_k(self.config)
+        self.device = torch.device(options.device)
+        self.ctx_size = self._context_size()
+        self.closed, self.broken = False, None  # see `unavailable`
+        # before anything is read or locked: a run that cannot fit is refused with the numbers
+        self.options = plan_memory(self, self.options)
         dtype = "auto" if options.dtype == "auto" else getattr(torch, options.dtype)
         self.model = build_model(self.source, self.config, self.arch, dtype, self.emap)
-        self.device = torch.device(options.device)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
-        self._modules = streaming_modules(self.model)
-        self.emap.restrict([layer for layer, _ in self._modules])
-        self.top_k = top_k(self.config)
-        self.family = make_family(self.config, self.emap, self.device, self.dtype)
-        self.streaming = self._stream()
+        self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
+        if self.options.lock_memory:
+            self.trunk.lock()
+        try:
+            self._modules = streaming_modules(self.model)
+            self.emap.restrict([layer for layer, _ in self._modules])
+            self.family = make_family(self.config, self.emap, self.device, self.dtype)
+            self.streaming = self._stream()
+        except BaseException:
+            self.trunk.unlock()
+            raise
         self._step = ForwardStep(self.model)
         self._init_generation()
         self.floor = self._make_floor()
@@ -199,14 +212,41 @@ class Engine:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
-        recorder = self.recorder
+        self.check_usable()
+        options = plan_restream(self, options)  # against the room the current cache gives back
+        recorder, previous = self.recorder, self.options
         if recorder is not None:
             recorder.detach(self.runtime)
         self.streaming.close()
-        self.options = options
-        self.streaming = self._stream()
-        if recorder is not None:
-            recorder.attach(self)
+        try:
+            self.options, self.streaming = options, self._stream()
+        except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
+            self.options = previous
+            try:
+                self.streaming = self._stream()
+            except BaseException as again:
+                self.broken = (
+                    f"a restream failed ({exc}) and the previous setup could not be rebuilt ({again})"
+                )
+                raise
+            raise
+        finally:
+            if recorder is not None and self.broken is None:
+                recorder.attach(self)
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why this engine cannot serve a request (closed, or left without a working streaming setup), or
+        None when it can."""
+        if self.closed:
+            return "the engine is closed"
+        return self.broken
+
+    def check_usable(self) -> None:
+        """Raises MoestreamError when the engine cannot serve (see `unavailable`)."""
+        reason = self.unavailable
+        if reason is not None:
+            raise MoestreamError(reason)
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
@@ -219,6 +259,7 @@ class Engine:
             )
         except BaseException:
             self.streaming.close()
+            self.trunk.unlock()
             raise
 
     # --- description -------------------------------------------------------------------------
@@ -234,6 +275,7 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
             f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
+            f"{self._trunk_part()}"
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
                 f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
@@ -243,6 +285,12 @@ class Engine:
             + f" | {self.context_line()}"
         )
 
+    def _trunk_part(self) -> str:
+        """The trunk in host memory (read into memory the process owns, not mapped), when it stays there."""
+        if not self.trunk.nbytes:
+            return ""
+        return f"trunk {format_size(self.trunk.nbytes)} ({'locked' if self.trunk.locked else 'unlocked'}) | "
+
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         c = self.streaming.counters()
@@ -250,17 +298,19 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _init_generation(self) -> None:
-        """Context size, prompt cache and the model's own sampling defaults."""
+    def _context_size(self) -> int:
+        """--ctx-size, at most the model's trained context (default: the smaller of it and 8192)."""
         model = self.context_length
         requested = self.options.ctx_size
         if requested is not None and model is not None and requested > model:
-            self.streaming.close()
             raise MoestreamError(
                 f"--ctx-size {requested} is beyond the model's trained context of {model} tokens, where its "
                 f"output would look like text but not be the model's"
             )
-        self.ctx_size = requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        return requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+
+    def _init_generation(self) -> None:
+        """Prompt cache and the model's own sampling defaults."""
         self.prompt_cache = PromptCache()
         self.sampling_defaults = model_sampling_defaults(self.path)
 
@@ -331,6 +381,7 @@ class Engine:
         Raises:
             MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context.
         """
+        self.check_usable()
         try:
             params = params or SamplingParams(**sampling)
         except (ValueError, TypeError) as exc:
@@ -503,7 +554,11 @@ class Engine:
         yield gen
 
     def close(self) -> None:
-        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
+        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor;
+        the expert cache and the trunk are unlocked and the cache's memory freed at once."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.stop_trace()
         finally:
@@ -511,7 +566,11 @@ class Engine:
                 if self.floor is not None:
                     self.floor.close()
             finally:
-                self.streaming.close()
+                try:
+                    self.streaming.close()
+                finally:
+                    self.trunk.unlock()
+                    self.prompt_cache.clear()
 
     def __enter__(self) -> Engine:
         return self

@@ -207,6 +207,23 @@ class GpuSlotTier(_PinnedHost):
             event.record(self._compute_stream)
             state.last_use = event
 
+    def abort(self, layer: int) -> None:
+        """Every pin of the failed forward is dropped; a slot that did not get all its kinds copied is given
+        up (served later, it would compute with missing bytes). Its kernels' outputs are discarded, so
+        nothing waits for them; a host slot they copy from is only refilled after its copy event."""
+        event = torch.cuda.Event()
+        event.record(self._compute_stream)
+        kinds = set(self.cache.emap.kinds)
+        for key, state in list(self.slots.items()):
+            if state.pins == 0:
+                continue
+            state.pins = 0
+            if kinds.issubset(state.copied):
+                state.last_use = event
+            else:
+                self.residents.remove(key)
+                del self.slots[key]
+
     def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
         key = (layer, expert)
         base = self.slots[key].slot * self.slot_bytes

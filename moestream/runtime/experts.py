@@ -10,7 +10,9 @@ Schedule per layer forward:
     stages as soon as the kinds a stage needs are in, so a late expert waits only for its own bytes,
     never for the rest of the layer;
   * contributions are summed in ascending expert order at the end, so the result does not depend on
-    the order reads complete in.
+    the order reads complete in;
+  * whatever raises inside the schedule, every pin and slot of the forward is given back before the
+    exception leaves it (reads still running keep their slot until they land), so the next one runs.
 """
 
 from __future__ import annotations
@@ -155,14 +157,27 @@ class ExpertRuntime:
         routes: dict[int, Route],
         predicted: tuple[int, list[int]] | None,
     ) -> dict[int, torch.Tensor]:
-        ready, rest = self.tier.split(layer, order)
-        outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
-        job = self.cache.open_layer(layer, rest) if rest else None
-        if predicted is not None:  # read ahead into the host cache only what the tier lacks
-            self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
-        if job is not None:
-            outputs.update(self._run(job, hidden, routes, rest))
+        job = None
+        try:
+            ready, rest = self.tier.split(layer, order)
+            outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
+            job = self.cache.open_layer(layer, rest) if rest else None
+            if predicted is not None:  # read ahead into the host cache only what the tier lacks
+                self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
+            if job is not None:
+                outputs.update(self._run(job, hidden, routes, rest))
+        except BaseException:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must still run
+            self._abandon(layer, job)
+            raise
         return outputs
+
+    def _abandon(self, layer: int, job: LayerJob | None) -> None:
+        """Give back every pin and slot this forward holds, in the tier and in the host cache."""
+        try:
+            self.tier.abort(layer)
+        finally:
+            if job is not None:
+                self.cache.abandon(job)
 
     def _resident(self, layer: int, expert: int, hidden: torch.Tensor, route: Route) -> torch.Tensor:
         """An expert the tier holds: every stage at once."""

@@ -6,7 +6,8 @@ The runtime schedules every layer the same way over a tier:
   * `prepare`: make a stage's kinds usable on the compute device (a GPU tier: admit a slot, copy on
     the copy stream, make the compute stream wait); False when it must wait for another expert;
   * `raws`: uint8 views of the parts of one kind where the kernels read them (no copy);
-  * `release`: the expert's last stage has been issued.
+  * `release`: the expert's last stage has been issued;
+  * `abort`: the forward raised somewhere; whatever it holds is given back.
 `HostTier` computes straight from the host cache's slots (CPU); the CUDA tiers are in `runtime.cuda`.
 """
 
@@ -59,6 +60,9 @@ class DeviceTier(ABC):
 
     def release(self, layer: int, expert: int, job: LayerJob | None, failed: bool) -> None:
         """The expert's last stage has been issued (or the forward failed)."""
+
+    def abort(self, layer: int) -> None:
+        """The forward of `layer` raised: give back everything it holds in this tier."""
 
     @abstractmethod
     def describe(self) -> str:
