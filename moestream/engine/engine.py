@@ -219,7 +219,8 @@ class Engine:
             recorder.detach(self.runtime)
         self.streaming.close()
         try:
-            self.options, self.streaming = options, self._stream()
+            self.options = options
+            self.streaming = self._stream()
         except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
             self.options = previous
             try:

@@ -29,6 +29,13 @@ from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
 from moestream.runtime.tiers import DeviceTier
 
+EXPERTS_FAILED = "moestream_experts_layer"  # set on an exception raised inside a layer's expert schedule
+
+
+def raised_in_experts(exc: BaseException) -> bool:
+    """Whether `exc` came out of the routed experts' schedule (not out of transformers' own layers)."""
+    return hasattr(exc, EXPERTS_FAILED)
+
 
 @dataclass
 class Route:
@@ -166,8 +173,11 @@ class ExpertRuntime:
                 self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
             if job is not None:
                 outputs.update(self._run(job, hidden, routes, rest))
-        except BaseException:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must still run
+        except BaseException as exc:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must run
             self._abandon(layer, job)
+            if not hasattr(exc, EXPERTS_FAILED):
+                setattr(exc, EXPERTS_FAILED, layer)
+                exc.add_note(f"raised while computing the routed experts of layer {layer}")
             raise
         return outputs
 
