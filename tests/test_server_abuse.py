@@ -243,3 +243,15 @@ def test_health_reports_an_engine_that_cannot_serve(tiny_dir):
         uv.should_exit = True
         thread.join(10)
         engine.close()
+
+
+def test_a_tiny_temperature_is_greedy_as_in_vllm(server):
+    """Before: 500 (every logit divided by 1e-40 overflowed). vLLM and SGLang take a temperature below
+    1e-5 as greedy, llama-server accepts any positive one: so 200 and the greedy tokens, not a 400."""
+    greedy = _post(server, {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    for tiny in (1e-40, 5e-324):
+        res = _post(
+            server, {"prompt": "Hello", "max_tokens": 6, "temperature": tiny, "seed": 3, "ignore_eos": True}
+        )
+        assert res.status_code == 200, res.text[:300]
+        assert res.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
