@@ -28,3 +28,7 @@ class ExpertReadError(MoestreamError):
 
 class CheckpointChangedError(CheckpointError):
     """A checkpoint file was rewritten, replaced or removed while the process was using it."""
+
+
+class MemoryBudgetError(CacheBudgetError):
+    """What a run would hold does not fit in the memory the process may use."""

@@ -13,6 +13,7 @@ from test_server_harness import CONTEXT, shared_server
 from moestream.cli import main
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+JSON = {"content-type": "application/json"}
 USER = [{"role": "user", "content": "hi"}]
 # (path, body: raw bytes or a JSON value, expected status, expected param or None)
 RAW_BAD_JSON = [
@@ -141,7 +142,8 @@ def test_malformed_requests_then_a_valid_one(server, capsys):
     sent = 0
     while sent < 240:  # every kind at least once, in all well over 200 requests
         for path, body, status, param in cases:
-            _check_error(server.http.post(path, content=body), status, param, f"{path} {body[:80]!r}")
+            res = server.http.post(path, content=body, headers=JSON)
+            _check_error(res, status, param, f"{path} {body[:80]!r}")
             sent += 1
     for method, path, status in (
         ("GET", COMPLETIONS, 405),
@@ -152,7 +154,9 @@ def test_malformed_requests_then_a_valid_one(server, capsys):
         _check_error(server.http.request(method, path), status, None, path)
     # a chunked upload declares no length: the limit still holds
     res = server.http.post(
-        COMPLETIONS, content=iter([b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}'])
+        COMPLETIONS,
+        content=iter([b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}']),
+        headers=JSON,
     )
     _check_error(res, 413, None, "chunked")
     assert server.metric("moestream_requests_total", status="400") >= sent * 0.8

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from moestream.cache.admission import Unavailable, admission_blocked
 from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet, slots_for_budget
 from moestream.cache.slots import PartRead, plan_parts, slot_bytes
-from moestream.errors import CacheBudgetError
+from moestream.errors import CacheBudgetError, ExpertReadError, MoestreamError
 from moestream.io.memory import AlignedBuffer
 from moestream.io.reader import Reader, Request
 from moestream.store.experts import ExpertMap
@@ -64,7 +64,8 @@ class SlotState:
     errors: dict[str, BaseException | None]
     pins: int = 0
     listeners: list[LayerJob] = field(default_factory=list)
-    prefetching: bool = False  # holds a pin of its own until its reads are done
+    # holds a pin of its own until its reads are done: a prefetch, or the reads of a forward that failed
+    prefetching: bool = False
     prefetched: bool = False  # read ahead and not asked for yet
 
     @property
@@ -82,6 +83,25 @@ def budget_requirements(emap: ExpertMap, top_k: int) -> tuple[int, int]:
     for (layer, _), parts in emap.units.items():
         per_layer[layer] = max(per_layer.get(layer, 0), slot_bytes(parts))
     return top_k * max(per_layer.values()), top_k * sum(per_layer.values())
+
+
+def plan_classes(emap: ExpertMap, budget: int, top_k: int) -> list[tuple[int, int, list[Key]]]:
+    """(slot bytes, slots, experts) of every size class a cache of `budget` bytes carves, before anything
+    is allocated: each class gets its share of the budget, at least top_k slots, at most its experts."""
+    by_size: dict[int, list[Key]] = {}
+    for key, parts in emap.units.items():
+        by_size.setdefault(slot_bytes(parts), []).append(key)
+    total = sum(size * len(keys) for size, keys in by_size.items())
+    plan = []
+    for size, keys in sorted(by_size.items()):
+        share = budget * size * len(keys) // total if len(by_size) > 1 else budget
+        plan.append((size, slots_for_budget(share, size, floor=top_k, limit=len(keys)), keys))
+    return plan
+
+
+def planned_bytes(emap: ExpertMap, budget: int, top_k: int) -> int:
+    """Bytes a cache of `budget` would allocate (less than the budget when every expert fits)."""
+    return sum(size * capacity for size, capacity, _ in plan_classes(emap, budget, top_k))
 
 
 class ExpertCache:
@@ -118,6 +138,7 @@ class ExpertCache:
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
+        self.closed = False
 
     def _check_budget(self, budget: int, top_k: int, warn_working_set: bool) -> None:
         minimum, working_set = budget_requirements(self.emap, top_k)
@@ -136,14 +157,8 @@ class ExpertCache:
             )
 
     def _carve(self, budget: int, top_k: int, policy_factory: Callable[[], EvictionPolicy]):
-        by_size: dict[int, list[Key]] = {}
-        for key, parts in self.emap.units.items():
-            by_size.setdefault(slot_bytes(parts), []).append(key)
-        total = sum(size * len(keys) for size, keys in by_size.items())
         classes, class_of = [], {}
-        for size, keys in sorted(by_size.items()):
-            share = budget * size * len(keys) // total if len(by_size) > 1 else budget
-            capacity = slots_for_budget(share, size, floor=top_k, limit=len(keys))
+        for size, capacity, keys in plan_classes(self.emap, budget, top_k):
             cls = SizeClass(
                 size, capacity, AlignedBuffer(size * capacity), ResidentSet(capacity, policy_factory())
             )
@@ -171,29 +186,35 @@ class ExpertCache:
         """Start one layer forward over `experts` (distinct, in execution order; `uses[i]`: how many of
         the forward's `tokens` are routed to `experts[i]`): tell the policy (`ResidentSet.begin_group`),
         pin the hits (their events are queued at once), give slots to misses while the next victim is
-        free, queue their reads."""
+        free, queue their reads. If this raises, the job holds nothing."""
+        self._check_open()
         self.last_job_seq = next(self._job_seq)
         job = LayerJob(self, layer, experts, self.last_job_seq)
-        with self.lock:
-            self._open_job = job
-            self._begin_group(layer, experts, uses, tokens)
-            for e in experts:
-                (job.hits if (layer, e) in self._states else job.misses).append(e)
-            for e in job.hits:
-                self._pin_hit((layer, e), job)
-            job.active = len(job.hits)
-            self.stats.hits += len(job.hits)
-            self.stats.misses += len(job.misses)
-            self.stats.miss_bytes += sum(self.emap.unit_bytes(layer, e) for e in job.misses)
-            job.pending = list(job.misses)
-            admitted = self._admit_pending(job)
-        self._submit(admitted)
+        try:
+            with self.lock:
+                self._open_job = job
+                self._begin_group(layer, experts, uses, tokens)
+                for e in experts:
+                    (job.hits if (layer, e) in self._states else job.misses).append(e)
+                for e in job.hits:
+                    self._pin_hit((layer, e), job)
+                job.active = len(job.hits)
+                self.stats.hits += len(job.hits)
+                self.stats.misses += len(job.misses)
+                self.stats.miss_bytes += sum(self.emap.unit_bytes(layer, e) for e in job.misses)
+                job.pending = list(job.misses)
+                admitted = self._admit_pending(job)
+            self._submit(admitted)
+        except BaseException:
+            self.abandon(job)
+            raise
         return job
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Read ahead experts predicted for `layer`, after every read of the last opened layer job and before
         any of a later one. Only free or unpinned slots are used, never one of the open layer's or the
         other predicted experts; stops at the first victim in use. Returns the number of experts queued."""
+        self._check_open()
         after_job = self.last_job_seq
         admitted = _Admitted()
         queued = 0
@@ -268,9 +289,46 @@ class ExpertCache:
             if job in state.listeners:
                 state.listeners.remove(job)
             self._unpin(state)
+            job.held.discard(expert)
             job.active -= 1
             admitted = self._admit_pending(job)
         self._submit(admitted)
+
+    def abandon(self, job: LayerJob) -> None:
+        """A forward failed (an exception anywhere in it): give back at once everything `job` holds. Its
+        waiting misses are dropped; an expert whose reads still run keeps one pin until they land (a slot
+        must not be refilled under a read), every other pin of the job is released."""
+        with self.lock:
+            job.pending = []
+            for expert in sorted(job.held):
+                state = self._states.get((job.layer, expert))
+                if state is None:
+                    continue
+                if job in state.listeners:
+                    state.listeners.remove(job)
+                if any(n > 0 for n in state.remaining.values()) and not state.prefetching:
+                    state.prefetching = True  # the job's pin becomes the reads' own, released as they land
+                    self._prefetching += 1
+                else:
+                    self._unpin(state)
+            job.held.clear()
+            job.active = 0
+            if self._open_job is job:
+                self._open_job = None
+
+    def close(self) -> None:
+        """Unlock and free the slot memory now. The reader must have stopped (no read may land later)."""
+        with self.lock:
+            self.closed = True
+            self._states.clear()
+            self._open_job = None
+        for c in self.classes:
+            c.buffer.free()
+        self.locked = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MoestreamError("the expert cache is closed (the engine was closed)")
 
     def drop_pending(self, job: LayerJob) -> list[int]:
         """Give up on misses of `job` that never got a slot (after a failed read). Returns those experts."""
@@ -301,6 +359,7 @@ class ExpertCache:
             state.prefetched = False
             self.stats.prefetch_used += 1
         state.pins += 1
+        job.held.add(key[1])
         for kind in self.emap.kinds:
             if state.remaining[kind] == 0:
                 job.events.put((key[1], kind, state.errors[kind]))
@@ -313,6 +372,7 @@ class ExpertCache:
         while job.pending and not self._blocked((job.layer, job.pending[0]), job.keys):
             expert = job.pending.pop(0)
             self._admit_miss((job.layer, expert), job, job.admitted, admitted, protected=job.keys)
+            job.held.add(expert)
             job.admitted += 1
             job.active += 1
         return admitted
@@ -407,11 +467,18 @@ class ExpertCache:
 
     def _submit(self, admitted: _Admitted) -> None:
         """Outside the lock: let the owner of evicted slots finish with them (CUDA: copies still reading
-        them), then queue the reads that refill them."""
-        if self.on_evict is not None:
-            for victim in admitted.evicted:
-                self.on_evict(victim)
-        self.reader.submit(admitted.reads)
+        them), then queue the reads that refill them. If that fails, no read was queued: each one is
+        finished with the error, so no slot waits for bytes that will never come."""
+        try:
+            if self.on_evict is not None:
+                for victim in admitted.evicted:
+                    self.on_evict(victim)
+            self.reader.submit(admitted.reads)
+        except BaseException as exc:
+            error = ExpertReadError(f"expert reads could not be queued ({type(exc).__name__}: {exc})")
+            for request in admitted.reads:
+                request.on_done(error)
+            raise
 
 
 @dataclass
@@ -434,6 +501,7 @@ class LayerJob:
         self.misses: list[int] = []
         self.pending: list[int] = []  # misses still waiting for a slot
         self.admitted = 0  # misses given a slot so far
+        self.held: set[int] = set()  # experts this job pinned and has not released
         self.active = 0  # experts pinned by this job and not yet released
         self.wait_s = 0.0
 

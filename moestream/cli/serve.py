@@ -22,6 +22,7 @@ from moestream.cli._engine_args import (
     use_chat_template,
 )
 from moestream.errors import MoestreamError
+from moestream.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, limited_protocol
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -38,7 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("MOESTREAM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $MOESTREAM_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' (default: $MOESTREAM_API_KEY, else none); prefer the "
+        "variable: a key on the command line is visible to every user in `ps`",
     )
     p.add_argument(
         "--model-name",
@@ -52,6 +54,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)",
     )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"open connections at once; more get 503 at once (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT,
+        help="seconds a request's head, and then its body, may take to arrive; a connection that sends "
+        f"no whole request in time is closed (default {DEFAULT_REQUEST_TIMEOUT:g})",
+    )
     p.add_argument(
         "--log-level",
         default="info",
@@ -112,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         raise MoestreamError(f"--max-body: {exc}") from None
     if args.queue_size < 1:
         raise MoestreamError(f"--queue-size must be at least 1, got {args.queue_size}")
+    if args.max_connections < 1:
+        raise MoestreamError(f"--max-connections must be at least 1, got {args.max_connections}")
+    if not args.request_timeout > 0 or args.request_timeout == float("inf"):
+        raise MoestreamError(
+            f"--request-timeout must be a positive number of seconds, got {args.request_timeout}"
+        )
     path, template = model_path(args), read_chat_template(args)
     if not _is_loopback(args.host) and not args.api_key:
         print(
@@ -134,12 +155,20 @@ def run(args: argparse.Namespace) -> int:
             max_body=max_body,
             queue_size=args.queue_size,
             aliases=[path],
+            loopback_only=_is_loopback(args.host),
+            request_timeout=args.request_timeout,
+            max_connections=args.max_connections,
         )
         app = create_app(engine, options)
         # uvicorn's own INFO lines (startup, shutdown) only repeat ours: it logs warnings unless debugging
         uvicorn_level = args.log_level if args.log_level in ("debug", "error") else "warning"
         config = uvicorn.Config(
-            app, log_level=uvicorn_level, access_log=False, timeout_graceful_shutdown=5, log_config=None
+            app,
+            http=limited_protocol(args.max_connections, args.request_timeout),
+            log_level=uvicorn_level,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            log_config=None,
         )
         host, port = sock.getsockname()[:2]
         print(

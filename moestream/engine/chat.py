@@ -50,6 +50,18 @@ def render_chat(
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def render_chat_text(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+) -> str:
+    """The text `render_chat` tokenizes (what the template renders), e.g. to count a long one first."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **dict(template_kwargs or {})
+        )
+    except Exception as exc:
+        raise MoestreamError(f"the chat template rejected the messages: {exc}") from None
+
+
 def read_template(path: str | Path) -> str:
     """A chat template file's text (Jinja), for --chat-template."""
     try:

@@ -17,6 +17,8 @@ from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
+from moestream.engine.memory import TrunkLock
+from moestream.engine.memory_plan import plan_memory, plan_restream
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
@@ -25,6 +27,7 @@ from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.model.quantized import block_bytes
 from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
@@ -98,6 +101,16 @@ def load(
     return Engine(path, options, make_reader=make_reader)
 
 
+def _tensor_bytes(model: torch.nn.Module, device_type: str) -> int:
+    """Bytes of the model's parameters and buffers on devices of `device_type` (shared storage once)."""
+    seen: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == device_type:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
@@ -118,19 +131,30 @@ class Engine:
             _override_top_k(self.config, options.experts_per_token)
         self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
         check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
+        self.top_k = top_k(self.config)
+        self.device = torch.device(options.device)
+        self.ctx_size = self._context_size()
+        self.closed, self.broken = False, None  # see `unavailable`
+        # before anything is read or locked: a run that cannot fit is refused with the numbers
+        self.options = plan_memory(self, self.options)
         dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
         dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model = build_model(
             self.source, self.config, self.arch, dtype, self.emap, keep_blocks=options.trunk_dtype is None
         )
-        self.device = torch.device(options.device)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
-        self._modules = streaming_modules(self.model)
-        self.emap.restrict([layer for layer, _ in self._modules])
-        self.top_k = top_k(self.config)
-        self.family = make_family(self.config, self.emap, self.device, self.dtype)
-        self.streaming = self._stream()
+        self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
+        if self.options.lock_memory:
+            self.trunk.lock()
+        try:
+            self._modules = streaming_modules(self.model)
+            self.emap.restrict([layer for layer, _ in self._modules])
+            self.family = make_family(self.config, self.emap, self.device, self.dtype)
+            self.streaming = self._stream()
+        except BaseException:
+            self.trunk.unlock()
+            raise
         self._step = ForwardStep(self.model)
         self._init_generation()
         self.floor = self._make_floor()
@@ -235,15 +259,44 @@ class Engine:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
-        recorder = self.recorder
+        self.check_usable()
+        options = plan_restream(self, options)  # against the room the current cache gives back
+        recorder, previous = self.recorder, self.options
         if recorder is not None:
             recorder.detach(self.runtime)
         self.streaming.close()
-        self.options = options
-        self.streaming = self._stream()
-        if recorder is not None:
-            recorder.attach(self)
-        self.runtime.replay = self.replay
+        try:
+            self.options = options
+            self.streaming = self._stream()
+            self.runtime.replay = self.replay
+        except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
+            self.options = previous
+            try:
+                self.streaming = self._stream()
+                self.runtime.replay = self.replay
+            except BaseException as again:
+                self.broken = (
+                    f"a restream failed ({exc}) and the previous setup could not be rebuilt ({again})"
+                )
+                raise
+            raise
+        finally:
+            if recorder is not None and self.broken is None:
+                recorder.attach(self)
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why this engine cannot serve a request (closed, or left without a working streaming setup), or
+        None when it can."""
+        if self.closed:
+            return "the engine is closed"
+        return self.broken
+
+    def check_usable(self) -> None:
+        """Raises MoestreamError when the engine cannot serve (see `unavailable`)."""
+        reason = self.unavailable
+        if reason is not None:
+            raise MoestreamError(reason)
 
     def _make_floor(self) -> Any:
         from moestream.power.floor import make_engine_floor
@@ -256,6 +309,7 @@ class Engine:
             )
         except BaseException:
             self.streaming.close()
+            self.trunk.unlock()
             raise
 
     # --- description -------------------------------------------------------------------------
@@ -271,6 +325,7 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
             f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
+            f"{self._trunk_part()}"
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
                 f" | ROUTING REPLAYED from {self.replay.name} (benchmark only: outputs are not the model's)"
@@ -285,6 +340,26 @@ class Engine:
             + f" | {self.context_line()}"
         )
 
+    def _trunk_part(self) -> str:
+        """The trunk in host memory (read into memory the process owns, not mapped), and on a GPU what
+        moestream holds in GPU memory: the trunk, the GPU tier, the KV cache when full."""
+        blocks = block_bytes(self.model)
+        kept = f", {format_size(blocks)} of it in GGUF block types" if blocks else ""
+        text = ""
+        if self.trunk.nbytes:
+            lock = "locked" if self.trunk.locked else "unlocked"
+            where = kept if self.device.type == "cpu" else ""
+            text = f"trunk {format_size(self.trunk.nbytes)} ({lock}{where}) | "
+        if self.device.type != "cuda":
+            return text
+        trunk = _tensor_bytes(self.model, "cuda")
+        tier = self.runtime.tier.gpu_bytes
+        kv = kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
+        return text + (
+            f"GPU memory {format_size(trunk + tier + kv)}: trunk {format_size(trunk)}{kept} + GPU tier "
+            f"{format_size(tier)} + KV cache {format_size(kv)} at {self.ctx_size} tokens | "
+        )
+
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         c = self.streaming.counters()
@@ -292,17 +367,19 @@ class Engine:
 
     # --- generation --------------------------------------------------------------------------
 
-    def _init_generation(self) -> None:
-        """Context size, prompt cache and the model's own sampling defaults."""
+    def _context_size(self) -> int:
+        """--ctx-size, at most the model's trained context (default: the smaller of it and 8192)."""
         model = self.context_length
         requested = self.options.ctx_size
         if requested is not None and model is not None and requested > model:
-            self.streaming.close()
             raise MoestreamError(
                 f"--ctx-size {requested} is beyond the model's trained context of {model} tokens, where its "
                 f"output would look like text but not be the model's"
             )
-        self.ctx_size = requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+        return requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+
+    def _init_generation(self) -> None:
+        """Prompt cache and the model's own sampling defaults."""
         self.prompt_cache = PromptCache()
         self.sampling_defaults = model_sampling_defaults(self.path)
 
@@ -373,6 +450,7 @@ class Engine:
         Raises:
             MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context.
         """
+        self.check_usable()
         try:
             params = params or SamplingParams(**sampling)
         except (ValueError, TypeError) as exc:
@@ -548,7 +626,11 @@ class Engine:
         yield gen
 
     def close(self) -> None:
-        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor."""
+        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor;
+        the expert cache and the trunk are unlocked and the cache's memory freed at once."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.stop_trace()
         finally:
@@ -556,7 +638,11 @@ class Engine:
                 if self.floor is not None:
                     self.floor.close()
             finally:
-                self.streaming.close()
+                try:
+                    self.streaming.close()
+                finally:
+                    self.trunk.unlock()
+                    self.prompt_cache.clear()
 
     def __enter__(self) -> Engine:
         return self

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from moestream.engine.prompt_cache import KVState
+from moestream.runtime.experts import raised_in_experts
 
 
 class ForwardStep:
@@ -67,6 +68,8 @@ def _continue(step: ForwardStep, ids: list[int], state: KVState) -> torch.Tensor
     try:
         return _feed(step, ids, state)
     except (RuntimeError, ValueError, IndexError) as exc:
+        if raised_in_experts(exc):  # a failing expert read or kernel says nothing about the KV cache
+            raise
         raise ContinuationError(f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -98,7 +98,7 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
         processors.append(
             PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_len)
         )
-    if params.temperature > 0:  # the warpers only shape a distribution that is sampled from
+    if not is_greedy(params.temperature):  # the warpers only shape a distribution that is sampled from
         if params.temperature != 1.0:
             processors += [_shift_to_zero_max, lp.TemperatureLogitsWarper(params.temperature)]
         if params.top_k:
@@ -108,6 +108,12 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
         if params.min_p > 0:
             processors.append(lp.MinPLogitsWarper(params.min_p))
     return processors
+
+
+def is_greedy(temperature: float) -> bool:
+    """0, or a temperature that is 0 in float32 (below ~1e-45), where dividing the logits by it would give
+    NaN: greedy, as vLLM takes any temperature below 1e-5."""
+    return float(torch.tensor(temperature, dtype=torch.float32)) == 0
 
 
 def _shift_to_zero_max(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -131,7 +137,7 @@ class Sampler:
             ids = torch.tensor([context or []], dtype=torch.long)  # [1, L]
             for processor in self.processors:
                 scores = processor(ids, scores)
-        if self.params.temperature == 0:
+        if is_greedy(self.params.temperature):
             return int(torch.argmax(scores[0]))
         probs = torch.softmax(scores[0], dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -40,3 +40,30 @@ class AlignedBuffer:
             stacklevel=2,
         )
         return False
+
+    def unlock(self) -> None:
+        if self.locked:
+            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
+            self.locked = False
+
+    def free(self) -> None:
+        """Give the memory back now: unlock it and drop its pages (the range reads as zeros afterwards),
+        then unmap it, unless views of it are still alive (they unmap it when they go)."""
+        self.unlock()
+        if self._map.closed:
+            return
+        self._map.madvise(mmap.MADV_DONTNEED)
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:  # a torch or numpy view still exports it; its pages are gone already
+            pass
+
+
+def lock_range(address: int, nbytes: int) -> bool:
+    """mlock bytes the process already holds (the kernel rounds to whole pages). False where refused."""
+    return _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) == 0
+
+
+def unlock_range(address: int, nbytes: int) -> None:
+    _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import heapq
 import itertools
+import logging
 import mmap
 import os
 import sys
@@ -31,6 +32,7 @@ import numpy as np
 from moestream.errors import CheckpointChangedError, ExpertReadError
 from moestream.io.memory import memmove
 
+log = logging.getLogger("moestream.io")
 IO_MODES = ("direct", "pagecache", "mmap")
 ALIGN = 4096
 # An I/O thread whose read returned needs the GIL to queue its next read; with CPython's default 5 ms
@@ -185,6 +187,8 @@ class Reader:
         if not requests:
             return
         with self._cond:
+            if self._closed:
+                raise ExpertReadError("the reader is closed (the engine was closed)")
             pieces = 0
             for request in requests:
                 heapq.heappush(self._heap, request)
@@ -243,7 +247,7 @@ class Reader:
             got = 0
             try:
                 got = self._read(request, start)
-            except ExpertReadError as exc:
+            except (ExpertReadError, CheckpointChangedError) as exc:
                 error = exc
             except OSError as exc:
                 error = ExpertReadError(
@@ -265,7 +269,10 @@ class Reader:
                     request.error = error
                 finished = request.in_flight == 0 and request.cursor >= request.length
             if finished:
-                request.on_done(request.error)
+                try:
+                    request.on_done(request.error)
+                except Exception:  # a callback's bug must not end the thread: later reads would never run
+                    log.exception("a read's completion callback failed")
 
     @staticmethod
     def _explain(handle: OpenFile, error: BaseException) -> BaseException:
@@ -283,6 +290,13 @@ class Reader:
         offset = request.offset + start
         if handle.mapping is not None:
             got = max(0, min(length, handle.size - offset))
+            # touching a mapped page past the file's current end is SIGBUS, which kills the process
+            # with no message: a file shrunk since it was mapped must be an error before the copy
+            now = os.fstat(handle.fd).st_size
+            if now < offset + got:
+                raise CheckpointChangedError(
+                    _changed_message(handle.path, f"its size changed from {handle.size} to {now} bytes")
+                )
             memmove(request.dest_address + start, handle.map_address + offset, got)
         else:
             got = 0

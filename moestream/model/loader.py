@@ -51,6 +51,19 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+def trunk_tensors(
+    source: CheckpointSource, config: Any, arch: Arch, emap: ExpertMap, keep_blocks: bool = True
+) -> dict[str, Any]:
+    """The source's trunk (non-expert) tensors by model parameter name, not read yet (what `build_model`
+    loads; the memory check sizes them before anything is read)."""
+    with _PATCH_LOCK, _quiet_transformers():
+        register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
+        try:
+            return source.trunk_state_dict(emap, ExpectedKeys(_causal_lm_class(config), config), keep_blocks)
+        finally:
+            unregister_patch_mapping([arch.experts_class])
+
+
 def build_model(
     source: CheckpointSource,
     config: Any,

@@ -103,6 +103,12 @@ def apply_quantized_trunk(
     return kept
 
 
+def block_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights kept in block types (QuantLinear, QuantEmbedding; tied ones once)."""
+    raws = {m.raw.data_ptr(): m.raw.nbytes for m in model.modules() if isinstance(m, _Blocks)}
+    return sum(raws.values())
+
+
 def _with_tied_names(model: nn.Module, quantized: dict[str, QuantizedTensor]) -> dict[str, QuantizedTensor]:
     """Add the names of parameters tied to a placeholder (an output layer sharing the embedding)."""
     by_param = {id(model.get_parameter(name)): value for name, value in quantized.items()}

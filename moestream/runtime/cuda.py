@@ -128,6 +128,7 @@ class GpuSlotTier(_PinnedHost):
         super().__init__(cache, device, mapped=False)
         self.capacity, self.fusions = capacity, fusions
         self.buffer = torch.empty(capacity * self.slot_bytes, dtype=torch.uint8, device=device)
+        self.gpu_bytes = self.buffer.nbytes
         self.residents = ResidentSet(capacity, policy or LRUPolicy())
         self.slots: dict[tuple[int, int], GpuSlot] = {}
         self.copy_stream = torch.cuda.Stream(device=device)
@@ -209,6 +210,23 @@ class GpuSlotTier(_PinnedHost):
             event = torch.cuda.Event()
             event.record(self._compute_stream)
             state.last_use = event
+
+    def abort(self, layer: int) -> None:
+        """Every pin of the failed forward is dropped; a slot that did not get all its kinds copied is given
+        up (served later, it would compute with missing bytes). Its kernels' outputs are discarded, so
+        nothing waits for them; a host slot they copy from is only refilled after its copy event."""
+        event = torch.cuda.Event()
+        event.record(self._compute_stream)
+        kinds = set(self.cache.emap.kinds)
+        for key, state in list(self.slots.items()):
+            if state.pins == 0:
+                continue
+            state.pins = 0
+            if kinds.issubset(state.copied):
+                state.last_use = event
+            else:
+                self.residents.remove(key)
+                del self.slots[key]
 
     def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
         key = (layer, expert)

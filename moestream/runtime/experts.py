@@ -10,7 +10,9 @@ Schedule per layer forward:
     stages as soon as the kinds a stage needs are in, so a late expert waits only for its own bytes,
     never for the rest of the layer;
   * contributions are summed in ascending expert order at the end, so the result does not depend on
-    the order reads complete in.
+    the order reads complete in;
+  * whatever raises inside the schedule, every pin and slot of the forward is given back before the
+    exception leaves it (reads still running keep their slot until they land), so the next one runs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
 from moestream.runtime.prefetch import PrefetchGate
 from moestream.runtime.tiers import DeviceTier
+
+EXPERTS_FAILED = "moestream_experts_layer"  # set on an exception raised inside a layer's expert schedule
+
+
+def raised_in_experts(exc: BaseException) -> bool:
+    """Whether `exc` came out of the routed experts' schedule (not out of transformers' own layers)."""
+    return hasattr(exc, EXPERTS_FAILED)
 
 
 @dataclass
@@ -193,21 +202,35 @@ class ExpertRuntime:
         routes: dict[int, Route],
         predicted: tuple[int, list[int]] | None,
     ) -> dict[int, torch.Tensor]:
-        uses = [routes[e].span.stop - routes[e].span.start for e in order]  # tokens routed to each
-        self.tier.begin_group(layer, order, uses, hidden.shape[0])
-        ready, rest = self.tier.split(layer, order)
-        outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
-        if rest:
-            served = dict(zip(order, uses))
-            job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
-        else:
-            job = None
-        go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
-        if go and predicted is not None and predicted[1]:  # read ahead only what the tier lacks
-            self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
-        if job is not None:
-            outputs.update(self._run(job, hidden, routes, rest))
+        job = None
+        try:
+            uses = [routes[e].span.stop - routes[e].span.start for e in order]  # tokens routed to each
+            self.tier.begin_group(layer, order, uses, hidden.shape[0])
+            ready, rest = self.tier.split(layer, order)
+            outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
+            if rest:
+                served = dict(zip(order, uses))
+                job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
+            go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
+            if go and predicted is not None:  # read ahead only what the tier lacks (maybe nothing)
+                self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
+            if job is not None:
+                outputs.update(self._run(job, hidden, routes, rest))
+        except BaseException as exc:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must run
+            self._abandon(layer, job)
+            if not hasattr(exc, EXPERTS_FAILED):
+                setattr(exc, EXPERTS_FAILED, layer)
+                exc.add_note(f"raised while computing the routed experts of layer {layer}")
+            raise
         return outputs
+
+    def _abandon(self, layer: int, job: LayerJob | None) -> None:
+        """Give back every pin and slot this forward holds, in the tier and in the host cache."""
+        try:
+            self.tier.abort(layer)
+        finally:
+            if job is not None:
+                self.cache.abandon(job)
 
     def _resident(self, layer: int, expert: int, hidden: torch.Tensor, route: Route) -> torch.Tensor:
         """An expert the tier holds: every stage at once."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from moestream.cache.expert_cache import ExpertCache, budget_requirements
+from moestream.cache.expert_cache import ExpertCache, budget_requirements, planned_bytes
 from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from moestream.cache.predictive import PredictivePolicy
 from moestream.io.reader import Reader
@@ -83,6 +83,8 @@ class ExpertStreaming:
         self.emap, self.config, self.device = emap, config, device
         self.reader = make_reader(config.io_mode, config.io_threads)
         self.tier: DeviceTier | None = None
+        self.cache: ExpertCache | None = None
+        self.closed = False
         try:
             for name in emap.files:
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
@@ -109,11 +111,8 @@ class ExpertStreaming:
         if uses_unified_memory(c.unified, self.device):
             cache = self._cache(c.cache, top_k, policy)
             return cache, UnifiedTier(cache, self.device)
-        minimum, working_set = budget_requirements(self.emap, top_k)
-        # pinned host tier between disk and GPU; 0 means staging only: one layer's worst case, or two with
-        # prefetch (the next layer's reads need slots while this layer's are still pinned)
-        host = max(c.host_cache, minimum * (2 if c.prefetch != "off" else 1))
-        cache = self._cache(host, top_k, policy, warn_working_set=False)
+        _, working_set = budget_requirements(self.emap, top_k)
+        cache = self._cache(staging_budget(self.emap, c, top_k), top_k, policy, warn_working_set=False)
         gpu = GpuSlotTier(
             cache,
             c.cache if c.gpu_cache is None else c.gpu_cache,
@@ -135,7 +134,8 @@ class ExpertStreaming:
         self, budget: int, top_k: int, policy: Callable[[], EvictionPolicy], warn_working_set: bool = True
     ) -> ExpertCache:
         c = self.config
-        return ExpertCache(
+        # kept at once: a tier that fails after it is built still frees (and unlocks) it in close
+        self.cache = ExpertCache(
             self.emap,
             budget,
             self.reader,
@@ -145,6 +145,7 @@ class ExpertStreaming:
             policy_factory=policy,
             warn_working_set=warn_working_set,
         )
+        return self.cache
 
     def enable_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
         """Give the runtime the routers of the streamed layers (stale-gate prefetch and trace predictions)."""
@@ -181,10 +182,18 @@ class ExpertStreaming:
         )
 
     def close(self) -> None:
-        """Release the tier (GPU memory, page-locking), stop the I/O threads, close the files."""
-        if self.tier is not None:
-            self.tier.close()
-        self.reader.close()
+        """Release the tier (GPU memory, page-locking), stop the I/O threads, close the files, then unlock
+        and free the host cache (at once, not when the last reference goes)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.tier is not None:
+                self.tier.close()
+        finally:
+            self.reader.close()
+            if self.cache is not None:
+                self.cache.close()
 
 
 def policy_factory(name: str, emap: ExpertMap) -> Callable[[], EvictionPolicy]:
@@ -200,3 +209,19 @@ def uses_unified_memory(unified: bool | None, device: torch.device) -> bool:
     if unified is not None:
         return unified
     return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
+
+
+def staging_budget(emap: ExpertMap, config: StreamConfig, top_k: int) -> int:
+    """Budget of the pinned host tier between disk and GPU slots; host_cache 0 means staging only: one
+    layer's worst case, or two with prefetch (the next layer's reads need slots while this layer's are
+    still pinned)."""
+    minimum, _ = budget_requirements(emap, top_k)
+    return max(config.host_cache, minimum * (2 if config.prefetch != "off" else 1))
+
+
+def host_cache_bytes(emap: ExpertMap, config: StreamConfig, top_k: int, device: torch.device) -> int:
+    """Host memory the streaming will allocate for `config`: the expert cache (CPU, unified memory) or
+    the pinned staging slots (GPU slots), before anything is allocated."""
+    if device.type == "cuda" and not uses_unified_memory(config.unified, device):
+        return planned_bytes(emap, staging_budget(emap, config, top_k), top_k)
+    return planned_bytes(emap, config.cache, top_k)

@@ -6,7 +6,8 @@ The runtime schedules every layer the same way over a tier:
   * `prepare`: make a stage's kinds usable on the compute device (a GPU tier: admit a slot, copy on
     the copy stream, make the compute stream wait); False when it must wait for another expert;
   * `raws`: uint8 views of the parts of one kind where the kernels read them (no copy);
-  * `release`: the expert's last stage has been issued.
+  * `release`: the expert's last stage has been issued;
+  * `abort`: the forward raised somewhere; whatever it holds is given back.
 `HostTier` computes straight from the host cache's slots (CPU); the CUDA tiers are in `runtime.cuda`.
 """
 
@@ -34,6 +35,7 @@ class DeviceTier(ABC):
     """What every tier implements; the defaults are the host tier's (no faster tier, nothing to copy)."""
 
     fuses = False  # lays out a family's fusions back to back, so they are computed as one matrix
+    gpu_bytes = 0  # device memory the tier holds (GPU slots)
 
     def __init__(self, cache: ExpertCache, device: torch.device | None = None) -> None:
         self.cache = cache
@@ -63,6 +65,9 @@ class DeviceTier(ABC):
 
     def release(self, layer: int, expert: int, job: LayerJob | None, failed: bool) -> None:
         """The expert's last stage has been issued (or the forward failed)."""
+
+    def abort(self, layer: int) -> None:
+        """The forward of `layer` raised: give back everything it holds in this tier."""
 
     @abstractmethod
     def describe(self) -> str:

@@ -31,6 +31,7 @@ from moestream.engine.engine import Engine
 from moestream.server import generation
 from moestream.server.access import AccessLog, access_record
 from moestream.server.errors import APIError
+from moestream.server.guard import DEFAULT_REQUEST_TIMEOUT, LoopbackHost
 from moestream.server.state import ServerOptions, ServerState
 
 log = logging.getLogger("moestream.server")
@@ -62,6 +63,7 @@ def create_app(engine: Engine, options: ServerOptions) -> FastAPI:
     app.include_router(router)
     _install_error_handlers(app, state)
     app.add_middleware(AccessLog)
+    app.add_middleware(LoopbackHost, enabled=options.loopback_only)  # outermost: before anything runs
     return app
 
 
@@ -88,9 +90,15 @@ guarded = [Depends(require_key)]
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    worker = _state(request).worker
-    return {"status": "ok", "waiting": worker.waiting, "running": worker.running is not None}
+async def health(request: Request) -> Response:
+    """200 while the engine can serve; 503 with the reason when it cannot (closed, or a failed restream
+    left it without a streaming setup), so that a load balancer or supervisor sees it."""
+    state = _state(request)
+    worker, reason = state.worker, state.engine.unavailable
+    body = {"status": "ok", "waiting": worker.waiting, "running": worker.running is not None}
+    if reason is not None:
+        return JSONResponse({**body, "status": "unavailable", "reason": reason}, status_code=503)
+    return JSONResponse(body)
 
 
 @router.get("/v1/models", dependencies=guarded)
@@ -128,26 +136,51 @@ async def chat_completions(request: Request) -> Response:
 async def _generate(request: Request, chat: bool) -> Response:
     started = time.perf_counter()
     state = _state(request)
-    body = await read_json(request, state.options.max_body)
+    body = await read_json(request, state.options.max_body, state.options.request_timeout)
     pending, stream = await generation.submit(state, body, chat, started, access_record(request))
     if stream:
         return generation.stream(state, pending)
     return await generation.answer(state, pending, request)
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing bodies over `limit` bytes before reading them whole."""
+async def read_json(request: Request, limit: int, timeout: float = DEFAULT_REQUEST_TIMEOUT) -> dict[str, Any]:
+    """The body as a JSON object: application/json only (a web page's form or text/plain POST is no API
+    call), refused over `limit` bytes before it is read whole, within `timeout` seconds."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as Content-Type: application/json (got {kind[:80]!r}; "
+            "with curl: -H 'Content-Type: application/json')",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await _body(request, limit)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {timeout:g} s", code="request_timeout"
+        ) from None
+    # a body of megabytes takes tens of milliseconds to parse: not on the event loop
+    return await asyncio.to_thread(_parse, raw) if len(raw) > 256 << 10 else _parse(raw)
+
+
+async def _body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:  # chunked bodies declare no length
             raise _too_large(limit)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):

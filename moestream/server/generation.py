@@ -47,6 +47,9 @@ async def submit(
         APIError: a 4xx for anything wrong with the request, 503 when the queue is full or the server stops.
     """
     req = _validate(state, body, chat)
+    unavailable = state.engine.unavailable
+    if unavailable is not None:
+        raise APIError(503, f"the model cannot be served: {unavailable}", code="engine_unavailable")
     if chat:
         ids = await state.prompts.chat(req.template_messages(), req.chat_template_kwargs)
         max_tokens = state.prompts.budget(len(ids), req.limit(), None, param="messages")

@@ -1,33 +1,65 @@
 """Turning requests into token ids, and checking them against the context, off the event loop.
 
 The worker thread decodes with the engine's tokenizer after every token. A Hugging Face fast tokenizer
-may not be used from two threads at once, so the server loads its own copy from the checkpoint and uses
-it on one dedicated thread.
+may not be used from two threads at once, so the server loads its own copies from the checkpoint, one
+per tokenizing thread: one for short prompts and one for long ones, so that a prompt of megabytes never
+holds up a short request. A long text is first counted in pieces and refused as soon as the count
+passes the context, so that the tokens of megabytes of text (an Encoding of ~100 bytes per token) are
+never all held; only a text that fits is tokenized whole. Long prompts being tokenized count against
+the queue's room. Memory freed by a long one is handed back to the system (malloc_trim).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from moestream.engine.chat import TemplateKwargsError, render_chat
+from moestream.engine.chat import TemplateKwargsError, render_chat, render_chat_text
 from moestream.engine.engine import Engine
 from moestream.errors import MoestreamError
 from moestream.server.errors import APIError
+
+LONG = 64 << 10  # characters: a text longer than this is tokenized on the long lane, counted first
+PIECE = 16 << 10  # characters counted at once; cut before a space, where tokenizers split anyway
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 class Prompts:
     """Encodes completion prompts and renders chat messages the way `Engine.encode` does."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, room: Any = lambda: 1 << 30) -> None:
         self.context = engine.ctx_size
+        self.room = room  # how many more requests the queue takes now
         self.vocab = int(engine.model.get_input_embeddings().num_embeddings)
         self.tokenizer: Any = None
+        self._long_tokenizer: Any = None
         if engine.tokenizer is not None:
-            self.tokenizer = engine.source.tokenizer()  # a copy of its own, from the checkpoint
-            self.tokenizer.chat_template = engine.tokenizer.chat_template  # --chat-template replaces it
+            self.tokenizer = _own_copy(engine)
+            self._long_tokenizer = _own_copy(engine)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-tokenizer")
+        self._long = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-tokenizer-long")
+        self.long_in_flight = 0  # long prompts being tokenized or waiting to be (they count as queued)
+
+    async def _on_lane(self, size: int, fn: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if size <= LONG:
+            return await loop.run_in_executor(self._pool, fn, self.tokenizer, *args)
+        if self.long_in_flight >= self.room():
+            raise APIError(
+                503,
+                f"the server is busy ({self.long_in_flight} long prompts are being tokenized and the "
+                "queue has no room for more); retry later",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        self.long_in_flight += 1
+        try:
+            return await loop.run_in_executor(self._long, _trimmed, fn, self._long_tokenizer, *args)
+        finally:
+            self.long_in_flight -= 1
 
     async def completion(self, prompt: str | list[int]) -> list[int]:
         """Ids of a completion prompt; token ids are checked against the vocabulary."""
@@ -42,7 +74,7 @@ class Prompts:
                 )
             return list(prompt)
         self._need_tokenizer("prompt")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt)
+        return await self._on_lane(len(prompt), self._encode, prompt)
 
     async def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         """Ids of the messages rendered by the tokenizer's chat template, with the assistant turn opened;
@@ -55,9 +87,8 @@ class Prompts:
                 param="messages",
                 code="no_chat_template",
             )
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._render, messages, template_kwargs
-        )
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        return await self._on_lane(size, self._render, messages, template_kwargs)
 
     def check_bias(self, logit_bias: dict[str, float]) -> None:
         """logit_bias keys must be token ids of the vocabulary."""
@@ -70,23 +101,45 @@ class Prompts:
                 code="invalid_value",
             )
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, tok: Any, text: str) -> list[int]:
         # as Engine.encode: no special tokens added; an empty prompt becomes BOS (or EOS)
-        tok = self.tokenizer
         try:
+            self._count_within_context(tok, text, "prompt")
             ids = list(tok.encode(text, add_special_tokens=False))
+        except APIError:
+            raise
         except Exception as exc:  # the request's text, not the server, is at fault
             raise APIError(
                 400, f"the prompt could not be tokenized: {exc}", param="prompt", code="invalid_value"
             ) from None
         return ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
 
-    def _render(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+    def _render(self, tok: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         try:
-            return render_chat(self.tokenizer, messages, template_kwargs)
+            if sum(len(str(m.get("content") or "")) for m in messages) > LONG:
+                self._count_within_context(tok, render_chat_text(tok, messages, template_kwargs), "messages")
+            return render_chat(tok, messages, template_kwargs)
         except MoestreamError as exc:
             param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
+
+    def _count_within_context(self, tok: Any, text: str, param: str) -> None:
+        """Count a long text's tokens piece by piece; refuse it once the count passes the context (each
+        cut may add a token or two, hence the allowance), before the rest is tokenized."""
+        if len(text) <= LONG:
+            return
+        count = 0
+        for cuts, piece in enumerate(_pieces(text)):
+            count += len(tok.encode(piece, add_special_tokens=False))
+            if count - 2 * cuts > self.context:
+                raise APIError(
+                    400,
+                    f"the prompt has more than {self.context} tokens (counted over its first "
+                    f"{_chars(cuts + 1)}), more than the context of {self.context} leaves room for "
+                    f"(at most {self.context - 1})",
+                    param=param,
+                    code="context_length_exceeded",
+                )
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -133,3 +186,38 @@ class Prompts:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self._long.shutdown(wait=False)
+
+
+def _own_copy(engine: Engine) -> Any:
+    """A tokenizer of the lane's own, from the checkpoint (a fast tokenizer is not thread-safe)."""
+    tok = engine.source.tokenizer()
+    tok.chat_template = engine.tokenizer.chat_template  # --chat-template replaces it
+    return tok
+
+
+def _pieces(text: str):
+    """Consecutive pieces of about PIECE characters, each cut just before a space where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(start + PIECE, len(text))
+        if end < len(text):
+            space = text.rfind(" ", start + PIECE // 2, end)
+            end = space if space > start else end
+        yield text[start:end]
+        start = end
+
+
+def _chars(pieces: int) -> str:
+    return f"~{pieces * PIECE // 1024}K characters"
+
+
+def _trimmed(fn: Any, *args: Any) -> Any:
+    """Run `fn`, then give the memory it freed back to the system (glibc keeps it in its arenas)."""
+    try:
+        return fn(*args)
+    finally:
+        try:
+            _libc.malloc_trim(0)
+        except AttributeError:  # not glibc
+            pass

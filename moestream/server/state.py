@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from moestream.engine.engine import Engine
+from moestream.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT
 from moestream.server.metrics import Metrics
 from moestream.server.prompts import Prompts
 from moestream.server.worker import Worker
@@ -21,6 +22,9 @@ class ServerOptions:
     max_body: int = 4 << 20
     queue_size: int = 16
     aliases: list[str] = field(default_factory=list)  # other names a request may use for the model
+    loopback_only: bool = False  # listening on a loopback address: Host must name the loopback
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # seconds for a request's head, and for its body
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 class ServerState:
@@ -33,7 +37,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = Metrics(engine.counters, lambda: self.worker.waiting)
         self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
-        self.prompts = Prompts(engine)
+        self.prompts = Prompts(engine, room=lambda: self.worker.jobs.maxsize - self.worker.waiting)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def begin_shutdown(self) -> None:

@@ -1,0 +1,93 @@
+"""What an engine's run will hold in host memory, checked before the trunk is read or the cache taken."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from moestream.engine.kvcache import kv_cache_bytes
+from moestream.engine.memory import (
+    WORKING_BYTES,
+    MemoryNeed,
+    check_memory,
+    lock_allowed,
+    memlock_room,
+    memory_rooms,
+)
+from moestream.engine.options import EngineOptions
+from moestream.model.loader import trunk_tensors
+from moestream.runtime.streaming import host_cache_bytes
+from moestream.store.tensors import LazyTensor, QuantizedTensor
+
+CACHE = "the expert cache"
+
+
+def trunk_bytes(tensors: dict[str, Any], dtype: torch.dtype | None, keep_blocks: bool = True) -> int:
+    """Bytes the trunk will take once read: stored bytes, or `dtype`'s for floating tensors converted
+    (and for GGUF block tensors too when they are dequantized, `keep_blocks` False)."""
+    total = 0
+    for tensor in tensors.values():
+        blocks = isinstance(tensor, QuantizedTensor)
+        if dtype is not None and tensor.is_floating_point() and not (blocks and keep_blocks):
+            total += tensor.shape.numel() * dtype.itemsize
+        elif isinstance(tensor, LazyTensor):
+            total += tensor.ref.nbytes
+        else:  # computed from the file on first use (a GGUF tensor undone from llama.cpp's layout)
+            total += tensor.shape.numel() * tensor.dtype.itemsize
+    return total
+
+
+def _element_bytes(tensors: dict[str, Any], dtype: torch.dtype | None) -> int:
+    """Bytes of one KV-cache element: the model's dtype (with "auto", the trunk's stored floating type)."""
+    if dtype is not None:
+        return dtype.itemsize
+    stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    return stored.itemsize
+
+
+def memory_need(engine: Any, options: EngineOptions) -> MemoryNeed:
+    """The engine's expert cache (or pinned staging slots), trunk, KV cache and working memory."""
+    name = options.trunk_dtype or options.dtype
+    dtype = None if name == "auto" else getattr(torch, name)
+    keep = options.trunk_dtype is None
+    tensors = trunk_tensors(engine.source, engine.config, engine.arch, engine.emap, keep)
+    config = options.stream_config()
+    host = host_cache_bytes(engine.emap, config, engine.top_k, engine.device)
+    trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
+    on_host = engine.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
+    kv = kv_cache_bytes(engine.config, engine.ctx_size, _element_bytes(tensors, dtype)) if on_host else 0
+    parts = [
+        (CACHE if on_host else "the pinned staging slots", host),
+        ("the trunk", trunk),
+        (f"the KV cache at {engine.ctx_size} tokens", kv),
+        ("working memory", WORKING_BYTES),
+    ]
+    return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
+
+
+def plan_memory(engine: Any, options: EngineOptions) -> EngineOptions:
+    """Refuse a run that cannot fit (MemoryBudgetError); the options to run with (unlocked where
+    RLIMIT_MEMLOCK forbids locking)."""
+    need = memory_need(engine, options)
+    check_memory(need, memory_rooms(), CACHE if engine.device.type != "cuda" else "the pinned staging slots")
+    if options.lock_memory and not lock_allowed(need, memlock_room()):
+        return dataclasses.replace(options, lock_memory=False)
+    return options
+
+
+def plan_restream(engine: Any, options: EngineOptions) -> EngineOptions:
+    """As `plan_memory` for a new streaming setup: its cache against the room, plus what the current
+    cache gives back when it is closed first (the trunk and KV cache are held already)."""
+    current = engine.cache.allocated_bytes
+    new = host_cache_bytes(engine.emap, options.stream_config(), engine.top_k, engine.device)
+    need = MemoryNeed([(CACHE, new)], locked=new if options.lock_memory else 0)
+    rooms = [dataclasses.replace(r, nbytes=r.nbytes + current) for r in memory_rooms()]
+    check_memory(need, rooms)
+    lock = memlock_room()
+    if lock is not None and engine.cache.locked:
+        lock = dataclasses.replace(lock, nbytes=lock.nbytes + current)
+    if options.lock_memory and not lock_allowed(need, lock):
+        return dataclasses.replace(options, lock_memory=False)
+    return options
