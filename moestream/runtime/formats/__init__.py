@@ -54,25 +54,26 @@ def unregister(stored_name: str, previous: type[WeightFormat] | None = None) -> 
 
 def _block_format(name: str, device: str) -> type[WeightFormat] | None:
     """GGML block types (GGUF files): ggml's kernels on the CPU, the Triton GGUF kernels on CUDA, when
-    they compute the type."""
+    they compute the type (on CUDA, ggml's CPU library is not needed)."""
+    if device == "cuda":
+        from moestream.kernels import TYPES
+
+        if name not in TYPES:
+            return None
+        from moestream.runtime.formats.gguf_cuda import GgufCuda
+
+        return GgufCuda
     from moestream.ggml import UnsupportedTypeError, type_table
 
     if name not in type_table():
         return None
-    if device == "cuda":
-        from moestream.kernels import UnsupportedTypeError as GpuUnsupported
-        from moestream.runtime.formats.gguf_cuda import GgufCuda as cls
+    from moestream.runtime.formats.ggml import Ggml
 
-        unsupported: tuple[type[Exception], ...] = (GpuUnsupported,)
-    else:
-        from moestream.runtime.formats.ggml import Ggml as cls
-
-        unsupported = (UnsupportedTypeError,)
     try:
-        cls.check_type(name)
-    except unsupported:
+        Ggml.check_type(name)
+    except UnsupportedTypeError:
         return None
-    return cls
+    return Ggml
 
 
 def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> WeightFormat:
