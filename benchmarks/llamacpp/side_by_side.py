@@ -4,6 +4,7 @@ before every run, the disk's readahead set per run, bytes read from the disk cou
 
     # one run per SPEC: "llama:ra=8192,t=2" or
     # "moestream:io=direct,ra=8192,cache=1GiB,threads=2,io_threads=4,k=8"
+    # GPU: "llama:ngl=99,ot=exps=CPU,t=8" and "moestream:device=cuda,gpu_cache=2GiB,host_cache=0"
     python benchmarks/llamacpp/side_by_side.py run SPEC... --llama-server BIN --gguf FILE --model DIR \
         --memory-limit 2.6GiB --max-tokens 32 --out DIR [--baseline RUN_DIR]
     # the table of every run under DIR, speed-ups against the best llama run, texts against a reference run
@@ -58,9 +59,15 @@ def llama_argv(binary: str, gguf: str, port: int, opts: dict[str, str]) -> list[
         "-np",
         "1",
         "-ngl",
-        "0",
+        opts.get("ngl", "0"),
         "--no-warmup",
     ]
+    # GPU builds: ngl=99 with the routed experts kept on the CPU (streamed by mmap): ncmoe=N puts the
+    # experts of the first N layers there (--n-cpu-moe), ot=exps=CPU every layer's (-ot)
+    if "ncmoe" in opts:
+        argv += ["--n-cpu-moe", opts["ncmoe"]]
+    if "ot" in opts:
+        argv += ["-ot", opts["ot"]]
     if opts.get("cache_ram", "0") != "none":
         argv += ["--cache-ram", opts.get("cache_ram", "0")]
     if opts.get("mmap", "on") == "off":
@@ -82,6 +89,9 @@ def moestream_args(opts: dict[str, str]) -> list[str]:
         "k": "--experts-per-token",
         "policy": "--policy",
         "ctx": "--ctx-size",
+        "device": "--device",
+        "gpu_cache": "--gpu-cache",
+        "host_cache": "--host-cache",
     }
     unknown = set(opts) - set(names) - {"ra", "prefetch", "model"}
     if unknown:
