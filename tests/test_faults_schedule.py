@@ -38,7 +38,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA
 TIERS = {
     "cpu": dict(cache="108KiB", io_mode="pagecache"),
     "cuda-slots": dict(device="cuda", cache="60KiB", dtype="bfloat16", io_mode="pagecache"),
-    "cuda-unified": dict(device="cuda", cache="60KiB", unified=True, dtype="bfloat16", io_mode="pagecache"),
+    # unified: one tier of host slots, at least top_k (2) x a 36 KiB slot
+    "cuda-unified": dict(device="cuda", cache="108KiB", unified=True, dtype="bfloat16", io_mode="pagecache"),
 }
 
 

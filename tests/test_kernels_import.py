@@ -38,10 +38,12 @@ def test_missing_triton_is_one_clear_error():
     assert "need Triton" in done.stdout and "pip install triton" in done.stdout
 
 
-@pytest.mark.parametrize(("m", "route"), [(1, "direct"), (1 << 20, "dequant")])
-def test_choose_reads_the_table(m, route):
-    from moestream.kernels.choice import DEQUANT_FROM, choose
+@pytest.mark.parametrize("m", [1, 63, 64, 1 << 20])
+def test_choose_reads_the_table(m):
+    from moestream.kernels.choice import DEQUANT_FROM, NEVER, choose
 
-    for name in DEQUANT_FROM:
-        assert choose(name, m) == route
+    for name, start in DEQUANT_FROM.items():
+        assert choose(name, m) == ("dequant" if m >= start else "direct"), (name, m)
+    assert choose("Q4_K", 1 << 20) == "direct" and DEQUANT_FROM["Q4_K"] == NEVER  # measured: never dequant
+    assert choose("Q5_0", 64) == "dequant" and choose("Q5_0", 63) == "direct"
     assert choose("NOT_A_TYPE", 1) == "dequant"  # never measured: the dequantize route

@@ -83,11 +83,13 @@ def test_prefetch_turns_demand_misses_into_hits_when_predictions_are_good(tmp_pa
 
 
 def test_prefetch_flag_in_cli(tiny_dir, capsys, every_guess):
+    path = tiny_dir("qwen3_moe")
+    capsys.readouterr()  # the checkpoint writer's progress bar, when this test makes it
     assert (
         main(
             [
                 "generate",
-                str(tiny_dir("qwen3_moe")),
+                str(path),
                 "--prompt",
                 "Hello",
                 "--max-tokens",

@@ -55,6 +55,7 @@ class GgufCuda(WeightFormat):
         return self.stored.name
 
     def kernels(self) -> str | None:
-        from moestream.kernels.choice import MEASURED
+        from moestream.kernels.choice import MEASURED_TYPES
 
-        return f"Triton GGUF kernels ({'measured' if MEASURED else 'untuned'} routes)"
+        routes = "measured" if self.stored.name in MEASURED_TYPES else "unmeasured"
+        return f"Triton GGUF kernels ({routes} routes)"
