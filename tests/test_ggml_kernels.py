@@ -182,6 +182,28 @@ def test_swiglu_expert_graph_equals_three_calls_bit_for_bit(types):
         assert relerr(y, expect.numpy()) < 2.5e-2
 
 
+def test_a_layer_of_experts_in_one_graph_equals_one_graph_per_expert_bit_for_bit():
+    """swiglu_experts (decode: every cached expert of a token in one compute) against swiglu_expert per
+    expert and against the three calls the streaming stages make, with mixed types as in Q4_K_M."""
+    h, inter = 512, 256
+    types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q8_0", "Q8_0", "Q8_0")] * 3  # 9 experts
+    experts = [
+        tuple(
+            weights(t, rows, k, 7 * i + j)[1]
+            for j, (t, rows, k) in enumerate(zip(ts, (inter, inter, h), (h, h, inter)))
+        )
+        for i, ts in enumerate(types)
+    ]
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(3))
+    y = ggml.swiglu_experts(x, experts, types, inter)
+    assert y.shape == (len(experts), 1, h)
+    for (g, u, d), ts, yi in zip(experts, types, y):
+        assert torch.equal(yi, ggml.swiglu_expert(x, g, u, d, ts, inter))
+        gate, up = ggml.linear(x, g, ts[0], inter), ggml.linear(x, u, ts[1], inter)
+        assert torch.equal(yi, ggml.linear(ggml.swiglu(gate, up), d, ts[2], h))
+    assert not torch.equal(y[0], y[3])  # distinct weights give distinct outputs (the pointers are used)
+
+
 def test_swiglu_op_is_silu_times_up():
     g, u = torch.randn(3, 700), torch.randn(3, 700)
     torch.testing.assert_close(ggml.swiglu(g, u), F.silu(g) * u, rtol=1e-5, atol=1e-6)

@@ -122,3 +122,24 @@ def test_mode_line_names_the_formats_and_the_ggml_build(tmp_path):
         line = engine.mode_line()
     assert "Q6_K (down)" in line and "Q4_K (gate, up, down)" in line  # down: Q6_K in layer 0, Q4_K in 1
     assert "by ggml 0." in line
+
+
+def test_a_cached_layer_is_one_ggml_call_with_the_bits_of_the_stages(tmp_path):
+    """One token whose experts are all cached: each layer's experts are computed in one ggml graph
+    (`swiglu_experts`), bit for bit what the per-expert stages give (and what streaming gives)."""
+    hf = write_tiny("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256)
+    perturb_vectors(hf)
+    path = write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q8_0, expert_type=_q4_k_m)
+    with moestream.load(str(path), cache="64MiB", threads=1) as engine:
+        runtime = engine.runtime
+        with torch.inference_mode():
+            engine.model(torch.arange(64).view(1, -1) % 300)  # prefill: reads every expert
+            ids = torch.tensor([[17]])
+            before = runtime.layer_calls
+            one_call = engine.model(ids).logits
+            assert runtime.layer_calls - before == len(engine.emap.layers)  # every layer in one call
+            calls, runtime._layer_calls = runtime._layer_calls, {}
+            stages = engine.model(ids).logits
+            runtime._layer_calls = calls
+        assert engine.cache.stats.misses == len(engine.emap.units)  # nothing read twice
+    assert torch.equal(one_call, stages)

@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from moestream.ggml.graphs import Kernels, kernels
 from moestream.ggml.lib import GgmlUnavailableError, Library, library
-from moestream.ggml.ops import WEIGHT_ALIGNMENT, dequantize, get_rows, linear, quantize, swiglu, swiglu_expert
+from moestream.ggml.ops import (
+    WEIGHT_ALIGNMENT,
+    dequantize,
+    get_rows,
+    linear,
+    quantize,
+    swiglu,
+    swiglu_expert,
+    swiglu_experts,
+)
 from moestream.ggml.thresholds import dequant_threshold
 from moestream.ggml.types import GgmlType, UnsupportedTypeError, ggml_type, row_bytes, type_table
 
@@ -38,6 +47,7 @@ __all__ = [
     "row_bytes",
     "swiglu",
     "swiglu_expert",
+    "swiglu_experts",
     "type_table",
 ]
 

@@ -63,19 +63,21 @@ class Graph:
         lib: Library,
         pool: int,
         n_threads: int,
-        build: Callable[[Builder], int],
+        build: Callable[[Builder], int | list[int]],
         solo_pool: int | None = None,
+        nodes: int = 0,
     ) -> None:
         self.lib = lib
-        mem = 4 * GRAPH_NODES * lib.base.ggml_tensor_overhead() + lib.base.ggml_graph_overhead_custom(
-            GRAPH_NODES, False
-        )
+        nodes = max(nodes, GRAPH_NODES)
+        mem = 4 * nodes * lib.base.ggml_tensor_overhead() + lib.base.ggml_graph_overhead_custom(nodes, False)
         self.ctx = lib.base.ggml_init(InitParams(mem, None, True))
         b = Builder(lib, self.ctx)
-        out = build(b)
-        b.scratch.remove(out)  # the output is the caller's memory, like the inputs
-        self.gf = lib.base.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
-        lib.base.ggml_build_forward_expand(self.gf, out)
+        built = build(b)
+        outs = built if isinstance(built, list) else [built]  # several: "out0", "out1", ...
+        self.gf = lib.base.ggml_new_graph_custom(self.ctx, nodes, False)
+        for out in outs:
+            b.scratch.remove(out)  # the outputs are the caller's memory, like the inputs
+            lib.base.ggml_build_forward_expand(self.gf, out)
         sizes = [(lib.base.ggml_nbytes(t) + 63) // 64 * 64 for t in b.scratch]
         self._scratch = torch.empty(max(sum(sizes), 1), dtype=torch.uint8)
         offset = self._scratch.data_ptr()
@@ -83,7 +85,12 @@ class Graph:
             GgmlTensor.from_address(t).data = offset
             offset += size
         self._slots = {name: GgmlTensor.from_address(t) for name, t in b.inputs.items()}
-        self._slots["out"] = GgmlTensor.from_address(out)
+        names = (
+            ["out"]
+            if len(outs) == 1 and not isinstance(built, list)
+            else [f"out{i}" for i in range(len(outs))]
+        )
+        self._slots.update((name, GgmlTensor.from_address(out)) for name, out in zip(names, outs))
         self.plan = lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
         if self.plan.n_threads == 1 and solo_pool:  # single-task ops (get_rows): leave the workers asleep
             pool = solo_pool
@@ -128,14 +135,17 @@ class Kernels:
         self._lock = threading.RLock()
         self._held = 0
 
-    def compute(self, key: tuple, build: Callable[[Builder], int], /, **addresses: int) -> None:
-        """Run the graph cached under key (built by `build` the first time) on these data pointers, then
-        pause the pool unless a hold() is open. Lookup and compute share one lock, so a graph is never
-        freed (least recently used beyond MAX_GRAPHS) while another thread is about to run it."""
+    def compute(
+        self, key: tuple, build: Callable[[Builder], int | list[int]], /, nodes: int = 0, **addresses: int
+    ) -> None:
+        """Run the graph cached under key (built by `build` the first time, with room for `nodes` nodes)
+        on these data pointers, then pause the pool unless a hold() is open. Lookup and compute share one
+        lock, so a graph is never freed (least recently used beyond MAX_GRAPHS) while another thread is
+        about to run it."""
         with self._lock:
             g = self._graphs.get(key)
             if g is None:
-                g = self._graphs[key] = Graph(self.lib, self.pool, self.n_threads, build, self.solo)
+                g = self._graphs[key] = Graph(self.lib, self.pool, self.n_threads, build, self.solo, nodes)
                 while len(self._graphs) > MAX_GRAPHS:
                     self._graphs.pop(next(iter(self._graphs))).close()
             else:

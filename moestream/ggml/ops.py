@@ -144,6 +144,56 @@ def swiglu_expert(
     return y
 
 
+def swiglu_experts(
+    x: torch.Tensor,
+    experts: Sequence[tuple[Weight, Weight, Weight]],
+    types: Sequence[Sequence[TypeLike]],
+    intermediate: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every expert of a layer on the same rows in one ggml compute: for each i,
+    out[i] = down_i(silu(gate_i(x)) * up_i(x)), x [M, H] f32 -> [len(experts), M, H] f32.
+
+    The ops are swiglu_expert's, node for node (each expert's three mul_mat and its swiglu_split are
+    the same ggml kernels on the same inputs), so each out[i] equals swiglu_expert's result bit for
+    bit; one call instead of one per expert (decode: every routed expert of a token that the cache
+    holds). `types[i]` is expert i's (gate, up, down) types; the graph is cached per (types, shape).
+    """
+    n = len(experts)
+    if len(types) != n:
+        raise ValueError(f"{n} experts but {len(types)} type triples")
+    triples = [_three(list(t)) for t in types]
+    m, h = x.shape if x.dim() == 2 else (0, 0)
+    xa = _activations(x, h)
+    y = torch.empty((n, m, h), dtype=torch.float32) if out is None else out
+    if y.dtype != torch.float32 or tuple(y.shape) != (n, m, h) or not y.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor {[n, m, h]}")
+    if m == 0 or n == 0:
+        return y
+    addresses = {}
+    for i, ((gate, up, down), (tg, tu, td)) in enumerate(zip(experts, triples)):
+        addresses[f"gate{i}"] = _weight_address(gate, tg, intermediate, h, "gate")
+        addresses[f"up{i}"] = _weight_address(up, tu, intermediate, h, "up")
+        addresses[f"down{i}"] = _weight_address(down, td, h, intermediate, "down")
+        addresses[f"out{i}"] = y[i].data_ptr()
+    kern = kernels()
+
+    def build(b: Builder) -> list[int]:
+        xt = b.input("x", F32, h, m)
+        outs = []
+        for i, (tg, tu, td) in enumerate(triples):
+            g = b.op("mul_mat", b.input(f"gate{i}", tg.id, h, intermediate), xt)
+            u = b.op("mul_mat", b.input(f"up{i}", tu.id, h, intermediate), xt)
+            outs.append(
+                b.op("mul_mat", b.input(f"down{i}", td.id, intermediate, h), b.op("swiglu_split", g, u))
+            )
+        return outs
+
+    key = ("swiglu_n", tuple((t[0].id, t[1].id, t[2].id) for t in triples), intermediate, h, m)
+    kern.compute(key, build, nodes=8 * n + 2, x=xa, **addresses)
+    return y
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up computed by ggml (the op inside swiglu_expert): [M, N] f32 each."""
     m, n = gate.shape if gate.dim() == 2 else (0, 0)

@@ -90,6 +90,11 @@ class ExpertRuntime:
     def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
         self.formats = self._formats(tier.fuses)
+        family.bind(self.formats)
+        # one call per layer for the cached experts where the formats have one (ggml on the CPU)
+        on_cpu = tier.device.type == "cpu"
+        self._layer_calls = {layer: family.layer_call(layer) for layer in self.emap.layers} if on_cpu else {}
+        self.layer_calls = 0  # forwards computed by one call
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
@@ -214,7 +219,7 @@ class ExpertRuntime:
             go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
             if go and predicted is not None:  # read ahead only what the tier lacks (maybe nothing)
                 self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
-            if job is not None:
+            if job is not None and (job.misses or not self._at_once(job, hidden, routes, rest, outputs)):
                 outputs.update(self._run(job, hidden, routes, rest))
         except BaseException as exc:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must run
             self._abandon(layer, job)
@@ -223,6 +228,39 @@ class ExpertRuntime:
                 exc.add_note(f"raised while computing the routed experts of layer {layer}")
             raise
         return outputs
+
+    def _at_once(
+        self,
+        job: LayerJob,
+        hidden: torch.Tensor,
+        routes: dict[int, Route],
+        experts: list[int],
+        outputs: dict[int, torch.Tensor],
+    ) -> bool:
+        """Every expert of one token held by the cache: computed by the layer's one call when its formats
+        have one (the same kernels as the stages, so the same bits). False: run the stages instead."""
+        call = self._layer_calls.get(job.layer)
+        if call is None or hidden.shape[0] != 1:
+            return False
+
+        def weights() -> list[dict[str, Any]]:
+            return [
+                {
+                    kind: self.formats[(job.layer, kind)].view(self.tier.raws(job.layer, e, kind, job))
+                    for kind in self.family.kinds
+                }
+                for e in experts
+            ]
+
+        out = call(routes[experts[0]].rows(hidden), weights)
+        if out is None:
+            return False
+        for i, expert in enumerate(experts):
+            outputs[expert] = out[i]
+            self.tier.release(job.layer, expert, job, failed=False)
+            job.release(expert)
+        self.layer_calls += 1
+        return True
 
     def _abandon(self, layer: int, job: LayerJob | None) -> None:
         """Give back every pin and slot this forward holds, in the tier and in the host cache."""

@@ -23,6 +23,7 @@ from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
+LayerCall = Callable[[torch.Tensor, Callable[[], list[dict[str, Any]]]], "torch.Tensor | None"]
 
 
 class ExpertFamily(ABC):
@@ -42,6 +43,16 @@ class ExpertFamily(ABC):
     def resident_shapes(hidden: int, inter: int, experts: int) -> dict[str, tuple[int, ...]]:
         """Name -> shape of the per-layer tensors kept resident beside the streamed experts."""
         return {}
+
+    def bind(self, formats: dict[tuple[int, str], Any]) -> None:
+        """The runtime's formats for (layer, kind), given once it has chosen them."""
+
+    def layer_call(self, layer: int) -> LayerCall | None:
+        """A call computing every expert of `layer` on the same rows at once: (x [t, H], a function
+        giving per expert the {kind: weight} views) -> [experts, t, H] equal bit for bit to the stages
+        one by one, or None when the formats have no such call for x (the caller then runs the
+        stages); None here: never."""
+        return None
 
     @abstractmethod
     def stage(
@@ -63,8 +74,31 @@ class SwiGLU(ExpertFamily):
     kinds = ("gate", "up", "down")
     fusions: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate", "up")}
 
-    def __init__(self, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.act_fn = act_fn
+    def __init__(self, act_fn: Callable[[torch.Tensor], torch.Tensor], act_name: str = "") -> None:
+        self.act_fn, self.act_name = act_fn, act_name
+        self._formats: dict[tuple[int, str], Any] = {}
+
+    def bind(self, formats: dict[tuple[int, str], Any]) -> None:
+        self._formats = formats if self.act_name == "silu" else {}  # the formats' kernels: silu only
+
+    def _glu(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        fmt = self._formats.get((layer, "up"))
+        out = fmt.glu(gate, up) if fmt is not None else None
+        return self.act_fn(gate) * up if out is None else out
+
+    def layer_call(self, layer: int) -> LayerCall | None:
+        gate = self._formats.get((layer, "gate"))
+        if gate is None:
+            return None
+        up, down = self._formats[(layer, "up")], self._formats[(layer, "down")]
+
+        def call(x: torch.Tensor, weights: Callable[[], list[dict[str, Any]]]) -> torch.Tensor | None:
+            def views() -> list[tuple[Any, Any, Any]]:
+                return [(w["gate"], w["up"], w["down"]) for w in weights()]
+
+            return gate.swiglu_layer(x, views, up, down)
+
+        return call
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
@@ -87,8 +121,8 @@ class SwiGLU(ExpertFamily):
             return self.act_fn(gate) * up
         if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
             return linear("gate", x)
-        if kinds == ("up",):  # up [I,H]: act(gate) * up
-            return self.act_fn(carry) * linear("up", x)
+        if kinds == ("up",):  # up [I,H]: act(gate) * up (by the format's kernels when it has one)
+            return self._glu(layer, carry, linear("up", x))
         return linear("down", carry)  # down [H,I]: [t,I] -> [t,H]
 
 
@@ -180,7 +214,8 @@ class GptOssSplit(GptOss):
 
 
 def _swiglu(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> SwiGLU:
-    return SwiGLU(ACT2FN[text_config(config).hidden_act])
+    act = text_config(config).hidden_act
+    return SwiGLU(ACT2FN[act], act if isinstance(act, str) else "")
 
 
 def _gpt_oss(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> GptOss:

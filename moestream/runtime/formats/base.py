@@ -4,6 +4,7 @@ safetensors blocks (dequantized after each read)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +64,24 @@ class WeightFormat(ABC):
 
     def kernels(self) -> str | None:
         """What computes this format when it is not plain torch (for the mode line)."""
+        return None
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up by this format's own kernels (the op its `swiglu_layer` runs between the
+        matrices, so the two agree bit for bit), or None: the family computes it in torch."""
+        return None
+
+    def swiglu_layer(
+        self,
+        x: torch.Tensor,
+        weights: Callable[[], list[tuple[Any, Any, Any]]],
+        up: WeightFormat,
+        down: WeightFormat,
+    ) -> torch.Tensor | None:
+        """down_i(silu(gate_i(x)) * up_i(x)) for every expert i of a layer on the same rows x, in one
+        call: [experts, t, H], bit for bit what `linear`, `glu`, `linear` give one by one; None (before
+        `weights()`, which gives each expert's (gate, up, down) views, is called) when this format (as
+        gate, with `up` and `down`) has no such call for x."""
         return None
 
 

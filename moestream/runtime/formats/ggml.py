@@ -9,6 +9,9 @@ kernel for the same batch and are identical. From a measured batch size per form
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +57,30 @@ class Ggml(WeightFormat):
             return F.linear(x, self._ggml.dequantize(weight, self.type, self.rows, self.cols).to(x.dtype))
         y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        if gate.dtype != torch.float32 or up.dtype != torch.float32:
+            return None
+        return self._ggml.swiglu(gate.contiguous(), up.contiguous())
+
+    def swiglu_layer(
+        self,
+        x: torch.Tensor,
+        weights: Callable[[], list[tuple[Any, Any, Any]]],
+        up: WeightFormat,
+        down: WeightFormat,
+    ) -> torch.Tensor | None:
+        rows = x.shape[0]
+        if (
+            x.dtype != torch.float32
+            or not isinstance(up, Ggml)
+            or not isinstance(down, Ggml)
+            or rows >= min(self.threshold, up.threshold, down.threshold)  # those rows dequantize instead
+        ):
+            return None
+        views = weights()
+        types = [(self.type, up.type, down.type)] * len(views)
+        return self._ggml.swiglu_experts(x.contiguous(), views, types, self.rows)
 
     def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]
