@@ -17,7 +17,7 @@ from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
-from moestream.engine.memory import TrunkLock
+from moestream.engine.memory import TrunkLock, storage_ranges
 from moestream.engine.memory_plan import plan_memory, plan_restream
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
@@ -26,7 +26,7 @@ from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, router_modules, streaming_modules
+from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
 from moestream.model.quantized import block_bytes
 from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
@@ -101,16 +101,6 @@ def load(
     return Engine(path, options, make_reader=make_reader)
 
 
-def _tensor_bytes(model: torch.nn.Module, device_type: str) -> int:
-    """Bytes of the model's parameters and buffers on devices of `device_type` (shared storage once)."""
-    seen: dict[int, int] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == device_type:
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-    return sum(seen.values())
-
-
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
@@ -135,13 +125,13 @@ class Engine:
         self.device = torch.device(options.device)
         self.ctx_size = self._context_size()
         self.closed, self.broken = False, None  # see `unavailable`
+        keep = options.trunk_dtype is None
+        stored = trunk_tensors(self.source, self.config, self.arch, self.emap, keep)  # nothing read yet
         # before anything is read or locked: a run that cannot fit is refused with the numbers
-        self.options = plan_memory(self, self.options)
+        self.options = plan_memory(self, self.options, stored)
         dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
         dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-        self.model = build_model(
-            self.source, self.config, self.arch, dtype, self.emap, keep_blocks=options.trunk_dtype is None
-        )
+        self.model = build_model(self.source, self.config, self.arch, dtype, self.emap, keep, stored)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
         self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
@@ -352,9 +342,9 @@ class Engine:
             text = f"trunk {format_size(self.trunk.nbytes)} ({lock}{where}) | "
         if self.device.type != "cuda":
             return text
-        trunk = _tensor_bytes(self.model, "cuda")
+        trunk = sum(storage_ranges(self.model, "cuda").values())
         tier = self.runtime.tier.gpu_bytes
-        kv = kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
+        kv = self._kv_bytes()
         return text + (
             f"GPU memory {format_size(trunk + tier + kv)}: trunk {format_size(trunk)}{kept} + GPU tier "
             f"{format_size(tier)} + KV cache {format_size(kv)} at {self.ctx_size} tokens | "
@@ -383,10 +373,13 @@ class Engine:
         self.prompt_cache = PromptCache()
         self.sampling_defaults = model_sampling_defaults(self.path)
 
+    def _kv_bytes(self) -> int:
+        """The KV cache's memory at the full context."""
+        return kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
+
     def context_line(self) -> str:
         """The context part of the mode line: tokens, and the KV cache's memory when it is full."""
-        kv = kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
-        return f"context {self.ctx_size} tokens, KV cache {format_size(kv)} when full"
+        return f"context {self.ctx_size} tokens, KV cache {format_size(self._kv_bytes())} when full"
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> token ids (through the tokenizer's chat template when `chat`)."""

@@ -196,17 +196,23 @@ def lock_allowed(need: MemoryNeed, room: Room | None) -> bool:
     return False
 
 
+def storage_ranges(model: Any, device_type: str) -> dict[int, int]:
+    """Address -> bytes of every storage behind the model's parameters and buffers on devices of
+    `device_type` (a storage shared by several tensors once, empty ones left out)."""
+    ranges: dict[int, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == device_type:
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                ranges[storage.data_ptr()] = max(ranges.get(storage.data_ptr(), 0), storage.nbytes())
+    return ranges
+
+
 class TrunkLock:
     """The trunk's tensors (every parameter and buffer on the CPU) locked in memory like the cache."""
 
     def __init__(self, model: Any) -> None:
-        ranges: dict[int, int] = {}
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type == "cpu":
-                storage = tensor.untyped_storage()
-                if storage.nbytes():
-                    ranges[storage.data_ptr()] = max(ranges.get(storage.data_ptr(), 0), storage.nbytes())
-        self.ranges = sorted(ranges.items())
+        self.ranges = sorted(storage_ranges(model, "cpu").items())
         self.nbytes = sum(n for _, n in self.ranges)
         self.locked = False
 

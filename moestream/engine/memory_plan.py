@@ -47,12 +47,14 @@ def _element_bytes(tensors: dict[str, Any], dtype: torch.dtype | None) -> int:
     return stored.itemsize
 
 
-def memory_need(engine: Any, options: EngineOptions) -> MemoryNeed:
-    """The engine's expert cache (or pinned staging slots), trunk, KV cache and working memory."""
+def memory_need(engine: Any, options: EngineOptions, tensors: dict[str, Any] | None = None) -> MemoryNeed:
+    """The engine's expert cache (or pinned staging slots), trunk, KV cache and working memory
+    (`tensors`: the trunk as `trunk_tensors` gives it for these options, looked up when None)."""
     name = options.trunk_dtype or options.dtype
     dtype = None if name == "auto" else getattr(torch, name)
     keep = options.trunk_dtype is None
-    tensors = trunk_tensors(engine.source, engine.config, engine.arch, engine.emap, keep)
+    if tensors is None:
+        tensors = trunk_tensors(engine.source, engine.config, engine.arch, engine.emap, keep)
     config = options.stream_config()
     host = host_cache_bytes(engine.emap, config, engine.top_k, engine.device)
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
@@ -67,10 +69,10 @@ def memory_need(engine: Any, options: EngineOptions) -> MemoryNeed:
     return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
 
 
-def plan_memory(engine: Any, options: EngineOptions) -> EngineOptions:
+def plan_memory(engine: Any, options: EngineOptions, tensors: dict[str, Any] | None = None) -> EngineOptions:
     """Refuse a run that cannot fit (MemoryBudgetError); the options to run with (unlocked where
-    RLIMIT_MEMLOCK forbids locking)."""
-    need = memory_need(engine, options)
+    RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`."""
+    need = memory_need(engine, options, tensors)
     check_memory(need, memory_rooms(), CACHE if engine.device.type != "cuda" else "the pinned staging slots")
     if options.lock_memory and not lock_allowed(need, memlock_room()):
         return dataclasses.replace(options, lock_memory=False)

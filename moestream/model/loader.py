@@ -71,8 +71,10 @@ def build_model(
     dtype: str | torch.dtype,
     emap: ExpertMap,
     keep_blocks: bool = True,
+    trunk: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """The model built on the meta device with the experts class patched, then given the source's trunk.
+    """The model built on the meta device with the experts class patched, then given the source's trunk
+    (`trunk`: what `trunk_tensors` returned for the same arguments, when the caller has it already).
     Trunk weights stored in block types stay in them (`QuantLinear`, `QuantEmbedding`) unless not
     `keep_blocks`, when they are dequantized into the model's dtype.
 
@@ -84,7 +86,8 @@ def build_model(
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config), keep_blocks)
+            if trunk is None:
+                trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config), keep_blocks)
             blocks = {k: v for k, v in trunk.items() if isinstance(v, QuantizedTensor)}
             for value in blocks.values():  # placeholders in the model's dtype: never cast, never allocated
                 value.placeholder_dtype = model_dtype(dtype, config)

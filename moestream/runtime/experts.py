@@ -223,7 +223,7 @@ class ExpertRuntime:
                 outputs.update(self._run(job, hidden, routes, rest))
         except BaseException as exc:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must run
             self._abandon(layer, job)
-            if not hasattr(exc, EXPERTS_FAILED):
+            if not raised_in_experts(exc):
                 setattr(exc, EXPERTS_FAILED, layer)
                 exc.add_note(f"raised while computing the routed experts of layer {layer}")
             raise
@@ -243,12 +243,12 @@ class ExpertRuntime:
         if call is None or hidden.shape[0] != 1:
             return False
 
-        def weights() -> list[dict[str, Any]]:
+        def weights() -> list[tuple[Any, ...]]:  # per expert, the family's kinds in order
             return [
-                {
-                    kind: self.formats[(job.layer, kind)].view(self.tier.raws(job.layer, e, kind, job))
+                tuple(
+                    self.formats[(job.layer, kind)].view(self.tier.raws(job.layer, e, kind, job))
                     for kind in self.family.kinds
-                }
+                )
                 for e in experts
             ]
 

@@ -23,7 +23,7 @@ from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
-LayerCall = Callable[[torch.Tensor, Callable[[], list[dict[str, Any]]]], "torch.Tensor | None"]
+LayerCall = Callable[[torch.Tensor, Callable[[], list[tuple[Any, ...]]]], "torch.Tensor | None"]
 
 
 class ExpertFamily(ABC):
@@ -49,9 +49,9 @@ class ExpertFamily(ABC):
 
     def layer_call(self, layer: int) -> LayerCall | None:
         """A call computing every expert of `layer` on the same rows at once: (x [t, H], a function
-        giving per expert the {kind: weight} views) -> [experts, t, H] equal bit for bit to the stages
-        one by one, or None when the formats have no such call for x (the caller then runs the
-        stages); None here: never."""
+        giving per expert its weight views in the order of `kinds`) -> [experts, t, H] equal bit for
+        bit to the stages one by one, or None when the formats have no such call for x (the caller
+        then runs the stages); None here: never."""
         return None
 
     @abstractmethod
@@ -91,14 +91,7 @@ class SwiGLU(ExpertFamily):
         if gate is None:
             return None
         up, down = self._formats[(layer, "up")], self._formats[(layer, "down")]
-
-        def call(x: torch.Tensor, weights: Callable[[], list[dict[str, Any]]]) -> torch.Tensor | None:
-            def views() -> list[tuple[Any, Any, Any]]:
-                return [(w["gate"], w["up"], w["down"]) for w in weights()]
-
-            return gate.swiglu_layer(x, views, up, down)
-
-        return call
+        return lambda x, weights: gate.swiglu_layer(x, weights, up, down)  # weights: (gate, up, down)
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
