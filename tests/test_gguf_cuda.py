@@ -2,7 +2,9 @@
 block types on the GPU and in the pinned host tier, computed by the Triton GGUF kernels.
 
 Exact: streamed == resident (every expert in the GPU tier) bit for bit, since both run the same
-kernels on the same bytes in the same batches; budgets from the minimum to all, with and without a
+kernels on the same bytes in the same batches (resident decode computes a layer's experts in one
+grouped launch per matrix kind, the streamed one mostly expert by expert: the same kernel and tile);
+budgets from the minimum to all, with and without a
 host tier, forced unified memory; prefill (a 40-token forward) and decode (greedy generation).
 
 Against the reference that dequantizes every weight with the gguf package and runs stock transformers
@@ -75,6 +77,7 @@ def test_streamed_equals_resident_bit_for_bit(tmp_path, name):
         engine.restream(gpu_cache=everything, host_cache=0)
         assert tier.slot_bytes < engine.emap.expert_bytes / len(engine.emap.units) + 4096  # blocks, not dense
         resident = _run(engine, full)
+        assert engine.runtime.layer_calls >= TOKENS  # decode: each layer's experts in grouped launches
         for gpu_cache, host_cache in (
             (engine.runtime.tier.slot_bytes * engine.top_k, 0),  # the minimum
             (everything // 3, 0),

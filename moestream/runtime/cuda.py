@@ -104,6 +104,7 @@ class GpuSlotTier(_PinnedHost):
     """GPU slots in one allocation, with per-slot copy and last-use events, fed from pinned host slots."""
 
     fuses = True
+    in_place = False  # a host slot's bytes reach the kernels through `prepare`'s copy
 
     def __init__(
         self,

@@ -91,10 +91,10 @@ class ExpertRuntime:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
         self.formats = self._formats(tier.fuses)
         family.bind(self.formats)
-        # one call per layer for the cached experts where the formats have one (ggml on the CPU)
-        on_cpu = tier.device.type == "cpu"
-        self._layer_calls = {layer: family.layer_call(layer) for layer in self.emap.layers} if on_cpu else {}
-        self.layer_calls = 0  # forwards computed by one call
+        # the cached experts of a one-token forward at once where the formats allow: one ggml graph on
+        # the CPU, one grouped launch per matrix kind on the GPU
+        self._layer_calls = {layer: family.layer_call(layer) for layer in self.emap.layers}
+        self.layer_calls = 0  # forwards whose cached experts were computed at once
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
@@ -212,7 +212,7 @@ class ExpertRuntime:
             uses = [routes[e].span.stop - routes[e].span.start for e in order]  # tokens routed to each
             self.tier.begin_group(layer, order, uses, hidden.shape[0])
             ready, rest = self.tier.split(layer, order)
-            outputs = {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in ready}
+            outputs = self._held(layer, ready, hidden, routes)
             if rest:
                 served = dict(zip(order, uses))
                 job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
@@ -229,6 +229,18 @@ class ExpertRuntime:
             raise
         return outputs
 
+    def _held(
+        self, layer: int, experts: list[int], hidden: torch.Tensor, routes: dict[int, Route]
+    ) -> dict[int, torch.Tensor]:
+        """The experts the tier holds (GPU slots): at once where the layer's call allows, else each
+        through its stages."""
+        out = self._call(layer, experts, hidden, None) if len(experts) > 1 else None
+        if out is None:
+            return {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in experts}
+        for expert in experts:
+            self.tier.release(layer, expert, None, failed=False)
+        return out
+
     def _at_once(
         self,
         job: LayerJob,
@@ -237,30 +249,34 @@ class ExpertRuntime:
         experts: list[int],
         outputs: dict[int, torch.Tensor],
     ) -> bool:
-        """Every expert of one token held by the cache: computed by the layer's one call when its formats
+        """Every expert of one token held by the cache: computed by the layer's call when its formats
         have one (the same kernels as the stages, so the same bits). False: run the stages instead."""
-        call = self._layer_calls.get(job.layer)
-        if call is None or hidden.shape[0] != 1:
-            return False
-
-        def weights() -> list[tuple[Any, ...]]:  # per expert, the family's kinds in order
-            return [
-                tuple(
-                    self.formats[(job.layer, kind)].view(self.tier.raws(job.layer, e, kind, job))
-                    for kind in self.family.kinds
-                )
-                for e in experts
-            ]
-
-        out = call(routes[experts[0]].rows(hidden), weights)
+        out = self._call(job.layer, experts, hidden, job) if self.tier.in_place else None
         if out is None:
             return False
-        for i, expert in enumerate(experts):
-            outputs[expert] = out[i]
+        outputs.update(out)
+        for expert in experts:
             self.tier.release(job.layer, expert, job, failed=False)
             job.release(expert)
-        self.layer_calls += 1
         return True
+
+    def _call(
+        self, layer: int, experts: list[int], hidden: torch.Tensor, job: LayerJob | None
+    ) -> dict[int, torch.Tensor] | None:
+        """One token's `experts` by the layer's call (every expert sees the token's row), or None."""
+        call = self._layer_calls.get(layer)
+        if call is None or hidden.shape[0] != 1:
+            return None
+
+        def views(kind: str) -> list[Any]:  # every expert's view of one kind (a fusion name: fused)
+            fmt = self.formats[(layer, kind)]
+            return [fmt.view(self.tier.raws(layer, e, kind, job)) for e in experts]
+
+        out = call(hidden, views)
+        if out is None:
+            return None
+        self.layer_calls += 1
+        return {expert: out[i] for i, expert in enumerate(experts)}
 
     def _abandon(self, layer: int, job: LayerJob | None) -> None:
         """Give back every pin and slot this forward holds, in the tier and in the host cache."""

@@ -23,7 +23,7 @@ from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 
 Linear = Callable[[str, torch.Tensor], torch.Tensor]
-LayerCall = Callable[[torch.Tensor, Callable[[], list[tuple[Any, ...]]]], "torch.Tensor | None"]
+LayerCall = Callable[[torch.Tensor, Callable[[str], list[Any]]], "torch.Tensor | None"]
 
 
 class ExpertFamily(ABC):
@@ -48,10 +48,10 @@ class ExpertFamily(ABC):
         """The runtime's formats for (layer, kind), given once it has chosen them."""
 
     def layer_call(self, layer: int) -> LayerCall | None:
-        """A call computing every expert of `layer` on the same rows at once: (x [t, H], a function
-        giving per expert its weight views in the order of `kinds`) -> [experts, t, H] equal bit for
-        bit to the stages one by one, or None when the formats have no such call for x (the caller
-        then runs the stages); None here: never."""
+        """A call computing every expert of `layer` on the same rows at once: (x [t, H], a function giving
+        every expert's weight views of one kind (a fusion name where the tier fuses)) -> [experts, t, H]
+        equal bit for bit to the stages one by one, or None when the formats have no such call for x
+        (the caller then runs the stages); None here: never."""
         return None
 
     @abstractmethod
@@ -87,11 +87,46 @@ class SwiGLU(ExpertFamily):
         return self.act_fn(gate) * up if out is None else out
 
     def layer_call(self, layer: int) -> LayerCall | None:
-        gate = self._formats.get((layer, "gate"))
-        if gate is None:
+        f = self._formats
+        if (layer, "gate") not in f:
             return None
-        up, down = self._formats[(layer, "up")], self._formats[(layer, "down")]
-        return lambda x, weights: gate.swiglu_layer(x, weights, up, down)  # weights: (gate, up, down)
+        gate, up, down = f[(layer, "gate")], f[(layer, "up")], f[(layer, "down")]
+        fused = f.get((layer, "gate_up"))  # the tier lays gate and up out as one matrix
+
+        def call(x: torch.Tensor, views: Callable[[str], list[Any]]) -> torch.Tensor | None:
+            out = gate.swiglu_layer(x, views, up, down)  # the whole layer in one call (ggml)
+            return out if out is not None else self._per_matrix(layer, x, views, (gate, up, down), fused)
+
+        return call
+
+    def _per_matrix(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        views: Callable[[str], list[Any]],
+        formats: tuple[Any, Any, Any],
+        fused: Any,
+    ) -> torch.Tensor | None:
+        """One call per matrix kind (grouped launches on the GPU; gate_up as one where the tier fuses
+        it), the stages' math between them on every expert at once: elementwise, so each expert's rows
+        get the bits its stages give."""
+        gate, up, down = formats
+        first = fused if fused is not None else gate
+        h = first.linear_experts(x, views("gate_up" if fused is not None else "gate"))  # [E, t, 2I | I]
+        if h is None:
+            return None
+        if fused is not None:
+            g, upped = h.chunk(2, dim=-1)
+            h = self.act_fn(g) * upped
+        else:
+            w_up = views("up")
+            upped = up.linear_experts(x, w_up)
+            if upped is None:
+                upped = torch.stack([up.linear(x, w) for w in w_up])
+            h = self._glu(layer, h, upped)
+        w_down = views("down")
+        out = down.linear_experts(h, w_down)
+        return out if out is not None else torch.stack([down.linear(h[i], w) for i, w in enumerate(w_down)])
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]

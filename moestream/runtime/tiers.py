@@ -36,6 +36,7 @@ class DeviceTier(ABC):
 
     fuses = False  # lays out a family's fusions back to back, so they are computed as one matrix
     gpu_bytes = 0  # device memory the tier holds (GPU slots)
+    in_place = True  # kernels read the host cache's slots where they are (`prepare` copies nothing)
 
     def __init__(self, cache: ExpertCache, device: torch.device | None = None) -> None:
         self.cache = cache

@@ -74,14 +74,20 @@ class WeightFormat(ABC):
     def swiglu_layer(
         self,
         x: torch.Tensor,
-        weights: Callable[[], list[tuple[Any, Any, Any]]],
+        views: Callable[[str], list[Any]],
         up: WeightFormat,
         down: WeightFormat,
     ) -> torch.Tensor | None:
         """down_i(silu(gate_i(x)) * up_i(x)) for every expert i of a layer on the same rows x, in one
         call: [experts, t, H], bit for bit what `linear`, `glu`, `linear` give one by one; None (before
-        `weights()`, which gives each expert's (gate, up, down) views, is called) when this format (as
+        `views(kind)`, which gives every expert's view of that kind, is called) when this format (as
         gate, with `up` and `down`) has no such call for x."""
+        return None
+
+    def linear_experts(self, x: torch.Tensor, weights: list[Any]) -> torch.Tensor | None:
+        """Several experts' products in one call: x [t, in] (the same rows for every expert) or
+        [E, t, in] (expert i's own rows) by weights[i] -> [E, t, out], bit for bit what `linear` gives
+        one by one; None (before any work) when this format has no such call for these weights."""
         return None
 
 

@@ -66,7 +66,7 @@ class Ggml(WeightFormat):
     def swiglu_layer(
         self,
         x: torch.Tensor,
-        weights: Callable[[], list[tuple[Any, Any, Any]]],
+        views: Callable[[str], list[Any]],
         up: WeightFormat,
         down: WeightFormat,
     ) -> torch.Tensor | None:
@@ -78,9 +78,9 @@ class Ggml(WeightFormat):
             or rows >= min(self.threshold, up.threshold, down.threshold)  # those rows dequantize instead
         ):
             return None
-        views = weights()
-        types = [(self.type, up.type, down.type)] * len(views)
-        return self._ggml.swiglu_experts(x.contiguous(), views, types, self.rows)
+        experts = list(zip(views("gate"), views("up"), views("down")))
+        types = [(self.type, up.type, down.type)] * len(experts)
+        return self._ggml.swiglu_experts(x.contiguous(), experts, types, self.rows)
 
     def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]

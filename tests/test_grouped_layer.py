@@ -1,0 +1,124 @@
+"""A one-token layer of cached experts in one grouped launch per matrix kind (the GPU's layer call).
+
+The SwiGLU family's layer call over the GGUF GPU format (`GgufCuda.linear_experts`: one
+`kernels.grouped_matmul` over the buffer the experts' views share) must give each expert exactly the
+bits its stages give one by one through `linear`: the same kernel and tile for the same rows, and the
+same elementwise torch ops between the matrices. Checked with gate and up fused (GPU slots) and apart
+(unified memory), in a Q4_K_M-like mix (gate/up Q4_K, down Q6_K), with x in bf16 and fp32. Views that
+do not share one buffer have no grouped call (None: the runtime runs the stages).
+
+Runs on a CUDA GPU when there is one, else in Triton's interpreter on the CPU (conftest sets
+TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and TRITON_INTERPRET is not 1 (conftest sets it)", allow_module_level=True)
+
+from gguf_blocks import random_blocks  # noqa: E402
+from transformers.activations import ACT2FN  # noqa: E402
+
+from moestream.runtime.families import SwiGLU  # noqa: E402
+from moestream.runtime.formats import make_format  # noqa: E402
+from moestream.store.experts import StoredFormat  # noqa: E402
+from moestream.store.safetensors_file import TensorRef  # noqa: E402
+
+H, I, EXPERTS = 256, 256, 3
+TYPES = {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}
+SHAPES = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+
+
+def _formats(fused: bool):
+    formats = {}
+    for kind, name in TYPES.items():
+        blocks = random_blocks(name, *SHAPES[kind])
+        ref = TensorRef("unused", 0, blocks.size, name, SHAPES[kind], kind)
+        formats[(0, kind)] = make_format(StoredFormat(name), [ref], "cuda")
+    if fused:
+        formats[(0, "gate_up")] = formats[(0, "gate")].fused(formats[(0, "up")])
+    return formats
+
+
+def _slots():
+    """EXPERTS slots in one buffer as GpuSlotTier lays them out: gate then up with no gap (one gate_up
+    matrix), down at the next 256-byte boundary; slots in a shuffled order, 17 bytes in."""
+    parts = {
+        e: {
+            kind: torch.from_numpy(random_blocks(name, *SHAPES[kind], seed=10 * e + i)).reshape(-1)
+            for i, (kind, name) in enumerate(TYPES.items())
+        }
+        for e in range(EXPERTS)
+    }
+    gate_up = parts[0]["gate"].numel() + parts[0]["up"].numel()
+    down_at = (gate_up + 255) // 256 * 256
+    slot_bytes = (down_at + parts[0]["down"].numel() + 255) // 256 * 256
+    buffer = torch.zeros(17 + EXPERTS * slot_bytes, dtype=torch.uint8)
+    where = {}
+    for e, slot in zip(range(EXPERTS), (2, 0, 1)):
+        base = 17 + slot * slot_bytes
+        at = {"gate": base, "up": base + parts[e]["gate"].numel(), "down": base + down_at}
+        for kind, start in at.items():
+            buffer[start : start + parts[e][kind].numel()] = parts[e][kind]
+        where[e] = at | {"gate_up": base}
+    buffer = buffer.to(DEVICE)
+    size = {kind: parts[0][kind].numel() for kind in TYPES} | {"gate_up": gate_up}
+
+    def view(e, kind):
+        return buffer[where[e][kind] : where[e][kind] + size[kind]]
+
+    return view
+
+
+def _stages(family, formats, x, view, fused):
+    """Each expert through the family's stages one by one, as the runtime runs them."""
+
+    def run(e):
+        def linear(kind, rows):
+            return formats[(0, kind)].linear(rows, view(e, kind))
+
+        carry = None
+        for kinds in family.stages(fused):
+            carry = family.stage(kinds, x, carry, linear, 0, e)
+        return carry
+
+    return torch.stack([run(e) for e in range(EXPERTS)])
+
+
+@pytest.mark.parametrize(("fused", "dtype"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_a_layer_call_equals_the_stages_bit_for_bit(fused, dtype):
+    formats = _formats(fused)
+    family = SwiGLU(ACT2FN["silu"], "silu")
+    family.bind(formats)
+    view = _slots()
+    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(5)) * 0.5).to(dtype).to(DEVICE)
+    asked = []
+
+    def views(kind):
+        asked.append(kind)
+        return [view(e, kind) for e in range(EXPERTS)]
+
+    got = family.layer_call(0)(x, views)
+    assert got is not None and got.shape == (EXPERTS, 1, H) and got.dtype == dtype
+    assert asked == (["gate_up", "down"] if fused else ["gate", "up", "down"])  # one launch per kind
+    want = _stages(family, formats, x, view, fused)
+    assert torch.equal(got, want)
+    assert got.abs().max() > 0 and not torch.equal(got[0], got[1])  # real products, per expert
+
+
+def test_views_in_different_buffers_have_no_grouped_call():
+    formats = _formats(fused=True)
+    family = SwiGLU(ACT2FN["silu"], "silu")
+    family.bind(formats)
+    view = _slots()
+    x = torch.randn(1, H, dtype=torch.bfloat16).to(DEVICE)
+    apart = {e: {k: view(e, k).clone() for k in ("gate_up", "down")} for e in range(EXPERTS)}
+    assert family.layer_call(0)(x, lambda kind: [apart[e][kind] for e in range(EXPERTS)]) is None
