@@ -4,7 +4,9 @@ llama.cpp's `convert_hf_to_gguf.py` identifies a BPE tokenizer's pre-tokenizer b
 test string, and refuses hashes it does not know. The synthetic checkpoints' tokenizer is a freshly
 trained byte-level BPE whose pre-tokenizer is `ByteLevel(use_regex=True)`, i.e. exactly GPT-2's split
 regex, so this script declares it as llama.cpp's `gpt-2` pre-tokenizer and runs the converter unchanged
-otherwise. Only synthetic checkpoints are accepted: a real one has a pre-tokenizer llama.cpp knows.
+otherwise. Only synthetic checkpoints are accepted (a real one has a pre-tokenizer llama.cpp knows), and
+with `--byte-level-bpe` any checkpoint whose tokenizer is such a freshly trained byte-level BPE with
+GPT-2's split (the trained fixture `../shared/fixtures/stdlib-moe-8x64`).
 
     .venv/bin/python benchmarks/llamacpp/convert.py /var/tmp/msb/q12x64 /var/tmp/llamacpp/q12x64-bf16.gguf \
         --llama-cpp /var/tmp/llamacpp/llama_cpp_python-X/vendor/llama.cpp
@@ -18,9 +20,10 @@ import sys
 from pathlib import Path
 
 
-def check_synthetic(checkpoint: Path) -> None:
+def check_synthetic(checkpoint: Path, byte_level_bpe: bool = False) -> None:
     meta = checkpoint / "moestream_synth.json"
-    if not meta.exists() or not json.loads(meta.read_text()).get("synthetic"):
+    synthetic = meta.exists() and json.loads(meta.read_text()).get("synthetic")
+    if not synthetic and not byte_level_bpe:
         raise SystemExit(
             f"{checkpoint} is not a moestream synthetic checkpoint; use llama.cpp's converter directly"
         )
@@ -53,8 +56,13 @@ def main() -> None:
     p.add_argument(
         "--outtype", default="bf16", help="GGUF tensor type (default bf16, the synthetic checkpoint's)"
     )
+    p.add_argument(
+        "--byte-level-bpe",
+        action="store_true",
+        help="also a non-synthetic checkpoint whose tokenizer is a byte-level BPE with GPT-2's split",
+    )
     args = p.parse_args()
-    check_synthetic(args.checkpoint)
+    check_synthetic(args.checkpoint, args.byte_level_bpe)
     sys.path[:0] = [str(args.llama_cpp / "gguf-py"), str(args.llama_cpp)]  # its own gguf package, not PyPI's
     import convert_hf_to_gguf as converter
 
