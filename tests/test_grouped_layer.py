@@ -122,3 +122,17 @@ def test_views_in_different_buffers_have_no_grouped_call():
     x = torch.randn(1, H, dtype=torch.bfloat16).to(DEVICE)
     apart = {e: {k: view(e, k).clone() for k in ("gate_up", "down")} for e in range(EXPERTS)}
     assert family.layer_call(0)(x, lambda kind: [apart[e][kind] for e in range(EXPERTS)]) is None
+
+
+def test_formats_without_a_batched_call_have_no_layer_call():
+    """Plain bf16 experts: no layer call, so the runtime builds no views before running the stages."""
+    formats = {}
+    for kind, shape in SHAPES.items():
+        ref = TensorRef("unused", 0, 2 * shape[0] * shape[1], "BF16", shape, kind)
+        formats[(0, kind)] = make_format(StoredFormat("BF16"), [ref], "cpu")
+    formats[(0, "gate_up")] = formats[(0, "gate")].fused(formats[(0, "up")])
+    family = SwiGLU(ACT2FN["silu"], "silu")
+    family.bind(formats)
+    assert family.layer_call(0) is None
+    family.bind(_formats(fused=True))
+    assert family.layer_call(0) is not None

@@ -22,6 +22,8 @@ class WeightFormat(ABC):
 
     name: ClassVar[str] = "abstract"
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
+    # computes several experts in one call (`swiglu_layer` or `linear_experts` may return a result)
+    experts_at_once: ClassVar[bool] = False
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
         self.stored, self.shapes, self.part_bytes = stored, shapes, part_bytes

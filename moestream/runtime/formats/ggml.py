@@ -23,6 +23,7 @@ class Ggml(WeightFormat):
     """One GGML block type of one (layer, kind): [rows, cols] stored as rows of `row_bytes` bytes."""
 
     name = "ggml"
+    experts_at_once = True
     devices = ("cpu",)
 
     @staticmethod

@@ -14,6 +14,7 @@ class GgufCuda(WeightFormat):
     """One GGML block type of one (layer, kind) on the GPU: [rows, cols] as rows of `row_bytes`."""
 
     name = "gguf-cuda"
+    experts_at_once = True
     devices = ("cuda",)
 
     @staticmethod
