@@ -92,7 +92,7 @@ class SwiGLU(ExpertFamily):
             return None
         gate, up, down = f[(layer, "gate")], f[(layer, "up")], f[(layer, "down")]
         fused = f.get((layer, "gate_up"))  # the tier lays gate and up out as one matrix
-        if not (gate.experts_at_once or (fused or gate).experts_at_once):
+        if not (gate.experts_at_once or (fused is not None and fused.experts_at_once)):
             return None  # the runtime runs the stages without asking for views first
 
         def call(x: torch.Tensor, views: Callable[[str], list[Any]]) -> torch.Tensor | None:
