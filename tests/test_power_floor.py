@@ -266,6 +266,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _default_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> None:
     proc = subprocess.Popen(
@@ -273,6 +278,9 @@ def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # the child starts with the signals' default actions, whatever this process inherited (a shell
+        # starts background jobs with SIGINT ignored, and an ignored signal stays ignored with the floor)
+        preexec_fn=_default_signals,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "raised"
@@ -285,6 +293,36 @@ def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> 
     assert list((tmp_path / "state").iterdir()) == []
     if signum == signal.SIGTERM:
         assert proc.returncode == -signal.SIGTERM  # still dies of the signal, as without the floor
+
+
+def test_an_ignored_sigint_restores_min_freq_and_stays_ignored(tmp_path: Path, jetson: Path) -> None:
+    """Started with SIGINT ignored (a shell's background job): SIGINT gives min_freq back, and the run
+    goes on as it would without the floor; SIGTERM still ends it."""
+
+    def ignore_sigint() -> None:
+        _default_signals()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "root"), str(tmp_path / "state")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_sigint,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "raised"
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while min_mhz(jetson) != 408 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert min_mhz(jetson) == 408
+        assert proc.poll() is None  # still running
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
 
 
 def test_gpu_floor_argument() -> None:
