@@ -1,4 +1,4 @@
-"""A probe for the fixed-cost issue: decode with each decoder layer's attention under torch.compile
+"""A probe of the fixed cost per token: decode with each decoder layer's attention under torch.compile
 (dynamic shapes, transformers' own DynamicCache; one compile per layer) against eager, on one loaded
 engine (every expert cached, 1 thread).
 

@@ -1,5 +1,5 @@
 """Stock transformers decoding a checkpoint's shape with every weight on the GPU: the baseline of
-"every expert in the GPU tier" (issue: the fixed cost per token).
+"every expert in the GPU tier" when measuring the fixed cost per token.
 
 The model is built from the checkpoint's config.json on the GPU in bf16 with random weights (the speed of
 a decode step does not depend on the values; random routers spread tokens over the experts like the
