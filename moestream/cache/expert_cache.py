@@ -198,7 +198,6 @@ class ExpertCache:
                     (job.hits if (layer, e) in self._states else job.misses).append(e)
                 for e in job.hits:
                     self._pin_hit((layer, e), job)
-                job.active = len(job.hits)
                 self.stats.hits += len(job.hits)
                 self.stats.misses += len(job.misses)
                 self.stats.miss_bytes += sum(self.emap.unit_bytes(layer, e) for e in job.misses)
@@ -271,7 +270,7 @@ class ExpertCache:
         except queue.Empty:
             pass
         with self.lock:  # a finishing prefetch admits the rest (under the lock, atomically)
-            stuck = job.active == 0 and not self._prefetching
+            stuck = not job.held and not self._prefetching
         if stuck:
             raise RuntimeError(f"layer {job.layer} waits for an expert slot that nothing will release")
         start = time.perf_counter()
@@ -290,7 +289,6 @@ class ExpertCache:
                 state.listeners.remove(job)
             self._unpin(state)
             job.held.discard(expert)
-            job.active -= 1
             admitted = self._admit_pending(job)
         self._submit(admitted)
 
@@ -312,7 +310,6 @@ class ExpertCache:
                 else:
                     self._unpin(state)
             job.held.clear()
-            job.active = 0
             if self._open_job is job:
                 self._open_job = None
 
@@ -374,7 +371,6 @@ class ExpertCache:
             self._admit_miss((job.layer, expert), job, job.admitted, admitted, protected=job.keys)
             job.held.add(expert)
             job.admitted += 1
-            job.active += 1
         return admitted
 
     def _blocked(self, key: Key, protected: set[Key]) -> bool:
@@ -502,7 +498,6 @@ class LayerJob:
         self.pending: list[int] = []  # misses still waiting for a slot
         self.admitted = 0  # misses given a slot so far
         self.held: set[int] = set()  # experts this job pinned and has not released
-        self.active = 0  # experts pinned by this job and not yet released
         self.wait_s = 0.0
 
     def next_event(self) -> tuple[int, str, BaseException | None]:
