@@ -29,7 +29,7 @@ class AlignedBuffer:
 
     def lock(self) -> bool:
         """mlock the whole buffer. Returns False (and warns once) where RLIMIT_MEMLOCK forbids it."""
-        if _libc.mlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes)) == 0:
+        if lock_range(self.address, self.nbytes):
             self.locked = True
             return True
         err = ctypes.get_errno()
@@ -43,7 +43,7 @@ class AlignedBuffer:
 
     def unlock(self) -> None:
         if self.locked:
-            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
+            unlock_range(self.address, self.nbytes)
             self.locked = False
 
     def free(self) -> None:
