@@ -131,7 +131,7 @@ class Engine:
         self.options = plan_memory(self, self.options, stored)
         dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
         dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-        self.model = build_model(self.source, self.config, self.arch, dtype, self.emap, keep, stored)
+        self.model = build_model(self.source, self.config, self.arch, dtype, stored)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
         self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable

@@ -65,18 +65,12 @@ def trunk_tensors(
 
 
 def build_model(
-    source: CheckpointSource,
-    config: Any,
-    arch: Arch,
-    dtype: str | torch.dtype,
-    emap: ExpertMap,
-    keep_blocks: bool = True,
-    trunk: dict[str, Any] | None = None,
+    source: CheckpointSource, config: Any, arch: Arch, dtype: str | torch.dtype, trunk: dict[str, Any]
 ) -> torch.nn.Module:
     """The model built on the meta device with the experts class patched, then given the source's trunk
-    (`trunk`: what `trunk_tensors` returned for the same arguments, when the caller has it already).
-    Trunk weights stored in block types stay in them (`QuantLinear`, `QuantEmbedding`) unless not
-    `keep_blocks`, when they are dequantized into the model's dtype.
+    (`trunk`: what `trunk_tensors` returned). Trunk weights stored in block types (`QuantizedTensor`:
+    `trunk_tensors` with `keep_blocks`) stay in them (`QuantLinear`, `QuantEmbedding`); the others are
+    loaded in the model's dtype.
 
     Raises:
         CheckpointError: a non-expert tensor the model needs is not in the checkpoint, or has a shape
@@ -86,8 +80,6 @@ def build_model(
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            if trunk is None:
-                trunk = source.trunk_state_dict(emap, ExpectedKeys(model_class, config), keep_blocks)
             blocks = {k: v for k, v in trunk.items() if isinstance(v, QuantizedTensor)}
             for value in blocks.values():  # placeholders in the model's dtype: never cast, never allocated
                 value.placeholder_dtype = model_dtype(dtype, config)
