@@ -87,8 +87,7 @@ class Prompts:
                 param="messages",
                 code="no_chat_template",
             )
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        return await self._on_lane(size, self._render, messages, template_kwargs)
+        return await self._on_lane(_content_size(messages), self._render, messages, template_kwargs)
 
     def check_bias(self, logit_bias: dict[str, float]) -> None:
         """logit_bias keys must be token ids of the vocabulary."""
@@ -116,7 +115,7 @@ class Prompts:
 
     def _render(self, tok: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
         try:
-            if sum(len(str(m.get("content") or "")) for m in messages) > LONG:
+            if _content_size(messages) > LONG:
                 self._count_within_context(tok, render_chat_text(tok, messages, template_kwargs), "messages")
             return render_chat(tok, messages, template_kwargs)
         except MoestreamError as exc:
@@ -187,6 +186,11 @@ class Prompts:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         self._long.shutdown(wait=False)
+
+
+def _content_size(messages: list[dict[str, str]]) -> int:
+    """Characters of the messages' contents (what decides a chat request's lane)."""
+    return sum(len(str(m.get("content") or "")) for m in messages)
 
 
 def _own_copy(engine: Engine) -> Any:
