@@ -266,24 +266,34 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _default_signals() -> None:
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_DFL)
+def _raised_child(tmp_path: Path, ignore_sigint: bool = False) -> subprocess.Popen:
+    """CHILD started with the signals' default actions, whatever this process inherited (a shell starts
+    background jobs with SIGINT ignored, and an ignored signal stays ignored with the floor), or with
+    SIGINT ignored; returns once it has raised the floor."""
 
+    def signals() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_sigint else signal.SIG_DFL)
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(tmp_path / "root"), str(tmp_path / "state")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # the child starts with the signals' default actions, whatever this process inherited (a shell
-        # starts background jobs with SIGINT ignored, and an ignored signal stays ignored with the floor)
-        preexec_fn=_default_signals,
+        preexec_fn=signals,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "raised"
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> None:
+    proc = _raised_child(tmp_path)
+    try:
         assert min_mhz(jetson) == 1020
         proc.send_signal(signum)
         proc.wait(timeout=10)
@@ -298,20 +308,8 @@ def test_signal_restores_min_freq(tmp_path: Path, jetson: Path, signum: int) -> 
 def test_an_ignored_sigint_restores_min_freq_and_stays_ignored(tmp_path: Path, jetson: Path) -> None:
     """Started with SIGINT ignored (a shell's background job): SIGINT gives min_freq back, and the run
     goes on as it would without the floor; SIGTERM still ends it."""
-
-    def ignore_sigint() -> None:
-        _default_signals()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path / "root"), str(tmp_path / "state")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=ignore_sigint,
-    )
+    proc = _raised_child(tmp_path, ignore_sigint=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "raised"
         proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 10
         while min_mhz(jetson) != 408 and time.monotonic() < deadline:
