@@ -95,6 +95,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "this dtype (default: keep them quantized, computed on their blocks; more memory, maybe faster)",
     )
     group.add_argument(
+        "--trunk",
+        default="auto",
+        choices=["auto", "graphs", "static", "eager"],
+        help="how attention, norms and routers run in a decode step: graphs (CUDA graphs between the MoE "
+        "layers' experts, over a static KV cache), static (that static cache, each op launched from "
+        "Python), eager (transformers' own dynamic cache, for debugging) or auto (default: graphs on a "
+        "CUDA device where the model allows them, else eager); the mode line says which ran",
+    )
+    group.add_argument(
         "--policy",
         default="lru",
         choices=["lru", "lfu", "predictive"],
@@ -141,6 +150,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         dtype=args.dtype,
         trunk_dtype=args.trunk_dtype,
+        trunk=args.trunk,
         lock_memory=not args.no_mlock,
         gpu_floor=args.gpu_floor,
     )

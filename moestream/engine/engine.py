@@ -23,6 +23,7 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
+from moestream.engine.trunk import release_trunk, setup_trunk
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
@@ -146,6 +147,14 @@ class Engine:
             self.trunk.unlock()
             raise
         self._step = ForwardStep(self.model)
+        try:
+            self.trunk_line = setup_trunk(
+                self._step, self.options.trunk, self._modules, self.device, self.ctx_size
+            )
+        except BaseException:
+            self.streaming.close()
+            self.trunk.unlock()
+            raise
         self._init_generation()
         self.floor = self._make_floor()
         self.recorder: Any = None
@@ -315,7 +324,7 @@ class Engine:
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
             f"{describe_formats(self.runtime.formats)}) | "
             f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
-            f"{self._trunk_part()}"
+            f"{self._trunk_part()}{self.trunk_line} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
                 f" | ROUTING REPLAYED from {self.replay.name} (benchmark only: outputs are not the model's)"
@@ -636,6 +645,7 @@ class Engine:
                 finally:
                     self.trunk.unlock()
                     self.prompt_cache.clear()
+                    release_trunk(self._step)
 
     def __enter__(self) -> Engine:
         return self

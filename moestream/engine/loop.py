@@ -14,7 +14,12 @@ from moestream.runtime.experts import raised_in_experts
 
 class ForwardStep:
     """Calls a transformers causal LM one step at a time, whatever its cache argument is called
-    (`past_key_values` up to transformers 5.23, `cache` from 5.24)."""
+    (`past_key_values` up to transformers 5.23, `cache` from 5.24).
+
+    With `static` (a transformers StaticCache, engine/trunk.py) every request runs in that one cache: a
+    request that starts without one gets it emptied, and with `graphs` (DecodeGraphs) a one-token step
+    replays them instead of launching the trunk's ops one by one.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -22,11 +27,12 @@ class ForwardStep:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.trim_logits = "logits_to_keep" in params
         self.device = next(model.parameters()).device
+        self.static: Any = None
+        self.graphs: Any = None
 
-    @torch.inference_mode()
-    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-        """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32, cache)."""
-        kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids], device=self.device), "use_cache": True}
+    def logits(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """ids [1, T] on the model's device -> (last position's logits [V] fp32 on the device, cache)."""
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True}
         if self.trim_logits:
             kwargs["logits_to_keep"] = 1
         if cache is not None:
@@ -35,7 +41,18 @@ class ForwardStep:
         new_cache = getattr(out, "cache", None)
         if new_cache is None:
             new_cache = out.past_key_values
-        return out.logits[0, -1].float().cpu(), new_cache  # sampling runs on the host
+        return out.logits[0, -1].float(), new_cache
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32, cache)."""
+        if self.static is not None and cache is None:
+            self.static.reset()  # a request from scratch: positions and states back to empty
+            cache = self.static
+        if self.graphs is not None and len(ids) == 1:
+            return self.graphs.step(ids[0]), cache
+        logits, new_cache = self.logits(torch.tensor([ids], device=self.device), cache)
+        return logits.cpu(), new_cache  # sampling runs on the host
 
 
 def token_stream(

@@ -1,0 +1,64 @@
+"""How the trunk (everything but the routed experts) of a decode step runs: `--trunk`.
+
+- eager: transformers' own forward, op by op, over its dynamic KV cache (the behaviour before graphs).
+- static: the same forward over one transformers StaticCache of --ctx-size tokens that every request
+  runs in (prefill and decode), op by op: the graphs' oracle, bit for bit.
+- graphs: that static cache, prefill op by op, and each one-token decode step replayed as CUDA graphs
+  between the MoE layers' experts (engine/trunk_graphs.py).
+- auto: graphs on a CUDA device when the model's step can be captured, else eager; the mode line says
+  which ran and, when graphs were not possible, why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moestream.engine.loop import ForwardStep
+from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
+from moestream.errors import MoestreamError
+
+
+def _static_cache(model: torch.nn.Module, tokens: int) -> Any:
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=tokens)
+
+
+def setup_trunk(
+    step: ForwardStep, mode: str, modules: list[tuple[int, Any]], device: torch.device, ctx_size: int
+) -> str:
+    """Give `step` the static cache and graphs `mode` asks for; returns the mode line's part.
+
+    Raises:
+        MoestreamError: `--trunk graphs` was asked for and this model's step cannot be captured.
+    """
+    asked = mode
+    if mode == "auto":
+        mode = "graphs" if device.type == "cuda" else "eager"
+    if mode == "eager":
+        return "trunk eager (dynamic KV cache)"
+    cache = _static_cache(step.model, ctx_size)
+    graphs = DecodeGraphs(lambda ids: step.logits(ids, cache)[0], cache, dict(modules), device)
+    try:
+        if mode == "static":
+            graphs.trial()
+        else:
+            graphs.capture()
+    except GraphsUnavailable as exc:
+        if asked != "auto":
+            raise MoestreamError(f"--trunk {asked} is not possible for this model: {exc}") from None
+        return f"trunk eager (CUDA graphs not possible: {exc})"
+    step.static = cache
+    if mode == "static":
+        return f"trunk static KV cache of {ctx_size} tokens, eager ops"
+    step.graphs = graphs
+    return f"{graphs.describe()} over a static KV cache of {ctx_size} tokens"
+
+
+def release_trunk(step: ForwardStep) -> None:
+    """Drop the graphs and the static cache (engine close): their GPU memory goes back at once."""
+    step.graphs = step.static = None
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
