@@ -11,6 +11,7 @@ computes cached experts one by one (no one-call layer: the comparison point).
 
     python benchmarks/decode_parts.py CHECKPOINT --cache 9GiB --threads 1 [--tokens 32]
     python benchmarks/decode_parts.py CHECKPOINT --device cuda --gpu-cache 20GiB [--sync] [--per-expert]
+        [--trunk graphs]
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def main() -> None:
     p.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert slots (default: --cache)")
     p.add_argument("--sync", action="store_true", help="CUDA: wait for the GPU around each timed module")
     p.add_argument("--per-expert", action="store_true", help="no one-call layer for cached experts")
+    p.add_argument(
+        "--trunk",
+        default="eager",
+        help="eager (default: every module's own time), static, graphs (CUDA: the trunk's modules run "
+        "inside the graphs, so only the routed experts and the whole step are timed) or auto",
+    )
     args = p.parse_args()
     sync = torch.cuda.synchronize if args.sync and args.device == "cuda" else (lambda: None)
     spent: dict[str, float] = collections.defaultdict(float)
@@ -62,7 +69,7 @@ def main() -> None:
     wrap(ExpertRuntime, "forward", "routed experts")
     opts = {"device": args.device, "gpu_cache": args.gpu_cache} if args.device != "cpu" else {}
     with moestream.load(
-        args.checkpoint, cache=args.cache, threads=args.threads, ctx_size=512, **opts
+        args.checkpoint, cache=args.cache, threads=args.threads, ctx_size=512, trunk=args.trunk, **opts
     ) as engine:
         print(engine.mode_line())
         if args.per_expert:

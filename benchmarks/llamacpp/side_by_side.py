@@ -92,6 +92,7 @@ def moestream_args(opts: dict[str, str]) -> list[str]:
         "device": "--device",
         "gpu_cache": "--gpu-cache",
         "host_cache": "--host-cache",
+        "trunk": "--trunk",
     }
     unknown = set(opts) - set(names) - {"ra", "prefetch", "model"}
     if unknown:
