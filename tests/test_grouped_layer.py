@@ -136,3 +136,30 @@ def test_formats_without_a_batched_call_have_no_layer_call():
     assert family.layer_call(0) is None
     family.bind(_formats(fused=True))
     assert family.layer_call(0) is not None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_slot_tables_on_the_device_give_the_views_bits(fused):
+    """The resident path (runtime/resident.py): offsets gathered on the device from a per-kind table by
+    the routing's ids, no host list of views; the same launches, so the same bits as the views."""
+    from moestream.runtime.formats.base import SlotTable
+
+    formats = _formats(fused)
+    family = SwiGLU(ACT2FN["silu"], "silu")
+    family.bind(formats)
+    view = _slots()
+    storage = view(0, "gate").untyped_storage()
+    buffer = torch.empty(0, dtype=torch.uint8, device=DEVICE).set_(storage)
+    kinds = ["gate_up", "down"] if fused else ["gate", "up", "down"]
+    tables = {
+        k: torch.tensor([view(e, k).data_ptr() - storage.data_ptr() for e in range(EXPERTS)], device=DEVICE)
+        for k in kinds
+    }
+    routed = torch.tensor([2, 0], device=DEVICE)  # two of the three experts, in the routing's order
+    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(7)) * 0.5).to(DEVICE)
+    call = family.layer_call(0)
+    got = call(x, lambda kind: SlotTable(buffer, tables[kind][routed]))
+    want = call(x, lambda kind: [view(e, kind) for e in routed.tolist()])
+    assert got is not None and want is not None and torch.equal(got, want)
+    assert got.shape == (2, 1, H) and not torch.equal(got[0], got[1])
+    assert all(formats[(0, k)].slot_tables and formats[(0, k)].accepts(1) for k in kinds)

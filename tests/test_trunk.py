@@ -92,7 +92,10 @@ def test_graphs_need_a_cuda_device(capsys, tiny_dir):
     code = main(["generate", str(tiny_dir("qwen3_moe")), "--trunk", "graphs", "--prompt", "Hi"])
     err = capsys.readouterr().err
     assert code == 2 and "--trunk graphs needs a CUDA device" in err and "Traceback" not in err
-    with pytest.raises(MoestreamError, match="trunk mode 'jit' is not one of auto, graphs, static, eager"):
+    with pytest.raises(MoestreamError, match="--trunk layer-graphs needs a CUDA device"):
+        moestream.load(str(tiny_dir("qwen3_moe")), trunk="layer-graphs")
+    modes = "auto, graphs, layer-graphs, static, eager"
+    with pytest.raises(MoestreamError, match=f"trunk mode 'jit' is not one of {modes}"):
         moestream.load(str(tiny_dir("qwen3_moe")), trunk="jit")
 
 
@@ -138,15 +141,63 @@ def test_graphs_equal_the_static_trunk_bit_for_bit(tiny_dir, arch):
 
 @CUDA
 def test_graphs_on_gguf_blocks_equal_the_static_trunk(tmp_path):
-    """Q4_K_M experts and a Q8_0 trunk, both computed on their blocks by the Triton kernels."""
+    """Q4_K_M experts and a Q8_0 trunk, both computed on their blocks by the Triton kernels. At the last
+    budget every expert fits the GPU tier: they are read at load and the whole step is one graph, with
+    the experts gathered from device tables (runtime/resident.py)."""
     from test_gguf_cuda import _file
 
     _, path = _file(tmp_path, "Q4_K_M")
     static = _runs(str(path), "static", dtype="float32")
     graphs = _runs(str(path), "graphs", dtype="float32")
-    assert "trunk CUDA graphs" in graphs[2], graphs[2]
-    assert all(torch.equal(a, b) for want, got in zip(static[0], graphs[0]) for a, b in zip(want, got))
-    assert graphs[1] == static[1]
+    layers = _runs(str(path), "layer-graphs", dtype="float32")
+    assert "trunk CUDA graphs" in graphs[2] and "one graph a token" in graphs[2], graphs[2]
+    assert "one graph a token" not in static[2] + layers[2] and "trunk CUDA graphs" in layers[2]
+    for run in (graphs, layers):
+        for budget, (want, got) in enumerate(zip(static[0], run[0])):
+            for step, (a, b) in enumerate(zip(want, got)):
+                assert torch.equal(a, b), (budget, step, (a - b).abs().max().item())
+        assert run[1] == static[1]
+
+
+@CUDA
+def test_the_one_graph_step_follows_the_tier(tmp_path, tiny_dir):
+    """Every expert resident: the one-graph step is used (no experts call from the host), gives the
+    static trunk's bits, counts its experts as hits; with an observer (a trace) or after an expert left
+    the tier it steps aside for the per-layer graphs, and comes back with the tables rebuilt."""
+    from test_gguf_cuda import _file
+
+    _, path = _file(tmp_path, "Q4_K_M")
+    with moestream.load(str(path), device="cuda", cache="64MiB", trunk="static", ctx_size=64) as engine:
+        want = _steps(engine)
+    with moestream.load(str(path), device="cuda", cache="64MiB", trunk="graphs", ctx_size=64) as engine:
+        graphs, runtime, tier = engine._step.graphs, engine.runtime, engine.runtime.tier
+        assert graphs.whole is not None and tier.holds_all()
+        calls, before = [0], engine.counters().hits
+        original = runtime.forward
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        runtime.forward = counted
+        try:
+            got = _steps(engine)
+            assert calls[0] == len(engine.emap.layers)  # the prompt's forward only: decode never asked
+            layers = len(engine.emap.layers)
+            assert engine.counters().hits - before >= len(FEED) * layers * engine.top_k
+            engine.start_trace(tmp_path / "trace.parquet")
+            traced = _steps(engine)
+            engine.stop_trace()
+            assert calls[0] == 2 * layers + len(FEED) * layers  # an observer: the per-layer graphs
+            victim = next(iter(tier.slots))
+            tier.slots[victim].pins += 1
+            tier.release(*victim, None, failed=True)  # as a failed copy leaves it: out of the tier
+            assert not tier.holds_all()
+            after = _steps(engine)
+        finally:
+            del runtime.forward
+    for steps in (got, traced, after):
+        assert all(torch.equal(a, b) for a, b in zip(want, steps))
 
 
 @CUDA

@@ -97,11 +97,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trunk",
         default="auto",
-        choices=["auto", "graphs", "static", "eager"],
+        choices=["auto", "graphs", "layer-graphs", "static", "eager"],
         help="how attention, norms and routers run in a decode step: graphs (CUDA graphs between the MoE "
-        "layers' experts, over a static KV cache), static (that static cache, each op launched from "
-        "Python), eager (transformers' own dynamic cache, for debugging) or auto (default: graphs on a "
-        "CUDA device where the model allows them, else eager); the mode line says which ran",
+        "layers' experts, over a static KV cache; when every expert fits the GPU tier, all are read at "
+        "load and the whole step is one graph), layer-graphs (never that one graph), static (the static "
+        "cache, each op launched from Python), eager (transformers' own dynamic cache, for debugging) or "
+        "auto (default: graphs on a CUDA device where the model allows them, else eager); the mode line "
+        "says which ran",
     )
     group.add_argument(
         "--policy",

@@ -23,7 +23,7 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
-from moestream.engine.trunk import release_trunk, setup_trunk
+from moestream.engine.trunk import release_trunk, resident_part, setup_trunk
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
@@ -148,9 +148,10 @@ class Engine:
             raise
         self._step = ForwardStep(self.model)
         try:
-            self.trunk_line = setup_trunk(
+            self._trunk_base = setup_trunk(
                 self._step, self.options.trunk, self._modules, self.device, self.ctx_size
             )
+            self.trunk_line = self._trunk_base + self._resident()
         except BaseException:
             self.streaming.close()
             self.trunk.unlock()
@@ -263,11 +264,15 @@ class Engine:
         recorder, previous = self.recorder, self.options
         if recorder is not None:
             recorder.detach(self.runtime)
+        if self._step.graphs is not None:
+            self._step.graphs.drop_whole()  # it reads the slot buffer closed next
+        self.trunk_line = self._trunk_base
         self.streaming.close()
         try:
             self.options = options
             self.streaming = self._stream()
             self.runtime.replay = self.replay
+            self.trunk_line = self._trunk_base + self._resident()
         except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
             self.options = previous
             try:
@@ -282,6 +287,10 @@ class Engine:
         finally:
             if recorder is not None and self.broken is None:
                 recorder.attach(self)
+
+    def _resident(self) -> str:
+        """Every expert read into the GPU tier and the step as one graph, where the tier holds them all."""
+        return resident_part(self._step, self.top_k, int(text_config(self.config).hidden_size))
 
     @property
     def unavailable(self) -> str | None:

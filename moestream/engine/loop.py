@@ -29,6 +29,7 @@ class ForwardStep:
         self.device = next(model.parameters()).device
         self.static: Any = None
         self.graphs: Any = None
+        self.one_graph = False  # the whole step as one graph when every expert is in the GPU tier
 
     def logits(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         """ids [1, T] on the model's device -> (last position's logits [V] fp32 on the device, cache)."""

@@ -13,11 +13,12 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
-# how the non-expert part of a decode step runs (engine/trunk_graphs.py): "graphs" (CUDA graphs between the
-# MoE layers' experts, over a static KV cache), "static" (the same static KV cache, every op launched from
-# Python: the graphs' exact oracle), "eager" (transformers' dynamic cache, per-op), "auto" (graphs where
-# the device and the model allow them, else eager)
-TRUNK_MODES = ("auto", "graphs", "static", "eager")
+# how the non-expert part of a decode step runs (engine/trunk.py): "graphs" (CUDA graphs between the MoE
+# layers' experts, over a static KV cache; the whole step as one graph when every expert fits the GPU
+# tier), "layer-graphs" (never the one-graph step), "static" (the same static KV cache, every op launched
+# from Python: the graphs' exact oracle), "eager" (transformers' dynamic cache, per-op), "auto" (graphs
+# where the device and the model allow them, else eager)
+TRUNK_MODES = ("auto", "graphs", "layer-graphs", "static", "eager")
 
 
 @dataclass
@@ -79,8 +80,10 @@ class EngineOptions:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.trunk not in TRUNK_MODES:
             raise ValueError(f"trunk mode {self.trunk!r} is not one of {', '.join(TRUNK_MODES)}")
-        if self.trunk == "graphs" and not self.device.startswith("cuda"):
-            raise ValueError("--trunk graphs needs a CUDA device (CUDA graphs); use auto, static or eager")
+        if self.trunk in ("graphs", "layer-graphs") and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"--trunk {self.trunk} needs a CUDA device (CUDA graphs); use auto, static or eager"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.trunk_dtype is not None and self.trunk_dtype not in DTYPES[1:]:

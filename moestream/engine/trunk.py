@@ -4,7 +4,9 @@
 - static: the same forward over one transformers StaticCache of --ctx-size tokens that every request
   runs in (prefill and decode), op by op: the graphs' oracle, bit for bit.
 - graphs: that static cache, prefill op by op, and each one-token decode step replayed as CUDA graphs
-  between the MoE layers' experts (engine/trunk_graphs.py).
+  between the MoE layers' experts (engine/trunk_graphs.py); when the GPU tier can hold every expert,
+  they are all read at load and the whole step, experts included, is one graph (runtime/resident.py).
+- layer-graphs: graphs, never the one-graph step (to compare, or to keep reading experts on demand).
 - auto: graphs on a CUDA device when the model's step can be captured, else eager; the mode line says
   which ran and, when graphs were not possible, why.
 """
@@ -18,6 +20,7 @@ import torch
 from moestream.engine.loop import ForwardStep
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.errors import MoestreamError
+from moestream.runtime.resident import ResidentExperts, unavailable
 
 
 def _static_cache(model: torch.nn.Module, tokens: int) -> Any:
@@ -37,6 +40,7 @@ def setup_trunk(
     asked = mode
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"
+    step.one_graph = mode == "graphs"
     if mode == "eager":
         return "trunk eager (dynamic KV cache)"
     cache = _static_cache(step.model, ctx_size)
@@ -55,6 +59,31 @@ def setup_trunk(
         return f"trunk static KV cache of {ctx_size} tokens, eager ops"
     step.graphs = graphs
     return f"{graphs.describe()} over a static KV cache of {ctx_size} tokens"
+
+
+def resident_part(step: ForwardStep, top_k: int, hidden_size: int) -> str:
+    """(Re)build the one-graph step over every expert resident in the GPU tier, where the tier the
+    experts modules are bound to now can hold them all (at load, and after each restream); returns the
+    mode line's words for it ("" when the tier cannot hold them all or graphs are off).
+
+    Raises:
+        ExpertReadError: reading an expert failed (the split graphs stay in use).
+    """
+    graphs = step.graphs
+    if graphs is None or not step.one_graph:
+        return ""
+    graphs.drop_whole()
+    runtime = next(iter(graphs.modules.values())).runtime
+    why = unavailable(runtime, top_k)
+    if why is not None:
+        return ""
+    resident = ResidentExperts(runtime, top_k)
+    resident.load_all(hidden_size, next(step.model.parameters()).dtype)
+    try:
+        graphs.capture_whole(resident)
+    except GraphsUnavailable as exc:
+        return f"; every expert in the GPU tier, but not one graph a token: {exc}"
+    return "; every expert resident in the GPU tier (read at load): one graph a token"
 
 
 def release_trunk(step: ForwardStep) -> None:

@@ -23,6 +23,7 @@ bit, so a graph that baked in anything position-dependent is never used.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ def static_layers_only(cache: Any) -> None:
 class _Splitter:
     """Stands in for the expert runtime of every StreamingExperts module while the graphs are built:
     "zeros" answers each experts call with zeros (warm-up, check); "capture" ends the running graph at
-    each experts call, records the call and begins the next graph."""
+    each experts call, records the call and begins the next graph; "inline" computes the experts from
+    the resident tables (runtime/resident.py), eagerly or into the graph being captured."""
 
     def __init__(self, graphs: DecodeGraphs) -> None:
         self.graphs, self.mode = graphs, "zeros"
@@ -80,10 +82,12 @@ class _Splitter:
         if self.mode == "zeros":
             return torch.zeros_like(hidden)
         g = self.graphs
+        if self.mode == "inline":
+            return g.resident.compute(layer, hidden, top_k_index, top_k_weights)
         g.graphs[-1].capture_end()
         out = torch.empty_like(hidden)  # outside any capture: an ordinary allocation the graphs keep
         g.calls.append(_ExpertsCall(layer, hidden, top_k_index, top_k_weights, out))
-        g.begin()
+        g.begin(g.graphs, g.pool)
         return out
 
 
@@ -108,7 +112,10 @@ class DecodeGraphs:
         self.calls: list[_ExpertsCall] = []
         self.logits: torch.Tensor | None = None  # [V] float32, written by the last graph
         self.pool: Any = None
-        self.stream: torch.cuda.Stream | None = None
+        # every expert resident in the GPU tier: the whole step as one graph (`capture_whole`)
+        self.resident: Any = None
+        self.whole: torch.cuda.CUDAGraph | None = None
+        self.whole_logits: torch.Tensor | None = None
 
     @property
     def segments(self) -> int:
@@ -117,10 +124,11 @@ class DecodeGraphs:
     def describe(self) -> str:
         return f"trunk CUDA graphs ({self.segments} between {len(self.calls)} MoE layers' experts)"
 
-    def begin(self) -> None:
+    def begin(self, graphs: list[torch.cuda.CUDAGraph], pool: Any) -> None:
+        """Start capturing a new graph, appended to `graphs`, into memory pool `pool`."""
         graph = torch.cuda.CUDAGraph()
-        self.graphs.append(graph)
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        graphs.append(graph)
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
 
     @contextmanager
     def _standing_in(self, splitter: _Splitter) -> Iterator[None]:
@@ -149,30 +157,64 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up, capture and check the graphs; the cache is left empty.
+        """Warm up, capture and check the per-layer graphs; the cache is left empty.
 
         Raises:
             GraphsUnavailable: the cache or an op of the step cannot be captured, or the replay differs
                 from the eager step; nothing captured is kept.
         """
         static_layers_only(self.cache)
-        splitter = _Splitter(self)
-        self.stream = torch.cuda.Stream(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.pool = torch.cuda.graph_pool_handle()
         try:
-            with self._standing_in(splitter):
-                with torch.cuda.stream(self.stream):
-                    eager = self._eager_steps()  # also the warm-up: allocations, kernel choices, compiling
-                    self.cache.reset()
-                    torch.cuda.synchronize(self.device)
-                    self.pool = torch.cuda.graph_pool_handle()
-                    splitter.mode = "capture"
-                    self._capture()
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
-                self._check(eager)
+            eager = self._record("zeros", "capture", lambda: self._capture_step(self.graphs, self.pool))
+            self._check(eager, lambda token: self._replay(token, lambda call: torch.zeros_like(call.hidden)))
         except BaseException:
             self.graphs, self.calls, self.logits, self.pool = [], [], None, None
             raise
+
+    @torch.inference_mode()
+    def capture_whole(self, resident: Any) -> None:
+        """With every expert in the GPU tier (`resident`: a ResidentExperts), capture the whole step,
+        experts included, as one graph and check it against the same step run eagerly, bit for bit.
+
+        Raises:
+            GraphsUnavailable: the step cannot be captured so, or the replay differs; the per-layer
+                graphs stay in use.
+        """
+        self.drop_whole()
+        self.resident = resident
+        whole: list[torch.cuda.CUDAGraph] = []
+        try:
+            # a pool of its own: it is replayed between the per-layer graphs' steps, not in their order
+            eager = self._record(
+                "inline", "inline", lambda: self._capture_step(whole, torch.cuda.graph_pool_handle())
+            )
+            self._check(eager, self._replay_whole)
+        except BaseException:
+            self.drop_whole()
+            raise
+
+    def drop_whole(self) -> None:
+        """Forget the one-graph step (its tables and slot buffer belong to a tier about to change)."""
+        self.resident = self.whole = self.whole_logits = None
+
+    def _record(self, warm: str, mode: str, capture: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        """On a side stream, the experts answered by a splitter in mode `warm`: the eager steps (the
+        warm-up: allocations, kernel choices, compiling; and the check's oracle), then `capture()` in
+        mode `mode`. Returns the eager logits."""
+        splitter = _Splitter(self)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._standing_in(splitter):
+            with torch.cuda.stream(stream):
+                splitter.mode = warm
+                eager = self._eager_steps()
+                self.cache.reset()
+                torch.cuda.synchronize(self.device)
+                splitter.mode = mode
+                capture()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        return eager
 
     def _eager_steps(self) -> list[torch.Tensor]:
         self.cache.reset()
@@ -187,41 +229,44 @@ class DecodeGraphs:
             ) from exc
         return out
 
-    def _capture(self) -> None:
-        self.begin()
+    def _capture_step(self, graphs: list[torch.cuda.CUDAGraph], pool: Any) -> torch.Tensor:
+        """Capture the step into a new graph of `graphs` (the splitter may end it and begin more);
+        returns the logits tensor the last graph writes."""
+        self.begin(graphs, pool)
         try:
-            self.logits = self.forward(self.ids)
-        except Exception as exc:
-            self._abort()
-            raise GraphsUnavailable(
-                f"the decode step cannot be captured ({type(exc).__name__}: {exc})"
-            ) from exc
-        except BaseException:
-            self._abort()
-            raise
-        self.graphs[-1].capture_end()
-        if not self.calls:
-            raise GraphsUnavailable("the decode step called no streamed experts")
-
-    def _abort(self) -> None:
-        """End a capture that failed half-way (the stream must leave capture mode to be usable again)."""
-        if self.graphs and torch.cuda.is_current_stream_capturing():
-            try:
-                self.graphs[-1].capture_end()
-            except RuntimeError:
-                pass  # an invalidated capture ends with an error: the stream is out of capture mode now
-
-    def _check(self, eager: list[torch.Tensor]) -> None:
-        """Replay positions 0 and 1 with zero experts against the eager steps: the same bits."""
-        self.cache.reset()
-        for position, (token, want) in enumerate(zip(EAGER_CHECK_TOKENS, eager)):
-            got = self._replay(token, lambda call: torch.zeros_like(call.hidden))
-            if not torch.equal(got, want):
-                diff = (got - want).abs().max().item()
+            logits = self.forward(self.ids)
+        except BaseException as exc:
+            if graphs and torch.cuda.is_current_stream_capturing():  # leave capture mode to stay usable
+                with contextlib.suppress(RuntimeError):  # an invalidated capture ends with an error
+                    graphs[-1].capture_end()
+            if isinstance(exc, Exception):
                 raise GraphsUnavailable(
-                    f"the captured step differs from the eager one at position {position} (max |diff| "
-                    f"{diff:.3g}): something in it depends on the position on the host"
-                )
+                    f"the decode step cannot be captured ({type(exc).__name__}: {exc})"
+                ) from exc
+            raise
+        graphs[-1].capture_end()
+        if graphs is self.graphs:
+            self.logits = logits
+            if not self.calls:
+                raise GraphsUnavailable("the decode step called no streamed experts")
+        else:
+            self.whole, self.whole_logits = graphs[0], logits
+        return logits
+
+    def _check(self, eager: list[torch.Tensor], replay: Callable[[int], torch.Tensor]) -> None:
+        """Replay positions 0 and 1 against the eager steps: the same bits."""
+        self.cache.reset()
+        try:
+            for position, (token, want) in enumerate(zip(EAGER_CHECK_TOKENS, eager)):
+                got = replay(token)
+                if not torch.equal(got, want):
+                    diff = (got - want).abs().max().item()
+                    raise GraphsUnavailable(
+                        f"the captured step differs from the eager one at position {position} (max "
+                        f"|diff| {diff:.3g}): something in it depends on the position on the host"
+                    )
+        finally:
+            self.cache.reset()
 
     def _replay(self, token: int, experts: Experts) -> torch.Tensor:
         self.ids.fill_(token)
@@ -232,10 +277,20 @@ class DecodeGraphs:
         assert self.logits is not None
         return self.logits
 
+    def _replay_whole(self, token: int) -> torch.Tensor:
+        assert self.whole is not None and self.whole_logits is not None
+        self.ids.fill_(token)
+        self.whole.replay()
+        return self.whole_logits
+
     def _streamed(self, call: _ExpertsCall) -> torch.Tensor:
         return self.modules[call.layer].runtime.forward(call.layer, call.hidden, call.index, call.weights)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Feed one token after what the cache holds; returns its logits [V] float32 on the host."""
+        if self.whole is not None and self.resident.ready():
+            logits = self._replay_whole(token)
+            self.resident.count()
+            return logits.cpu()
         return self._replay(token, self._streamed).cpu()

@@ -135,6 +135,11 @@ class GpuSlotTier(_PinnedHost):
         self.copy_stream = torch.cuda.Stream(device=device)
         self._compute_stream = torch.cuda.current_stream(device)
         self._layer_keys: set[tuple[int, int]] = set()
+        self.version = 0  # changes whenever an expert enters or leaves a GPU slot (runtime/resident.py)
+
+    def holds_all(self) -> bool:
+        """Every routed expert of the model is in a GPU slot."""
+        return len(self.residents) == len(self.cache.emap.units)
 
     def begin_group(self, layer: int, order: list[int], uses: list[int], tokens: int) -> None:
         self.residents.begin_group([(layer, e) for e in order], uses, tokens)
@@ -163,6 +168,7 @@ class GpuSlotTier(_PinnedHost):
             if admission_blocked(self.residents, self._layer_keys, self._pinned):
                 return False  # every GPU slot is held by this layer's unfinished experts
             slot, evicted = self.residents.admit(key, self._layer_keys)
+            self.version += 1
             previous = self.slots.pop(evicted, None) if evicted is not None else None
             state = self.slots[key] = GpuSlot(slot, pins=1)
             if previous is not None:
@@ -207,6 +213,7 @@ class GpuSlotTier(_PinnedHost):
         if failed:
             self.residents.remove(key)
             del self.slots[key]
+            self.version += 1
         else:
             event = torch.cuda.Event()
             event.record(self._compute_stream)
@@ -228,6 +235,7 @@ class GpuSlotTier(_PinnedHost):
             else:
                 self.residents.remove(key)
                 del self.slots[key]
+                self.version += 1
 
     def raws(self, layer: int, expert: int, kind: str, job: LayerJob | None) -> list[torch.Tensor]:
         key = (layer, expert)

@@ -116,6 +116,11 @@ class ExpertRuntime:
                     formats[(layer, name)] = fused
         return formats
 
+    def layer_call(self, layer: int) -> Any:
+        """The layer's call computing its cached experts of one token at once (`ExpertFamily.layer_call`),
+        or None."""
+        return self._layer_calls.get(layer)
+
     def set_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
         """Apply, once per layer forward, layer L+1's router to layer L's input (the stale gate): for
         `prefetch` and for observers. `routers` maps every MoE layer to its router module."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.runtime.formats.base import WeightFormat
+from moestream.runtime.formats.base import SlotTable, WeightFormat
 from moestream.store.experts import StoredFormat
 
 
@@ -15,6 +15,7 @@ class GgufCuda(WeightFormat):
 
     name = "gguf-cuda"
     experts_at_once = True
+    slot_tables = True
     devices = ("cuda",)
 
     @staticmethod
@@ -39,32 +40,40 @@ class GgufCuda(WeightFormat):
         # [t, in] -> [t, out] in x's dtype, fp32 accumulation
         return self._kernels.linear(x.contiguous(), weight, self.stored.name, self.rows)
 
-    def linear_experts(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor | None:
+    def accepts(self, tokens: int) -> bool:
+        return self._kernels.choose(self.stored.name, tokens) == "direct"
+
+    def linear_experts(self, x: torch.Tensor, weights: list[torch.Tensor] | SlotTable) -> torch.Tensor | None:
         # one grouped launch over the buffer the views share (a GPU slot buffer): the kernel and tile
         # `linear` runs for t rows, so every expert's rows come out with the same bits
         e, t = len(weights), x.shape[-2]
-        if not e or not t or self._kernels.choose(self.stored.name, t) != "direct":
+        if not e or not t or not self.accepts(t):
             return None
-        storage = weights[0].untyped_storage()
-        base = storage.data_ptr()
-        if any(w.untyped_storage().data_ptr() != base for w in weights):
-            return None
-        buffer = torch.empty(0, dtype=torch.uint8, device=weights[0].device).set_(storage)
         shared = x.dim() == 2
-        offsets = [w.data_ptr() - base for w in weights]
-        starts = [i * t for i in range(e + 1)]
-        rows = list(range(t)) * e if shared else []
-        meta = torch.tensor(offsets + starts + rows, dtype=torch.int64)
-        if x.is_cuda:  # one asynchronous copy (the caching host allocator keeps it alive)
-            meta = meta.pin_memory().to(x.device, non_blocking=True)
+        if isinstance(weights, SlotTable):  # offsets already on the device: nothing to copy or read back
+            buffer, offsets = weights.buffer, weights.offsets
+            starts = torch.arange(e + 1, dtype=torch.int64, device=x.device) * t
+            rows = torch.arange(t, dtype=torch.int64, device=x.device).repeat(e) if shared else None
+        else:
+            storage = weights[0].untyped_storage()
+            base = storage.data_ptr()
+            if any(w.untyped_storage().data_ptr() != base for w in weights):
+                return None
+            buffer = torch.empty(0, dtype=torch.uint8, device=weights[0].device).set_(storage)
+            host = [w.data_ptr() - base for w in weights] + [i * t for i in range(e + 1)]
+            meta = torch.tensor(host + (list(range(t)) * e if shared else []), dtype=torch.int64)
+            if x.is_cuda:  # one asynchronous copy (the caching host allocator keeps it alive)
+                meta = meta.pin_memory().to(x.device, non_blocking=True)
+            offsets, starts = meta[:e], meta[e : 2 * e + 1]
+            rows = meta[2 * e + 1 :] if shared else None
         out = self._kernels.grouped_matmul(
             x.contiguous() if shared else x.reshape(e * t, x.shape[-1]).contiguous(),
             buffer,
             self.stored.name,
             self.rows,
-            meta[:e],
-            meta[e : 2 * e + 1],
-            rows=meta[2 * e + 1 :] if shared else None,
+            offsets,
+            starts,
+            rows=rows,
             max_rows=t,
         )
         return out.view(e, t, self.rows)
