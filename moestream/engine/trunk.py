@@ -74,8 +74,7 @@ def resident_part(step: ForwardStep, top_k: int, hidden_size: int) -> str:
         return ""
     graphs.drop_whole()
     runtime = next(iter(graphs.modules.values())).runtime
-    why = unavailable(runtime, top_k)
-    if why is not None:
+    if unavailable(runtime, top_k) is not None:
         return ""
     resident = ResidentExperts(runtime, top_k)
     resident.load_all(hidden_size, next(step.model.parameters()).dtype)

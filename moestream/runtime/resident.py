@@ -33,7 +33,7 @@ def unavailable(runtime: ExpertRuntime, top_k: int) -> str | None:
     if top_k < 2:
         return "one expert per token runs no layer call"
     for (layer, _), fmt in runtime.formats.items():
-        if runtime.layer_call(layer) is None or not (fmt.slot_tables and fmt.accepts(1)):
+        if runtime.layer_call(layer) is None or not fmt.accepts(1):
             return f"layer {layer}'s {fmt.describe()} experts have no grouped kernel for one token"
     return None
 

@@ -22,7 +22,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 class SlotTable:
     """Several experts' matrices of one kind in one slot buffer, located by byte offsets that live on the
     device (gathered there from the routing, so no host readback is needed): `linear_experts` takes it
-    in place of a list of views where the format says `slot_tables`."""
+    in place of a list of views where the format `accepts` the batch."""
 
     buffer: torch.Tensor  # uint8, the whole slot buffer
     offsets: torch.Tensor  # int64 [E] on buffer's device: where each expert's matrix starts
@@ -38,11 +38,10 @@ class WeightFormat(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
     # computes several experts in one call (`swiglu_layer` or `linear_experts` may return a result)
     experts_at_once: ClassVar[bool] = False
-    # `linear_experts` also takes a `SlotTable` and then never returns None for a batch it `accepts`
-    slot_tables: ClassVar[bool] = False
 
     def accepts(self, tokens: int) -> bool:
-        """Whether `linear_experts` computes a SlotTable's experts on `tokens` rows (no fallback)."""
+        """Whether `linear_experts` computes experts on `tokens` rows, from views or a `SlotTable`, with
+        no fallback (it then never returns None for them)."""
         return False
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:

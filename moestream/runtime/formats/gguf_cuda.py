@@ -15,7 +15,6 @@ class GgufCuda(WeightFormat):
 
     name = "gguf-cuda"
     experts_at_once = True
-    slot_tables = True
     devices = ("cuda",)
 
     @staticmethod
