@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import moestream
+from moestream.engine.options import TRUNK_MODES
 from moestream.runtime.experts import ExpertRuntime
 
 PROMPT = "Write a detailed overview of how railways changed trade and travel in the nineteenth century."
@@ -45,8 +46,9 @@ def main() -> None:
     p.add_argument(
         "--trunk",
         default="eager",
-        help="eager (default: every module's own time), static, graphs (CUDA: the trunk's modules run "
-        "inside the graphs, so only the routed experts and the whole step are timed) or auto",
+        choices=TRUNK_MODES,
+        help="eager (default: every module's own time), or another --trunk mode (with CUDA graphs the "
+        "trunk's modules run inside the graphs, so only the routed experts and the whole step are timed)",
     )
     args = p.parse_args()
     sync = torch.cuda.synchronize if args.sync and args.device == "cuda" else (lambda: None)
