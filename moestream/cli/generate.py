@@ -20,6 +20,7 @@ from moestream.cli._engine_args import (
     read_chat_template,
     use_chat_template,
 )
+from moestream.cli._sampling_args import add_sampling_arguments, sampling_params
 from moestream.errors import MoestreamError
 
 
@@ -28,23 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     p.add_argument("-p", "--prompt", help="prompt text (required unless --replay-routing)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument(
-        "--repeat-penalty",
-        "--repetition-penalty",
-        dest="repetition_penalty",
-        type=float,
-        default=1.0,
-        help="transformers' repetition penalty over prompt and output (1 = off)",
-    )
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+    add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
         "--replay-routing",
@@ -62,7 +47,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import moestream
-    from moestream.engine.sampling import SamplingParams
 
     if args.replay_routing:
         from moestream.cli._replay import replay_routing
@@ -71,21 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is None:
         raise MoestreamError("generate needs --prompt TEXT (or --replay-routing TRACE)")
     # everything a user can get wrong is checked before the model loads, which can take minutes
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-    except ValueError as exc:
-        raise MoestreamError(str(exc)) from None
+    params = sampling_params(args)
     path, template = model_path(args), read_chat_template(args)
     if args.trace:
         from moestream.trace.atomic import check_output_path

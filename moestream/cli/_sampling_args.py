@@ -1,0 +1,71 @@
+"""Sampling options shared by generate and chat: one set of flags, one SamplingParams built from them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moestream.errors import MoestreamError
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int | None = 128) -> None:
+    """-n/--max-tokens (default `max_tokens`; None: the rest of the context), temperature, top-p/k, min-p,
+    the penalties, --seed and --ignore-eos."""
+    parser.add_argument(
+        "-n",
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"tokens to generate (default {max_tokens})"
+        if max_tokens is not None
+        else "at most this many tokens per answer (default: the rest of the context)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        dest="repetition_penalty",
+        type=float,
+        default=1.0,
+        help="transformers' repetition penalty over prompt and output (1 = off)",
+    )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)"
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (0 = off)"
+    )
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
+    )
+
+
+def sampling_params(args: argparse.Namespace, **override: Any) -> Any:
+    """The SamplingParams of the parsed flags (`override` replaces some, e.g. max_tokens), checked here so
+    that a bad value fails before the model loads, which can take minutes.
+
+    Raises:
+        MoestreamError: a value out of its range, in SamplingParams' words.
+    """
+    from moestream.engine.sampling import SamplingParams  # imports torch: not at `moestream --help`
+
+    settings = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        return SamplingParams(**{**settings, **override})
+    except ValueError as exc:
+        raise MoestreamError(str(exc)) from None
