@@ -468,7 +468,9 @@ class Engine:
             raise MoestreamError(str(exc)) from None
         ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
         self.check_context(len(ids), params.max_tokens)
-        self.reader.check_files()  # a checkpoint rewritten since load would silently change the output
+        self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output
+        if self.streaming.suspect:  # changed, then restored: slots may hold bytes read in between
+            self.restream()
         self._requests += 1
         yield from self._run(
             ids,
@@ -608,6 +610,7 @@ class Engine:
             "", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached
         )
         prefill_end, after_prefill = start, before
+        step = self.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
         for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
             now = time.perf_counter()
             if not tokens:

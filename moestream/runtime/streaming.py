@@ -18,6 +18,7 @@ import torch
 from moestream.cache.expert_cache import ExpertCache, budget_requirements, planned_bytes
 from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from moestream.cache.predictive import PredictivePolicy
+from moestream.errors import CheckpointChangedError
 from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import ExpertFamily
@@ -32,6 +33,7 @@ POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
     "predictive": PredictivePolicy,
 }
 ReaderFactory = Callable[[str, int], Reader]  # (io_mode, io_threads) -> Reader
+Step = Callable[[list[int], Any], tuple[torch.Tensor, Any]]  # (ids, KV cache) -> (logits, KV cache)
 _PREFETCH_LINE = {
     "off": "",
     "on": ", next-layer prefetch (confident guesses)",
@@ -85,6 +87,8 @@ class ExpertStreaming:
         self.tier: DeviceTier | None = None
         self.cache: ExpertCache | None = None
         self.closed = False
+        # a checkpoint file was seen changed: the slots may hold bytes read from it while it changed
+        self.suspect = False
         try:
             for name in emap.files:
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
@@ -157,6 +161,37 @@ class ExpertStreaming:
         """Point every `StreamingExperts` module (layer, module) at this runtime."""
         for layer, module in modules:
             module.bind(layer, self.runtime)
+
+    def check_files(self) -> None:
+        """Refuse to go on when a checkpoint file changed since it was opened (`Reader.check_files`); the
+        streaming is then `suspect` for good (its slots are to be read again, see `Engine.stream`).
+
+        Raises:
+            CheckpointChangedError: naming the first changed file and how it changed.
+        """
+        try:
+            self.reader.check_files()
+        except CheckpointChangedError:
+            self.suspect = True
+            raise
+
+    def checked(self, step: Step) -> Step:
+        """`step` (one forward), then `check_files`: a forward that read expert bytes while a shard was
+        being rewritten raises before its logits can be sampled, so no token computed from changed bytes
+        is ever presented. A write moves the file's mtime before it changes any byte a read can see, so
+        a check after the forward covers every read the forward waited for (fstat + stat per shard:
+        BENCHMARKS.md, "A checkpoint changed during a request")."""
+
+        def run(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+            try:
+                out = step(ids, cache)
+            except CheckpointChangedError:  # a read that failed because the file changed under it
+                self.suspect = True
+                raise
+            self.check_files()
+            return out
+
+        return run
 
     def describe(self) -> str:
         """The streaming part of the mode line: io mode, threads, pieces, prefetch, memory, policy."""
