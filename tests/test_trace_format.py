@@ -192,6 +192,34 @@ def test_ids_outside_the_header_and_empty_traces_are_refused(tmp_path: Path) -> 
         simulate(read_trace(tmp_path / "t.parquet"), ["lru"], [10_000])
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_convert_refuses_a_trace_without_rows_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture, suffix: str
+) -> None:
+    """A header and no rows: trace-convert refuses it in one sentence, as simulate and predict-eval do,
+    and leaves OUT as it was (absent, or an earlier file untouched)."""
+    source = tmp_path / f"empty{suffix}"
+    if suffix == ".jsonl":
+        source.write_text(json.dumps({"type": "header", **header().to_dict()}) + "\n")
+    else:
+        with TraceWriter(source, header()):
+            pass
+    for verb in ("simulate", "predict-eval"):  # the verbs it now agrees with
+        assert main([verb, str(source)]) == 2
+        assert "holds no rows" in capsys.readouterr().err
+    for out in (tmp_path / "out.parquet", tmp_path / "out.jsonl"):
+        assert main(["trace-convert", str(source), str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moestream: error:") and err.count("\n") == 1 and "Traceback" not in err
+        assert f"{source} holds no rows" in err and f"nothing was written to {out}" in err
+        assert not out.exists()
+    earlier = tmp_path / "kept.jsonl"
+    earlier.write_text("an earlier file\n")
+    assert main(["trace-convert", str(source), str(earlier)]) == 2
+    assert earlier.read_text() == "an earlier file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, "kept.jsonl"])
+
+
 def test_malformed_foreign_rows_are_a_trace_error(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps({"layer": 0, "token_pos": 0, "experts": [1, 2]}) + "\n")  # no gating_probs

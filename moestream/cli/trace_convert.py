@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
         raise MoestreamError(f"output {out} must end in .parquet or .jsonl")
     check_output_path(out)
     trace = load_traces(args.inputs)
-    if len(trace):
-        check_ids(trace)  # a converted file with ids outside its header would only fail later, elsewhere
+    if not len(trace):  # an empty OUT would only fail later, in simulate or predict-eval: refuse it here
+        names = ", ".join(str(path) for path in args.inputs)
+        raise MoestreamError(f"the trace {names} holds no rows; nothing was written to {out}")
+    check_ids(trace)  # a converted file with ids outside its header would only fail later, elsewhere
     if args.unit_bytes:
         try:
             unit = parse_size(args.unit_bytes)
