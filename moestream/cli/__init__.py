@@ -14,6 +14,7 @@ from moestream.errors import MoestreamError
 # verb modules, imported lazily so that e.g. `moestream simulate` never imports torch
 VERBS: dict[str, str] = {
     "generate": "moestream.cli.generate",
+    "chat": "moestream.cli.chat",
     "serve": "moestream.cli.serve",
     "synth": "moestream.cli.synth",
     "info": "moestream.cli.info",

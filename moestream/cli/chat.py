@@ -1,0 +1,194 @@
+"""`moestream chat PATH`: a conversation in the terminal, through the tokenizer's chat template.
+
+Every turn re-renders the whole conversation and runs it with the engine's prompt cache, so only the
+tokens new since the previous turn are computed (and their experts read). The answer is streamed to
+stdout as it is generated; the mode line and notices go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import sys
+from typing import Any
+
+from moestream.cli._engine_args import (
+    add_context_arguments,
+    add_engine_arguments,
+    add_model_argument,
+    engine_kwargs,
+    model_path,
+    read_chat_template,
+    use_chat_template,
+)
+from moestream.cli._sampling_args import add_sampling_arguments, sampling_params
+from moestream.errors import MoestreamError
+
+PROMPT = ">>> "
+COMMANDS = """\
+/stats  this turn's prompt (tokens from the prompt cache), speed, bytes read and hit rate
+/reset  start a new conversation (the --system message stays)
+/quit   exit (so does Ctrl-D)
+/help   this list
+Ctrl-C stops an answer within a token; the part shown stays in the conversation (the next turn sees it).
+A second Ctrl-C while the answer is still stopping quits. Ctrl-C at the prompt clears the line."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="talk with a model in the terminal (chat template, prompt cache across turns)",
+        description="A multi-turn chat in the terminal: each turn goes through the tokenizer's chat\n"
+        "template and reuses the KV cache of the previous one; the answer is streamed as it is generated.",
+        epilog="commands:\n" + COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_argument(p)
+    p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
+    add_sampling_arguments(p, max_tokens=None)
+    add_context_arguments(p)
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+class Conversation:
+    """The messages so far and the engine they run on; one `ask` per turn."""
+
+    def __init__(self, engine: Any, params: Any, max_tokens: int | None, system: str | None) -> None:
+        self.engine, self.params, self.max_tokens = engine, params, max_tokens
+        self.opening = [{"role": "system", "content": system}] if system else []
+        self.messages: list[dict[str, str]] = list(self.opening)
+        self.last: Any = None  # the last turn's Generation, for /stats
+
+    def check(self) -> None:
+        """Render a first turn, so that a checkpoint without a tokenizer or chat template (or a template
+        that rejects a system message) is refused before the first prompt, in the engine's words."""
+        self.engine.encode_messages([*self.messages, {"role": "user", "content": "Hi"}])
+
+    def reset(self) -> None:
+        self.messages = list(self.opening)
+
+    def ask(self, text: str, cancelled: Any) -> Any:
+        """Stream the answer to `text` to stdout and add both to the conversation; the answer stopped by
+        `cancelled` too (what was shown is what the next turn sees)."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids = self.engine.encode_messages(messages)
+        params = dataclasses.replace(self.params, max_tokens=self._room(len(ids)))
+        gen = None
+        for gen in self.engine.stream(ids, params, cache_prompt=True, cancelled=cancelled):
+            print(gen.piece, end="", flush=True)
+        if not gen.text.endswith("\n"):
+            print(flush=True)
+        self.messages = [*messages, {"role": "assistant", "content": gen.text}]
+        self.last = gen
+        return gen
+
+    def _room(self, prompt_n: int) -> int:
+        """Tokens the answer may have: -n, at most the context the conversation leaves."""
+        room = self.engine.ctx_size - prompt_n
+        if room < 1:
+            raise MoestreamError(
+                f"the conversation has {prompt_n} tokens, the whole context of {self.engine.ctx_size} "
+                "(-c/--ctx-size): /reset starts a new one"
+            )
+        return room if self.max_tokens is None else min(self.max_tokens, room)
+
+    def stats(self) -> str:
+        """The last turn's prompt and answer sizes and the engine's stats line."""
+        gen = self.last
+        if gen is None:
+            return "no answer yet"
+        return (
+            f"prompt {gen.prompt_tokens} tok ({gen.cached_tokens} from the prompt cache) | "
+            f"answer {len(gen.tokens)} tok ({gen.finish_reason})\n{gen.stats.line()}"
+        )
+
+
+class StopOnInterrupt:
+    """SIGINT while an answer runs: the first asks the engine to stop after the current token (a forward
+    interrupted half-way would leave its KV cache unusable), a second one quits."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __enter__(self) -> StopOnInterrupt:
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def run(args: argparse.Namespace) -> int:
+    import moestream
+
+    # checked before the model loads, which can take minutes; max_tokens is set per turn
+    params = sampling_params(args, max_tokens=args.max_tokens or 1)
+    path, template = model_path(args), read_chat_template(args)
+    with moestream.load(path, **engine_kwargs(args)) as engine:
+        use_chat_template(engine, template)
+        chat = Conversation(engine, params, args.max_tokens, args.system)
+        chat.check()
+        print(engine.mode_line(), file=sys.stderr, flush=True)
+        _note("/help lists the commands; Ctrl-C stops an answer, Ctrl-D or /quit exits")
+        return _loop(chat)
+
+
+def _loop(chat: Conversation) -> int:
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (line editing and history for input())
+    while True:
+        try:
+            line = input(PROMPT).strip()
+        except EOFError:
+            print(flush=True)
+            return 0
+        except KeyboardInterrupt:
+            print(flush=True)
+            continue
+        if line in ("/quit", "/exit", "/bye"):
+            return 0
+        if line.startswith("/"):
+            _command(chat, line)
+        elif line:
+            _turn(chat, line)
+
+
+def _command(chat: Conversation, line: str) -> None:
+    if line == "/stats":
+        print(chat.stats(), flush=True)
+    elif line == "/reset":
+        chat.reset()
+        _note("new conversation")
+    elif line == "/help":
+        print(COMMANDS, flush=True)
+    else:
+        _note(f"unknown command {line.split()[0]} (/help lists them)")
+
+
+def _turn(chat: Conversation, text: str) -> None:
+    """One question and its answer; an error the user can act on (a full context, a checkpoint changed on
+    disk) is one line, and the conversation goes on without that turn."""
+    try:
+        with StopOnInterrupt() as stop:
+            gen = chat.ask(text, stop)
+    except MoestreamError as exc:
+        print(f"moestream: error: {exc}", file=sys.stderr, flush=True)
+        return
+    if gen.finish_reason == "cancelled":
+        _note("stopped; the answer so far stays in the conversation")
+    elif gen.finish_reason == "length" and gen.prompt_tokens + len(gen.tokens) >= chat.engine.ctx_size:
+        _note("the context is full: /reset starts a new conversation")
+
+
+def _note(text: str) -> None:
+    print(f"[{text}]", file=sys.stderr, flush=True)
