@@ -25,6 +25,8 @@ from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_de
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.engine.trunk import release_trunk, resident_part, setup_trunk
 from moestream.errors import MoestreamError
+from moestream.ggml.graphs import set_threads as ggml_threads
+from moestream.ggml.host import physical_cores
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
@@ -110,8 +112,10 @@ class Engine:
     ) -> None:
         self.options = options
         self._make_reader = make_reader or Reader
-        if options.threads is not None:
-            torch.set_num_threads(options.threads)
+        # -t: compute threads in total; by default the physical cores (llama.cpp's rule)
+        self.threads = options.threads or physical_cores()
+        torch.set_num_threads(self.threads)
+        ggml_threads(self.threads)
         self.source = open_source(path)
         self.path = self.source.path
         self.config = self.source.config()
@@ -149,8 +153,10 @@ class Engine:
         self._step = ForwardStep(self.model)
         try:
             self._trunk_base = setup_trunk(
-                self._step, self.options.trunk, self._modules, self.device, self.ctx_size
+                self._step, self.options.trunk, self._modules, self.device, self.ctx_size, self.threads
             )
+            if self._step.runner is not None:  # one pool: ggml's; torch only runs glue in between
+                torch.set_num_threads(1)
             self.trunk_line = self._trunk_base + self._resident()
         except BaseException:
             self.streaming.close()
@@ -332,7 +338,7 @@ class Engine:
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
             f"{describe_formats(self.runtime.formats)}) | "
-            f"threads {torch.get_num_threads()} | dtype {str(self.dtype).removeprefix('torch.')} | "
+            f"{self._threads_part()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self._trunk_part()}{self.trunk_line} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (
@@ -347,6 +353,11 @@ class Engine:
             )
             + f" | {self.context_line()}"
         )
+
+    def _threads_part(self) -> str:
+        if self._step.runner is not None:
+            return f"threads {self.threads} (one ggml pool; torch 1)"
+        return f"threads {torch.get_num_threads()}"
 
     def _trunk_part(self) -> str:
         """The trunk in host memory (read into memory the process owns, not mapped), and on a GPU what

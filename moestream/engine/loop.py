@@ -30,6 +30,7 @@ class ForwardStep:
         self.static: Any = None
         self.graphs: Any = None
         self.one_graph = False  # the whole step as one graph when every expert is in the GPU tier
+        self.runner: Any = None  # a native runner (ggml graphs) computing the step instead of transformers
 
     def logits(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
         """ids [1, T] on the model's device -> (last position's logits [V] fp32 on the device, cache)."""
@@ -47,6 +48,8 @@ class ForwardStep:
     @torch.inference_mode()
     def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
         """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32, cache)."""
+        if self.runner is not None:
+            return self.runner(ids, cache)
         if self.static is not None and cache is None:
             self.static.reset()  # a request from scratch: positions and states back to empty
             cache = self.static

@@ -17,8 +17,9 @@ POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the
 # layers' experts, over a static KV cache; the whole step as one graph when every expert fits the GPU
 # tier), "layer-graphs" (never the one-graph step), "static" (the same static KV cache, every op launched
 # from Python: the graphs' exact oracle), "eager" (transformers' dynamic cache, per-op), "auto" (graphs
-# where the device and the model allow them, else eager)
-TRUNK_MODES = ("auto", "graphs", "layer-graphs", "static", "eager")
+# where the device and the model allow them, else eager), "ggml" (CPU: each decoder layer a ggml graph
+# built by moestream, engine/ggml_runner.py; auto's choice on the CPU for the families that have one)
+TRUNK_MODES = ("auto", "ggml", "graphs", "layer-graphs", "static", "eager")
 
 
 @dataclass
@@ -80,6 +81,8 @@ class EngineOptions:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
         if self.trunk not in TRUNK_MODES:
             raise ValueError(f"trunk mode {self.trunk!r} is not one of {', '.join(TRUNK_MODES)}")
+        if self.trunk == "ggml" and self.device != "cpu":
+            raise ValueError("--trunk ggml computes on the CPU; on CUDA use auto, graphs, static or eager")
         if self.trunk in ("graphs", "layer-graphs") and not self.device.startswith("cuda"):
             raise ValueError(
                 f"--trunk {self.trunk} needs a CUDA device (CUDA graphs); use auto, static or eager"

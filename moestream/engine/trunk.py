@@ -20,6 +20,7 @@ import torch
 from moestream.engine.loop import ForwardStep
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.errors import MoestreamError
+from moestream.model.graph_spec import NoGraph
 from moestream.runtime.resident import ResidentExperts, unavailable
 
 
@@ -30,17 +31,30 @@ def _static_cache(model: torch.nn.Module, tokens: int) -> Any:
 
 
 def setup_trunk(
-    step: ForwardStep, mode: str, modules: list[tuple[int, Any]], device: torch.device, ctx_size: int
+    step: ForwardStep,
+    mode: str,
+    modules: list[tuple[int, Any]],
+    device: torch.device,
+    ctx_size: int,
+    threads: int = 1,
 ) -> str:
-    """Give `step` the static cache and graphs `mode` asks for; returns the mode line's part.
+    """Give `step` the runner, static cache and graphs `mode` asks for; returns the mode line's part.
 
     Raises:
-        MoestreamError: `--trunk graphs` was asked for and this model's step cannot be captured.
+        MoestreamError: `--trunk graphs` or `ggml` was asked for and this model's step cannot have them.
     """
     asked = mode
     if mode == "auto":
-        mode = "graphs" if device.type == "cuda" else "eager"
+        mode = "graphs" if device.type == "cuda" else "ggml"
     step.one_graph = mode == "graphs"
+    if mode == "ggml":
+        try:
+            step.runner = _ggml_runner(step.model, dict(modules), ctx_size, threads)
+        except NoGraph as exc:
+            if asked != "auto":
+                raise MoestreamError(f"--trunk ggml is not possible for this model: {exc}") from None
+            return f"trunk eager (transformers: {exc})"
+        return step.runner.describe()
     if mode == "eager":
         return "trunk eager (dynamic KV cache)"
     cache = _static_cache(step.model, ctx_size)
@@ -59,6 +73,19 @@ def setup_trunk(
         return f"trunk static KV cache of {ctx_size} tokens, eager ops"
     step.graphs = graphs
     return f"{graphs.describe()} over a static KV cache of {ctx_size} tokens"
+
+
+def _ggml_runner(model: torch.nn.Module, modules: dict[int, Any], ctx_size: int, threads: int) -> Any:
+    """The ggml graphs' runner of `model`, whose routed experts stream through `modules`' runtimes."""
+    from moestream.engine.ggml_runner import GgmlRunner
+    from moestream.model.arch import num_experts
+    from moestream.model.graph_spec import graph_spec
+
+    spec = graph_spec(model, model.config)
+    dtype = next(model.parameters()).dtype
+    kv = torch.float32 if dtype == torch.float32 else torch.float16  # the KV cache's bytes as planned
+    experts = num_experts(model.config)
+    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads, kv)
 
 
 def resident_part(step: ForwardStep, top_k: int, hidden_size: int) -> str:
@@ -88,5 +115,8 @@ def resident_part(step: ForwardStep, top_k: int, hidden_size: int) -> str:
 def release_trunk(step: ForwardStep) -> None:
     """Drop the graphs and the static cache (engine close): their GPU memory goes back at once."""
     step.graphs = step.static = None
+    if step.runner is not None:
+        step.runner.close()
+        step.runner = None
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ Nothing is loaded at import: the library is found, checked and dlopen'ed on firs
 
 from __future__ import annotations
 
-from moestream.ggml.graphs import Kernels, kernels
+from moestream.ggml.graphs import Kernels, compute_threads, kernels, set_threads
 from moestream.ggml.lib import GgmlUnavailableError, Library, library
 from moestream.ggml.ops import (
     WEIGHT_ALIGNMENT,
@@ -35,6 +35,7 @@ __all__ = [
     "Kernels",
     "Library",
     "UnsupportedTypeError",
+    "compute_threads",
     "dequant_threshold",
     "dequantize",
     "describe",
@@ -45,6 +46,7 @@ __all__ = [
     "linear",
     "quantize",
     "row_bytes",
+    "set_threads",
     "swiglu",
     "swiglu_expert",
     "swiglu_experts",

@@ -186,12 +186,24 @@ class Kernels:
 
 _KERNELS: Kernels | None = None
 _KERNELS_LOCK = threading.Lock()
+_THREADS: int | None = None
+
+
+def set_threads(n: int | None) -> None:
+    """The compute threads of ggml's pool from now on (None: torch's thread count, the default)."""
+    global _THREADS
+    _THREADS = n
+
+
+def compute_threads() -> int:
+    """The threads a ggml compute runs on: `set_threads`'s count, else torch's."""
+    return _THREADS or torch.get_num_threads()
 
 
 def kernels(n_threads: int | None = None) -> Kernels:
-    """The process-wide Kernels for n_threads (default: torch's thread count); a new count replaces it."""
+    """The process-wide Kernels for n_threads (default: `compute_threads()`); a new count replaces it."""
     global _KERNELS
-    n = n_threads or torch.get_num_threads()
+    n = n_threads or compute_threads()
     k = _KERNELS
     if k is not None and k.n_threads == n:
         return k

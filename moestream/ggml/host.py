@@ -23,3 +23,24 @@ def cpu_flags() -> set[str]:
         if key.strip() in ("flags", "Features"):
             return set(value.split())
     return set()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings counted once): llama.cpp's default
+    thread count. Falls back to the CPUs it may use where the topology is not readable."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(
+                (topo / "physical_package_id").read_text().strip()
+                + ":"
+                + (topo / "core_id").read_text().strip()
+            )
+        except OSError:
+            return len(allowed)
+    return max(1, len(cores))

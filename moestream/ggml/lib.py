@@ -116,7 +116,7 @@ class TypeTraitsCpu(C.Structure):
     ]
 
 
-_P, _I, _I64, _SZ, _B = C.c_void_p, C.c_int, C.c_int64, C.c_size_t, C.c_bool
+_P, _I, _I64, _SZ, _B, _F = C.c_void_p, C.c_int, C.c_int64, C.c_size_t, C.c_bool, C.c_float
 _BASE_API = {  # name: (restype, argtypes)
     "ggml_version": (C.c_char_p, []),
     "ggml_tensor_overhead": (_SZ, []),
@@ -138,6 +138,34 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_quantize_requires_imatrix": (_B, [_I]),
     "ggml_quantize_chunk": (_SZ, [_I, _P, _P, _I64, _I64, _I64, _P]),
     "ggml_threadpool_params_default": (ThreadpoolParams, [_I]),
+    # what moestream's model graphs (ggml/net.py, ggml/layers.py) are built from
+    "ggml_new_tensor_1d": (_P, [_P, _I, _I64]),
+    "ggml_new_tensor_4d": (_P, [_P, _I, _I64, _I64, _I64, _I64]),
+    "ggml_graph_n_nodes": (_I, [_P]),
+    "ggml_graph_node": (_P, [_P, _I]),
+    "ggml_rms_norm": (_P, [_P, _P, _F]),
+    "ggml_mul": (_P, [_P, _P, _P]),
+    "ggml_add": (_P, [_P, _P, _P]),
+    "ggml_div": (_P, [_P, _P, _P]),
+    "ggml_scale": (_P, [_P, _P, _F]),
+    "ggml_sum_rows": (_P, [_P, _P]),
+    "ggml_sigmoid": (_P, [_P, _P]),
+    "ggml_silu": (_P, [_P, _P]),
+    "ggml_soft_max": (_P, [_P, _P]),
+    "ggml_argsort": (_P, [_P, _P, _I]),
+    "ggml_cont": (_P, [_P, _P]),
+    "ggml_cpy": (_P, [_P, _P, _P]),
+    "ggml_set_rows": (_P, [_P, _P, _P, _P]),
+    "ggml_reshape_2d": (_P, [_P, _P, _I64, _I64]),
+    "ggml_reshape_3d": (_P, [_P, _P, _I64, _I64, _I64]),
+    "ggml_view_1d": (_P, [_P, _P, _I64, _SZ]),
+    "ggml_view_2d": (_P, [_P, _P, _I64, _I64, _SZ, _SZ]),
+    "ggml_view_3d": (_P, [_P, _P, _I64, _I64, _I64, _SZ, _SZ, _SZ]),
+    "ggml_permute": (_P, [_P, _P, _I, _I, _I, _I]),
+    "ggml_rope_ext": (_P, [_P, _P, _P, _P, _I, _I, _I, _F, _F, _F, _F, _F, _F]),
+    "ggml_flash_attn_ext": (_P, [_P, _P, _P, _P, _P, _F, _F, _F]),
+    "ggml_flash_attn_ext_set_prec": (None, [_P, _I]),
+    "ggml_flash_attn_ext_add_sinks": (None, [_P, _P]),
 }
 _CPU_API = {
     "ggml_cpu_init": (None, []),

@@ -61,6 +61,28 @@ class Routing:
 
 
 @dataclass
+class Routed:
+    """One layer forward's routed experts: the routing used and each expert's output [t, H]."""
+
+    rows: list[list[int]]  # per token, its experts in router order
+    weights: torch.Tensor  # [T, K] in the same order
+    routing: Routing
+    outputs: dict[int, torch.Tensor]
+
+    def weighted_sum(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] sum of each token's experts times their weights, in ascending expert order (so the
+        result does not depend on the order reads complete in)."""
+        routing = self.routing
+        weights = self.weights[routing.tokens, routing.positions]  # [T*K], one gather for the layer
+        out = torch.zeros_like(hidden)
+        for expert in sorted(self.outputs):
+            route = routing.by_expert[expert]
+            weighted = self.outputs[expert] * weights[route.span, None]
+            out.index_add_(0, route.tokens, weighted.to(out.dtype))
+        return out
+
+
+@dataclass
 class LayerRouting:
     """What observers (the trace recorder) see of one layer forward."""
 
@@ -131,16 +153,23 @@ class ExpertRuntime:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T,H], top_k_index [T,K], top_k_weights [T,K] -> [T,H] weighted sum of routed experts."""
+        return self.experts(layer, hidden, top_k_index, top_k_weights).weighted_sum(hidden)
+
+    def experts(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> Routed:
+        """Every routed expert's output, not yet summed (a caller that sums them itself: the ggml graphs).
+        With a routing replay, the routing and weights are the trace's (`Routed.rows`, `.weights`)."""
         if self.replay is not None:
             return self._replayed(layer, hidden, top_k_index, top_k_weights)
         ahead = self._lookahead(layer, hidden)
         rows, predicted = self._readback(layer, top_k_index, ahead)
-        return self._forward(layer, hidden, rows, top_k_weights, ahead, predicted)
+        return self._route(layer, hidden, rows, top_k_weights, ahead, predicted)
 
     def _replayed(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """`forward` with the routing (and with prefetch, the stale-gate guess) of a recorded trace."""
+    ) -> Routed:
+        """`experts` with the routing (and with prefetch, the stale-gate guess) of a recorded trace."""
         rows, weights, guesses = self.replay.route(
             layer, top_k_index.tolist(), top_k_weights.float().tolist()
         )
@@ -149,9 +178,9 @@ class ExpertRuntime:
         predicted = None
         if self.prefetch is not None and ahead is not None and guesses is not None:
             predicted = (ahead[0], self.prefetch.choose(ahead[0], self.emap.num_experts, guesses))
-        return self._forward(layer, hidden, rows, top_k_weights, None, predicted)
+        return self._route(layer, hidden, rows, top_k_weights, None, predicted)
 
-    def _forward(
+    def _route(
         self,
         layer: int,
         hidden: torch.Tensor,
@@ -159,8 +188,8 @@ class ExpertRuntime:
         top_k_weights: torch.Tensor,
         ahead: tuple[int, object] | None,
         predicted: tuple[int, list[int]] | None,
-    ) -> torch.Tensor:
-        """The layer forward once the routing is on the host: `rows` per token, weights [T,K]."""
+    ) -> Routed:
+        """The layer's experts once the routing is on the host: `rows` per token, weights [T,K]."""
         if self.prefetch is not None:
             self.prefetch.observe(layer, rows)  # how good the guess for this layer was
         if self.observers:
@@ -170,13 +199,7 @@ class ExpertRuntime:
         order = execution_order(rows)
         routing = self._routes(rows, hidden.device)
         outputs = self._compute(layer, order, hidden, routing.by_expert, predicted)
-        weights = top_k_weights[routing.tokens, routing.positions]  # [T*K], one gather for the layer
-        out = torch.zeros_like(hidden)
-        for expert in sorted(outputs):
-            route = routing.by_expert[expert]
-            weighted = outputs[expert] * weights[route.span, None]
-            out.index_add_(0, route.tokens, weighted.to(out.dtype))
-        return out
+        return Routed(rows, top_k_weights, routing, outputs)
 
     def _lookahead(self, layer: int, hidden: torch.Tensor) -> tuple[int, object] | None:
         """(next MoE layer, its router's output on `hidden`), computed once, when prefetch or an observer
@@ -184,8 +207,10 @@ class ExpertRuntime:
         ahead = self._ahead.get(layer)
         if ahead is None or not (self.prefetch or self.observers):
             return None
+        router = ahead[1]
+        dtype = next(router.parameters()).dtype  # the ggml graphs hand the experts f32 rows
         with torch.no_grad():
-            return ahead[0], ahead[1](hidden)
+            return ahead[0], router(hidden if hidden.dtype == dtype else hidden.to(dtype))
 
     def _readback(
         self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None

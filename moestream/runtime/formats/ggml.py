@@ -41,7 +41,7 @@ class Ggml(WeightFormat):
         self.rows, self.cols = shapes[0]
         lib = ggml.library()
         self._ggml = ggml
-        self.threshold = ggml.dequant_threshold(stored.name, lib.kind, torch.get_num_threads())
+        self.threshold = ggml.dequant_threshold(stored.name, lib.kind, ggml.compute_threads())
 
     @property
     def alignment(self) -> int:

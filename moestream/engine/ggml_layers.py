@@ -1,0 +1,182 @@
+"""The decoder layer as a ggml graph: what a family computes, written once over `model.graph_spec`.
+
+One graph per layer and step shape: the previous MoE layer's routed experts summed onto the residual
+stream (their outputs are this graph's per-run inputs); attention (RMSNorm, projections with their
+biases, QK-norm, RoPE, the new rows written into the KV cache, F32 for an f32 model and else F16, flash
+attention over the cache with a causal mask); the residual, the FFN norm, then either a dense MLP or
+the router (softmax, top-k by argsort, the families' normalisation) and the shared expert. The routed
+experts are not in the graph: the engine hands the router's choice to the expert cache between two
+graphs (hits at once, each miss as its bytes land), then the next graph adds their outputs. A last
+graph does the final norm and the LM head on the last position.
+
+Shapes (ggml order, ne[0] first): H hidden, T tokens of the step, K experts per token, E experts,
+D head dim, N / Nkv query / key-value heads, S positions the step's attention spans (a multiple of 256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.ggml.lib import GgmlTensor
+from moestream.ggml.net import F16, F32, I32, I64, ROPE_NEOX, SORT_DESC, Net
+from moestream.model.graph_spec import Attention, Layer, Mlp, ModelSpec
+
+SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph set serves 256 positions
+
+
+@dataclass
+class StepBuffers:
+    """Memory the graphs of one step shape (T tokens, span S) read and write between them (torch shapes)."""
+
+    tokens: torch.Tensor  # i32 [T]
+    positions: torch.Tensor  # i32 [T]
+    rows: torch.Tensor  # i64 [T]: the KV-cache rows the step writes (= positions)
+    mask: torch.Tensor  # f16 [T, S]: 0 where a token may attend, -inf elsewhere
+    resid: tuple[torch.Tensor, torch.Tensor]  # f32 [T, H] each: layer l writes resid[l % 2]
+    moe_in: torch.Tensor  # f32 [T, H]: the routed experts' input (the FFN norm's output)
+    order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
+    weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
+    logits: torch.Tensor  # f32 [V]
+
+    @classmethod
+    def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int) -> StepBuffers:
+        f32 = dict(dtype=torch.float32)
+        k = spec.top_k
+        return cls(
+            tokens=torch.zeros(tokens, dtype=torch.int32),
+            positions=torch.zeros(tokens, dtype=torch.int32),
+            rows=torch.zeros(tokens, dtype=torch.int64),
+            mask=torch.zeros(tokens, span, dtype=torch.float16),
+            resid=(torch.zeros(tokens, spec.hidden, **f32), torch.zeros(tokens, spec.hidden, **f32)),
+            moe_in=torch.zeros(tokens, spec.hidden, **f32),
+            order=torch.zeros(tokens, experts, dtype=torch.int32),
+            weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
+            logits=torch.zeros(spec.vocab, **f32),
+        )
+
+
+class LayerGraphs:
+    """Builds the graphs of one step shape; the caller plans and places them (`Net.finish`, `Arena`)."""
+
+    def __init__(
+        self, spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], buf: StepBuffers
+    ) -> None:
+        self.spec, self.kv, self.buf = spec, kv, buf
+        self.tokens = buf.tokens.numel()
+        self.span = buf.mask.shape[1]
+
+    # --- inputs: the residual stream with the previous layer's routed experts added -------------
+
+    def _stream(self, net: Net, layer: int) -> int:
+        """The residual stream entering `layer` (len(layers): the final norm) [H, T]."""
+        H, T = self.spec.hidden, self.tokens
+        if layer == 0:
+            ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
+            return net.get_rows(net.weight(self.spec.embed.ggml, [H, self.spec.vocab]), ids)
+        prev = self.spec.layers[layer - 1]
+        x = net.tensor(F32, [H, T], self.buf.resid[(layer - 1) % 2].data_ptr())
+        if prev.router is None:
+            return x
+        if T > 1:  # prefill: the experts' weighted sum, computed by the expert runtime per token
+            return net.add(x, net.per_run_input("moe", F32, [H, T]))
+        w = net.tensor(F32, [prev.router.top_k], self.buf.weights[(layer - 1) % 2].data_ptr())
+        for k in range(prev.router.top_k):  # decode: x + sum_k w_k * y_k, in the router's order
+            y = net.per_run_input(f"y{k}", F32, [H, 1])
+            x = net.add(x, net.mul(y, net.view_1d(w, 1, 4 * k)))
+        return x
+
+    # --- one decoder layer ---------------------------------------------------------------------
+
+    def layer(self, net: Net, layer: Layer) -> list[int]:
+        """The graph of `layer`; returns its outputs in execution order."""
+        spec, buf = self.spec, self.buf
+        x = self._stream(net, layer.index)
+        h = self._norm(net, x, layer.attn_norm)
+        writes, attn = self._attention(net, h, layer.attention, layer.index)
+        resid = net.add(x, attn)
+        h2 = self._norm(net, resid, layer.ffn_norm)
+        out = layer.index % 2
+        if layer.router is None:
+            resid = net.add(resid, self._mlp(net, h2, layer.mlp))
+            return [*writes, net.fix(resid, buf.resid[out].data_ptr())]
+        r = layer.router
+        E = r.weight.rows
+        probs = net.soft_max(net.mul_mat(net.weight(r.weight.ggml, [spec.hidden, E]), h2))  # [E, T]
+        order = net.fix(net.argsort(probs, SORT_DESC), buf.order.data_ptr())  # [E, T] i32
+        top = net.view_2d(order, r.top_k, self.tokens, _nb1(order), 0)  # [K, T]
+        picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
+        if r.normalize:
+            w = net.reshape_2d(picked, r.top_k, self.tokens)
+            w = net.div(w, net.sum_rows(w))
+        else:
+            w = picked
+        w = net.fix(w, buf.weights[out].data_ptr())
+        if r.shared is not None:
+            gate = net.sigmoid(net.mul_mat(net.weight(r.shared_gate.ggml, [spec.hidden, 1]), h2))  # [1, T]
+            resid = net.add(resid, net.mul(self._mlp(net, h2, r.shared), gate))
+        moe_in = net.fix(h2, buf.moe_in.data_ptr())
+        return [*writes, net.fix(resid, buf.resid[out].data_ptr()), moe_in, order, w]
+
+    def head(self, net: Net) -> list[int]:
+        """Final norm and LM head on the last position -> logits [V]."""
+        spec = self.spec
+        x = self._stream(net, len(spec.layers))
+        if self.tokens > 1:
+            x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (self.tokens - 1))
+        h = self._norm(net, x, spec.norm)
+        logits = net.mul_mat(net.weight(spec.lm_head.ggml, [spec.hidden, spec.vocab]), h)
+        return [net.fix(logits, self.buf.logits.data_ptr())]
+
+    # --- the pieces ----------------------------------------------------------------------------
+
+    def _norm(self, net: Net, x: int, weight: torch.Tensor) -> int:
+        return net.mul(net.rms_norm(x, self.spec.eps), net.weight(weight, [weight.numel()]))
+
+    def _linear(self, net: Net, x: int, m, bias: torch.Tensor | None = None) -> int:
+        y = net.mul_mat(net.weight(m.ggml, [m.cols, m.rows]), x)
+        return y if bias is None else net.add(y, net.weight(bias, [bias.numel()]))
+
+    def _mlp(self, net: Net, x: int, mlp: Mlp) -> int:
+        g, u = self._linear(net, x, mlp.gate), self._linear(net, x, mlp.up)
+        return self._linear(net, net.swiglu_split(g, u), mlp.down)
+
+    def _attention(self, net: Net, h: int, a: Attention, index: int) -> tuple[list[int], int]:
+        """Returns (the KV-cache writes, which must run first; the attention output [H, T])."""
+        spec, T, S = self.spec, self.tokens, self.span
+        D, N, Nkv = a.head_dim, a.heads, a.kv_heads
+        q = self._linear(net, h, a.q, a.biases.get("q"))
+        k = self._linear(net, h, a.k, a.biases.get("k"))
+        v = self._linear(net, h, a.v, a.biases.get("v"))
+        if a.qk_norm == "full":  # OLMoE: over the whole projection
+            q, k = self._norm(net, q, a.q_norm), self._norm(net, k, a.k_norm)
+        q, k = net.reshape_3d(q, D, N, T), net.reshape_3d(k, D, Nkv, T)
+        if a.qk_norm == "head":  # Qwen3: over each head
+            q, k = self._norm(net, q, a.q_norm), self._norm(net, k, a.k_norm)
+        pos = net.tensor(I32, [T], self.buf.positions.data_ptr())
+        rope = (ROPE_NEOX, spec.context, spec.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
+        q = net.rope_ext(q, pos, None, spec.rope_dims, *rope)
+        k = net.rope_ext(k, pos, None, spec.rope_dims, *rope)
+        kc, vc = self.kv[index]  # [ctx, Nkv * D] each, F16 or F32
+        rows = net.tensor(I64, [T], self.buf.rows.data_ptr())
+        ctx, size = kc.shape[0], kc.element_size()
+        kv_type = F32 if kc.dtype == torch.float32 else F16
+        k_all = net.tensor(kv_type, [Nkv * D, ctx], kc.data_ptr())
+        v_all = net.tensor(kv_type, [Nkv * D, ctx], vc.data_ptr())
+        writes = [
+            net.set_rows(k_all, net.reshape_2d(k, Nkv * D, T), rows),
+            net.set_rows(v_all, net.reshape_2d(v, Nkv * D, T), rows),
+        ]
+        row = Nkv * D * size
+        keys = net.view_3d(k_all, D, S, Nkv, row, D * size, 0)  # [D, S, Nkv]
+        values = net.view_3d(v_all, D, S, Nkv, row, D * size, 0)
+        mask = net.tensor(F16, [S, T], self.buf.mask.data_ptr())
+        out = net.flash_attn_ext(net.permute(q, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
+        out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]
+        return writes, self._linear(net, out, a.o, a.biases.get("o"))
+
+
+def _nb1(t: int) -> int:
+    """nb[1] of a ggml tensor (bytes between rows)."""
+    return GgmlTensor.from_address(t).nb[1]

@@ -1,0 +1,203 @@
+"""The ggml `ModelRunner`: each decoder layer a ggml graph built by moestream, one thread pool.
+
+It owns the KV cache (ggml tensors of the whole context: F32 for an f32 model, else F16 as llama.cpp
+has it), the graphs of the step shapes in use and their buffers. transformers keeps the configs, the
+tokenizer, the chat template and the routers' modules (the stale gate of `--prefetch`), and is the
+oracle of the tests. A step runs, per layer, one graph (attention, router, shared expert;
+`engine/ggml_layers.py`), then the layer's routed experts through the same `ExpertRuntime` as every
+other path (cache hits at once, each miss as its bytes land, prefetch, traces, routing replay), whose
+outputs the next graph sums in. Every compute, graphs and experts alike, runs on ggml's one
+threadpool; torch runs single-threaded glue in between.
+
+A graph set serves one step shape: T tokens (1 when decoding, up to CHUNK per prefill piece) and an
+attention span S (positions, a multiple of 256); the few most recent sets are kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moestream import ggml
+from moestream.engine.ggml_layers import SPAN_STEP, LayerGraphs, StepBuffers
+from moestream.ggml.net import Arena, Net
+from moestream.model.graph_spec import ModelSpec
+from moestream.runtime.experts import ExpertRuntime, Routed
+
+CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
+KEEP_SETS = 3  # graph sets kept (the decode set of the current span, a prefill shape, one spare)
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+class GgmlKV:
+    """The runner's KV cache as the engine's prompt cache sees it: how many positions hold tokens."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def crop(self, length: int) -> None:
+        """transformers' convention: a negative length removes that many tokens, else keep `length`."""
+        self.tokens = max(0, self.tokens + length if length < 0 else min(length, self.tokens))
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+
+class GraphSet:
+    """The graphs and buffers of one step shape (T tokens, span S)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        tokens: int,
+        span: int,
+        experts: int,
+        threads: int,
+        pool: int,
+    ) -> None:
+        self.buf = StepBuffers.make(spec, tokens, span, experts)
+        build = LayerGraphs(spec, kv, self.buf)
+        lib = ggml.library()
+        self.layers: list[Net] = []
+        try:
+            for layer in spec.layers:
+                net = Net(lib)
+                self.layers.append(net)
+                net.finish(build.layer(net, layer), threads, pool)
+            self.head = Net(lib)
+            self.layers.append(self.head)
+            self.head.finish(build.head(self.head), threads, pool)
+        except BaseException:
+            self.close()
+            raise
+        self.layers.pop()
+        self.arena = Arena([*self.layers, self.head])
+        self.pool = pool
+
+    def close(self) -> None:
+        for net in self.layers:
+            net.close()
+        head = getattr(self, "head", None)
+        if head is not None:
+            head.close()
+
+
+class GgmlRunner:
+    """Runs `ids` after what the KV cache holds: (last position's logits [V] f32, the cache object)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        runtime: Callable[[int], ExpertRuntime],
+        ctx_size: int,
+        experts: int,
+        threads: int,
+        kv_dtype: torch.dtype = torch.float16,
+    ) -> None:
+        self.spec, self.runtime, self.experts, self.threads = spec, runtime, experts, threads
+        self.ctx = _round_up(ctx_size, SPAN_STEP)
+        self.kv = [
+            (
+                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=kv_dtype),
+                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=kv_dtype),
+            )
+            for a in (layer.attention for layer in spec.layers)
+        ]
+        self.state = GgmlKV()
+        self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
+    def describe(self) -> str:
+        return (
+            f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them), "
+            f"KV cache {'F32' if self.kv[0][0].dtype == torch.float32 else 'F16'} of {self.ctx} positions"
+        )
+
+    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
+        kv = self.state
+        if cache is None:
+            kv.tokens = 0  # a request from scratch
+        elif cache is not kv:
+            raise RuntimeError("the ggml runner continues only its own KV cache")
+        logits = None
+        for start in range(0, len(ids), CHUNK):
+            chunk = ids[start : start + CHUNK]
+            if kv.tokens + len(chunk) > self.ctx:
+                raise ValueError(f"{kv.tokens + len(chunk)} positions exceed the KV cache's {self.ctx}")
+            logits = self._step(chunk, kv.tokens)
+            kv.tokens += len(chunk)
+        return logits.clone(), kv
+
+    def _set(self, tokens: int, span: int) -> GraphSet:
+        kern = ggml.kernels(self.threads)
+        key = (tokens, span)
+        gs = self._sets.get(key)
+        if gs is not None and gs.pool != kern.pool:  # the pool was replaced (another thread count)
+            self._sets.pop(key).close()
+            gs = None
+        if gs is None:
+            gs = GraphSet(self.spec, self.kv, tokens, span, self.experts, self.threads, kern.pool)
+            self._sets[key] = gs
+            while len(self._sets) > KEEP_SETS:
+                self._sets.pop(next(iter(self._sets))).close()
+        self._sets.move_to_end(key)
+        return gs
+
+    def _step(self, ids: list[int], position: int) -> torch.Tensor:
+        T = len(ids)
+        gs = self._set(T, _round_up(position + T, SPAN_STEP))
+        b = gs.buf
+        b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
+        torch.arange(position, position + T, out=b.rows)
+        b.positions.copy_(b.rows)
+        span = torch.arange(b.mask.shape[1])
+        b.mask.masked_fill_(span[None, :] > b.rows[:, None], float("-inf")).masked_fill_(
+            span[None, :] <= b.rows[:, None], 0.0
+        )
+        kern = ggml.kernels(self.threads)
+        with kern._lock, kern.hold():
+            routed: Routed | None = None
+            for spec, net in zip(self.spec.layers, gs.layers):
+                net.run(**self._inputs(routed, b, T))
+                routed = self._experts(spec.index, b, T) if spec.router is not None else None
+            gs.head.run(**self._inputs(routed, b, T))
+        return b.logits
+
+    def _experts(self, layer: int, b: StepBuffers, T: int) -> Routed:
+        weights = b.weights[layer % 2]
+        k = weights.shape[1]
+        routed = self.runtime(layer).experts(layer, b.moe_in, b.order[:, :k], weights)
+        if routed.weights is not weights:  # a routing replay gives the trace's weights
+            weights.copy_(routed.weights)
+        return routed
+
+    def _inputs(self, routed: Routed | None, b: StepBuffers, T: int) -> dict[str, int]:
+        """The per-run inputs of the graph after a MoE layer: its experts' outputs (decode) or their
+        weighted sum (prefill), f32 and contiguous; `self._alive` keeps any converted copy alive."""
+        if routed is None:
+            return {}
+        if T > 1:
+            self._alive = [_f32(routed.weighted_sum(b.moe_in))]
+            return {"moe": self._alive[0].data_ptr()}
+        self._alive = [_f32(routed.outputs[e]) for e in routed.rows[0]]
+        return {f"y{k}": y.data_ptr() for k, y in enumerate(self._alive)}
+
+    def close(self) -> None:
+        for gs in self._sets.values():
+            gs.close()
+        self._sets.clear()
+        self.kv = []
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()

@@ -1,0 +1,168 @@
+"""ggml graphs built by moestream (a model's layers), with every tensor placed before the first run.
+
+A `Net` is one ggml context holding one graph. Its tensors are of three kinds:
+
+- fixed: their data is at an address given when they are made (weights, the KV cache, the buffers a
+  runner keeps between graphs: the residual stream, the router's output, the logits);
+- per-run: inputs whose address is given at each run (the routed experts' outputs of a decode step);
+- scratch: every other result, placed back to back in an `Arena` that all graphs of one set share:
+  they run one at a time and leave nothing for later in scratch, so one region serves them all.
+
+Views (reshape, permute, view, the results of set_rows and cpy) take their data from their source at
+placement; a view of a per-run input is refused when the graph is built, since its address would be
+stale at the next run. Nothing is allocated per run: `run` writes the per-run addresses and computes.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+from collections.abc import Sequence
+
+import torch
+
+from moestream.ggml.lib import GgmlTensor, InitParams, Library
+
+F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30  # GGML_TYPE_*
+SORT_DESC = 1  # GGML_SORT_ORDER_DESC
+ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: rotate_half, transformers' Llama-style rotary
+_ALIGN = 64
+
+
+class Net:
+    """One graph under construction, then planned and placed; `run()` computes it."""
+
+    def __init__(self, lib: Library, nodes: int = 1024) -> None:
+        self.lib = lib
+        b = lib.base
+        mem = 4 * nodes * b.ggml_tensor_overhead() + b.ggml_graph_overhead_custom(nodes, False)
+        self.ctx = b.ggml_init(InitParams(mem, None, True))
+        if not self.ctx:
+            raise RuntimeError("ggml_init failed")
+        self.nodes = nodes
+        self.fixed: set[int] = set()
+        self.per_run: dict[str, GgmlTensor] = {}
+        self.gf = 0
+        self.scratch_bytes = self.work_bytes = 0
+        self._layout: list[tuple[GgmlTensor, int]] = []  # scratch tensors and their offsets
+        self._views: list[GgmlTensor] = []  # views of scratch tensors, in graph order
+        self._plan = None
+
+    # --- building ------------------------------------------------------------------------------
+
+    def tensor(self, type_id: int, ne: Sequence[int], address: int | None = None) -> int:
+        """A leaf of shape ne (ne[0] contiguous); fixed at `address`, else data comes from `fix` or a
+        per-run name (`per_run_input`)."""
+        b, n = self.lib.base, len(ne)
+        if n == 1:
+            t = b.ggml_new_tensor_1d(self.ctx, type_id, ne[0])
+        elif n == 2:
+            t = b.ggml_new_tensor_2d(self.ctx, type_id, ne[0], ne[1])
+        elif n == 3:
+            t = b.ggml_new_tensor_3d(self.ctx, type_id, ne[0], ne[1], ne[2])
+        else:
+            t = b.ggml_new_tensor_4d(self.ctx, type_id, *ne)
+        if address is not None:
+            self.fix(t, address)
+        return t
+
+    def weight(self, w: torch.Tensor | tuple[int, int], ne: Sequence[int]) -> int:
+        """A fixed leaf over a weight: a contiguous float tensor (F32/F16/BF16), or (address, ggml type)."""
+        if isinstance(w, torch.Tensor):
+            if not w.is_contiguous() or w.device.type != "cpu":
+                raise ValueError("a ggml weight must be a contiguous CPU tensor")
+            type_id = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}[w.dtype]
+            return self.tensor(type_id, ne, w.data_ptr())
+        address, type_id = w
+        return self.tensor(type_id, ne, address)
+
+    def per_run_input(self, name: str, type_id: int, ne: Sequence[int]) -> int:
+        t = self.tensor(type_id, ne)
+        self.per_run[name] = GgmlTensor.from_address(t)
+        return t
+
+    def fix(self, t: int, address: int) -> int:
+        """Give tensor t (a leaf, or a result that must outlive the graph) the memory at `address`."""
+        GgmlTensor.from_address(t).data = address
+        self.fixed.add(t)
+        return t
+
+    def __getattr__(self, name: str):
+        """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
+        fn = getattr(self.lib.base, f"ggml_{name}")
+
+        def op(*args):
+            t = fn(self.ctx, *args)
+            if not t:
+                raise RuntimeError(f"ggml_{name} returned NULL")
+            return t
+
+        return op
+
+    # --- planning and placement ----------------------------------------------------------------
+
+    def finish(self, outputs: Sequence[int], n_threads: int, pool: int) -> None:
+        """Build the graph of `outputs` (in this order: a KV-cache write listed before the attention
+        that reads the cache runs before it), lay out its scratch, plan it for `pool`."""
+        b = self.lib.base
+        self.gf = b.ggml_new_graph_custom(self.ctx, self.nodes, False)
+        for out in outputs:
+            b.ggml_build_forward_expand(self.gf, out)
+        per_run = {C.addressof(t) for t in self.per_run.values()}
+        offset = 0
+        for i in range(b.ggml_graph_n_nodes(self.gf)):
+            ptr = b.ggml_graph_node(self.gf, i)
+            t = GgmlTensor.from_address(ptr)
+            if ptr in self.fixed:
+                continue
+            if t.view_src:
+                root = t.view_src
+                while GgmlTensor.from_address(root).view_src:
+                    root = GgmlTensor.from_address(root).view_src
+                if root in per_run:
+                    raise ValueError("a view of a per-run input would go stale between runs")
+                self._views.append(t)  # its source may be placed only below
+                continue
+            self._layout.append((t, offset))
+            offset += (b.ggml_nbytes(ptr) + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.scratch_bytes = offset
+        self._plan = self.lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
+        if self._plan.threadpool != pool:
+            raise RuntimeError("ggml_graph_plan returned a plan for another threadpool")
+        self.work_bytes = self._plan.work_size
+
+    def place(self, scratch: int, work: int) -> None:
+        """Put the scratch tensors at `scratch` (scratch_bytes long) and the plan's work buffer at `work`."""
+        for t, offset in self._layout:
+            t.data = scratch + offset
+        for v in self._views:
+            src = GgmlTensor.from_address(v.view_src)
+            v.data = src.data + v.view_offs
+        self._plan.work_data = work
+        self._plan_ref = C.byref(self._plan)
+
+    def run(self, /, **addresses: int) -> None:
+        """Compute, with each per-run input at the given address (the caller holds the pool's lock)."""
+        for name, address in addresses.items():
+            self.per_run[name].data = address
+        status = self.lib.cpu.ggml_graph_compute(self.gf, self._plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.base.ggml_free(self.ctx)
+            self.ctx = None
+
+
+class Arena:
+    """Scratch and work memory for a set of graphs that run one at a time."""
+
+    def __init__(self, nets: Sequence[Net]) -> None:
+        self.scratch = torch.empty(max([n.scratch_bytes for n in nets] + [_ALIGN]), dtype=torch.uint8)
+        self.work = torch.empty(max([n.work_bytes for n in nets] + [_ALIGN]), dtype=torch.uint8)
+        for n in nets:
+            n.place(self.scratch.data_ptr(), self.work.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.scratch.numel() + self.work.numel()
