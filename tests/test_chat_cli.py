@@ -4,6 +4,7 @@ answer read off the screen and compared with `generate`'s (greedy), the prompt c
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -213,3 +214,26 @@ def test_user_errors_are_one_sentence(model, tmp_path, capsys):
     assert err == (
         "moestream: error: this model's tokenizer has no chat template (give one with --chat-template FILE)"
     )
+
+
+def test_a_full_context_is_said_and_the_chat_goes_on_from_piped_input(model, monkeypatch, capsys):
+    system, q1 = "Be brief.", "Hello there"
+    tokenizer = T.AutoTokenizer.from_pretrained(model)
+    prompt = len(
+        render_chat(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": q1}])
+    )
+    context = prompt + 6  # the first answer fills the context
+    # lines read from a pipe, not a terminal: a script can talk to the chat too
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{q1}\nand more\n/stats\n/reset\n{q1}\n/stats\n"))
+    assert main(_chat(model, "--system", system, "-c", str(context))) == 0  # the input's end ends it
+    out, err = capsys.readouterr()
+    assert err.count("[the context is full: /reset starts a new conversation]") == 2
+    refused = re.search(
+        r"moestream: error: the conversation has (\d+) tokens, the whole context of (\d+) ", err
+    )
+    assert refused and int(refused[1]) > context and int(refused[2]) == context
+    # the refused turn changed nothing: /stats shows the first turn; after /reset (the system message
+    # kept) the same prompt again, all but its last token from the prompt cache
+    first, again = (m.groups() for m in re.finditer(STATS.pattern.replace(rb"\r\n", rb"\n"), out.encode()))
+    assert first == (b"%d" % prompt, b"0", b"6", b"length", b"%d" % prompt)
+    assert again == (b"%d" % prompt, b"%d" % (prompt - 1), b"6", b"length", b"1")

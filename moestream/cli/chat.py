@@ -29,7 +29,7 @@ PROMPT = ">>> "
 COMMANDS = """\
 /stats  this turn's prompt (tokens from the prompt cache), speed, bytes read and hit rate
 /reset  start a new conversation (the --system message stays)
-/quit   exit (so does Ctrl-D)
+/quit   exit (so do /exit, /bye and Ctrl-D)
 /help   this list
 Ctrl-C stops an answer within a token; the part shown stays in the conversation (the next turn sees it).
 A second Ctrl-C while the answer is still stopping quits. Ctrl-C at the prompt clears the line."""
