@@ -10,6 +10,11 @@ partitioned-lru (per-layer quotas), static (pinned from the first half of the tr
 evaluated on the second), opt (Belady, the bound: needs the future), predictive-prefetch (the same with
 the predictive policy) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
+
+Bounded work for many budgets: budgets that buy the same number of slots are replayed once; LRU replays
+every budget in one pass (`moestream.trace.lru_stack`, checked against `run_policy` in the tests); and a
+budget at or above a policy's `saturation` (every expert it ever holds fits, so nothing is evicted)
+gives the results of that saturation capacity, reported without a replay.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from moestream.cache.policy import (
 from moestream.cache.predictive import PredictivePolicy
 from moestream.errors import CacheBudgetError
 from moestream.trace.errors import TraceError
+from moestream.trace.lru_stack import lru_counts
 from moestream.trace.replay import Replay, build_replay
 from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
@@ -125,6 +131,41 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         policy_ = PredictivePolicy(replay.layers, replay.n_experts)
         return _run_prefetch(ResidentSet(capacity, policy_), replay, unit, replay.uses)
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def run_capacities(
+    replay: Replay, policy: str, capacities: Iterable[int], unit: list[int]
+) -> dict[int, list[Counters]]:
+    """`run_policy` at each of `capacities`: capacity -> Counters per cell. LRU does all of them in one
+    pass over the replay; the other policies replay once per capacity."""
+    if policy == "lru":
+        return {
+            capacity: [Counters(h, m, b) for h, m, b in cells]
+            for capacity, cells in lru_counts(replay, capacities, unit).items()
+        }
+    return {capacity: run_policy(replay, policy, capacity, unit) for capacity in sorted(set(capacities))}
+
+
+def saturation(replay: Replay, policy: str) -> int:
+    """The capacity from which `policy` never evicts on `replay`, so every larger one gives its results:
+    the distinct keys routed (with those predicted, for a prefetching policy), or for partitioned-lru
+    the least capacity whose even per-layer shares each hold their layer's keys."""
+    routed = {key for keys in replay.keys for key in keys}
+    if policy in PREFETCHING and replay.predicted is not None:
+        return len(routed.union(*(keys for keys in replay.predicted if keys)))
+    if policy != "partitioned-lru":
+        return len(routed)
+    per_layer = Counter(layer for layer, _ in routed)
+    need = [per_layer[layer] for layer in replay.layers]
+    low, high = len(routed), len(need) * max(need)  # shares grow with the capacity: bisect
+    while low < high:
+        mid = (low + high) // 2
+        shares = split_evenly(mid, replay.layers)
+        if all(shares[layer] >= n for layer, n in zip(replay.layers, need)):
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 def rank_by_frequency(groups: Iterable[list[tuple[int, int]]]) -> list[tuple[int, int]]:
@@ -252,11 +293,20 @@ def simulate(
     uses = any(p in LEARNING for p in policies)
     replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
+    capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
+    limits = {policy: saturation(replay, policy) for policy in policies}
+    results = {
+        policy: run_capacities(
+            replay, policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
+        )
+        for policy in policies
+    }
+    sizes.notes += _saturation_notes(limits, max(capacities.values()), sizes.slot_bytes)
     records = []
     for budget in budgets:
-        capacity = capacity_for(budget, sizes.slot_bytes)
+        capacity = capacities[budget]
         for policy in policies:
-            cells = run_policy(replay, policy, capacity, sizes.unit)
+            cells = results[policy][min(capacity, limits[policy])]
             base = {
                 "policy": policy,
                 "budget_bytes": budget,
@@ -271,6 +321,23 @@ def simulate(
                 if _tokens(scope, phase, replay.tokens)
             ]
     return records, replay, sizes
+
+
+def _saturation_notes(limits: dict[str, int], largest: int, slot_bytes: int) -> list[str]:
+    """Say which budgets were reported from a smaller one's replay (none when no budget reaches one)."""
+    if largest < min(limits.values()):
+        return []
+    by_limit: dict[int, list[str]] = {}
+    for policy, limit in limits.items():
+        by_limit.setdefault(limit, []).append(policy)
+    parts = [
+        f"from {format_size(limit * slot_bytes)} ({limit} slots) for {', '.join(names)}"
+        for limit, names in sorted(by_limit.items())
+    ]
+    return [
+        "budgets that hold every expert a policy ever keeps evict nothing, so they give the results of "
+        f"the least such budget and are reported without a replay: {'; '.join(parts)}"
+    ]
 
 
 def _tokens(scope: str, phase: int, tokens: list[int]) -> int:
