@@ -109,7 +109,7 @@ def _changed_at(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_expert_bytes_changed_during_a_request_end_it(tiny_dir, tmp_path, mode):
-    """Every change, between two forwards and inside one, after 1, 3 and 6 tokens: 12 times an engine."""
+    """Both changes, between two forwards and inside one, after 1, 3 and 6 tokens: 12 per engine."""
     shard = Shard(tiny_dir("qwen3_moe"), tmp_path)
     read_changed = 0
     # a cache that holds every expert: bytes read while the file was changed would stay in it
@@ -129,7 +129,7 @@ def test_expert_bytes_changed_during_a_request_end_it(tiny_dir, tmp_path, mode):
                         engine.generate(PROMPT, max_tokens=2)
                     assert error == str(before.value) and "\n" not in error, case
                     assert error.startswith(
-                        f"checkpoint file {shard.path} changed since it was opened (it was"
+                        f"checkpoint file {shard.path} changed since it was opened (it was modified)"
                     )
                     shard.restore()
                     assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tokens == clean, case
