@@ -8,6 +8,7 @@ import random
 import pytest
 from shared_data import MIXTRAL, QWEN, needs_traces
 
+from moestream.trace import policy_replay
 from moestream.trace.lru_stack import lru_counts
 from moestream.trace.reader import load_traces
 from moestream.trace.replay import Replay, build_replay
@@ -109,16 +110,16 @@ def test_simulate_equals_the_per_budget_path_and_replays_each_capacity_once(
     # slots of 1 MiB: repeats of one capacity, capacities below, at and past every saturation
     budgets = [MiB * n for n in (1, 2, 5, 5, 9, routed - 1, routed, routed + 3, 4 * routed, 1 << 16)]
     budgets += [budgets[2] + 1000]  # a budget that buys the same 5 slots
-    calls = []
-    real_run = run_policy
-    monkeypatch.setattr(
-        "moestream.trace.simulator.run_policy",
-        lambda replay, policy, capacity, unit: (
-            calls.append((policy, capacity)) or real_run(replay, policy, capacity, unit)
-        ),
-    )
-    records, replay, sizes = simulate(trace, list(POLICIES), budgets)
     expected = old_simulate(trace, list(POLICIES), sorted(set(budgets)))
+    calls = []  # (policy, capacity) of every resident set the simulator drives
+    real_replay = policy_replay._replay
+
+    def spy(replay: Replay, policy: str, capacities: list[int], unit: list[int]) -> list:
+        calls.extend((policy, capacity) for capacity in capacities)
+        return real_replay(replay, policy, capacities, unit)
+
+    monkeypatch.setattr(policy_replay, "_replay", spy)
+    records, replay, sizes = simulate(trace, list(POLICIES), budgets)
     for r in records:
         cells = expected[(r["policy"], r["budget_bytes"])]
         phase = 1 if r["phase"] == "decode" else 0

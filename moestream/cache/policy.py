@@ -211,6 +211,7 @@ def slots_for_budget(budget_bytes: int, slot_bytes: int, *, floor: int = 0, limi
 # Each one implements `EvictionPolicy`, so `ResidentSet(capacity, SomePolicy(...))` works in both places.
 
 _NEVER = sys.maxsize  # "next use" of a key that is never used again
+Priority = int | tuple[int, ...]  # what `LazyHeap` orders by (tuples compare item by item)
 
 
 class LazyHeap:
@@ -220,14 +221,17 @@ class LazyHeap:
     priorities go to the key ranked earlier."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Key]] = []  # (priority, tick, key); ticks are unique
+        self._heap: list[tuple[Priority, int, Key]] = []  # (priority, tick, key); ticks are unique
         self._live: dict[Key, int] = {}  # key -> tick of its live entry
         self._tick = 0
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def rank(self, key: Key, priority: int) -> None:
+    def __contains__(self, key: Key) -> bool:
+        return key in self._live
+
+    def rank(self, key: Key, priority: Priority) -> None:
         """Give `key` (new or not) this priority."""
         self._tick += 1
         self._live[key] = self._tick

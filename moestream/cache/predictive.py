@@ -26,6 +26,12 @@ forwards (exponentially weighted), so the policy falls back to LFU or LRU where 
 Protocol: the policy must hear of each layer forward before its hits and misses, through
 `ResidentSet.begin_group(keys, uses, tokens)` (`access_group` calls it): `keys` in execution order (for
 one token, router order), `uses[i]` the number of the forward's `tokens` routed to `keys[i]`.
+
+Cost: what is learned does not depend on the capacity, so it lives in `RoutingStats`
+(`moestream.cache.routing_stats`), which the caches of several capacities replaying the same forwards
+(the simulator's budgets) share, learning each forward once. Per cache, the ghosts
+(`moestream.cache.ghosts`) and the real cache keep the LRU and LFU orders incrementally (an ordered dict,
+heaps), and the predictive order is computed when a victim is needed, over the cache's own keys only.
 """
 
 from __future__ import annotations
@@ -35,16 +41,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from moestream.cache.policy import EvictionPolicy, Key
+from moestream.cache.ghosts import KeySet, LFUGhost, LRUGhost, PredictiveGhost
+from moestream.cache.policy import EvictionPolicy, Key, LazyHeap, Priority
+from moestream.cache.routing_stats import FAST, FORECAST_SHARE, PRIOR, RANK_WEIGHT, SLOW, RoutingStats
 
-FAST, SLOW = 0.7, 0.95  # per-visit decay of the two averages
-FORECAST_SHARE = 0.5  # weight of the transition table's forecast in q
-RANK_WEIGHT = 0.5  # the last of a token's experts counts 1 - RANK_WEIGHT of a use, the first 1
-PRIOR = 0.125  # pseudo-count of every transition (and 1 of every visit)
+__all__ = ["FAST", "FORECAST_SHARE", "PRIOR", "RANK_WEIGHT", "SLOW", "PredictivePolicy", "RoutingStats"]
+
 DUEL_DECAY = 0.999  # per forward: the ghosts' misses are compared over the last ~1000 forwards
 DUEL_MARGIN = 0.05  # the other ghost must miss this much less than the leader to take over
 PREDICTIVE, LFU, LRU = 0, 1, 2  # the rankings (ghost and leader numbers)
-REAL = 3  # the real cache's row in the touch clocks
 
 
 class PredictivePolicy(EvictionPolicy):
@@ -53,175 +58,136 @@ class PredictivePolicy(EvictionPolicy):
 
     name: ClassVar[str] = "predictive"
 
-    def __init__(self, layers: Sequence[int], n_experts: int) -> None:
-        """`layers`: the MoE layers in the order a token visits them; `n_experts` per layer."""
+    def __init__(self, layers: Sequence[int], n_experts: int, stats: RoutingStats | None = None) -> None:
+        """`layers`: the MoE layers in the order a token visits them; `n_experts` per layer. `stats`: what
+        is learned, shared with other policies that see the same forwards (a new one when None)."""
+        self.stats = stats if stats is not None else RoutingStats(layers, n_experts)
+        if self.stats.layers != list(layers) or self.stats.n_experts != n_experts:
+            raise ValueError("the shared RoutingStats were made for other layers or another expert count")
         self.layers, self.n_experts = list(layers), n_experts
-        self._pos = {layer: i for i, layer in enumerate(self.layers)}
-        n_layers, n_keys = len(self.layers), len(self.layers) * n_experts
-        self._fast = np.zeros(n_keys)
-        self._slow = np.zeros(n_keys)
-        self._forecast = np.zeros(n_keys)  # the transition table's forecast for the key's next visit
-        # transition counts between consecutive visits of a layer: follows[from, to], and visits after `from`
-        self._follows = np.zeros((n_layers, n_experts, n_experts), dtype=np.int32)
-        self._after = np.zeros((n_layers, n_experts), dtype=np.int64)
-        self._previous: list[np.ndarray | None] = [None] * n_layers
-        self._uses = np.zeros(n_keys)  # forwards that used the key (LFU's count)
-        self._last_use = np.zeros(n_keys)  # number of the last forward that used the key
-        # LRU orders by, and LFU breaks ties by, the order of the last touch, a forward's hits before its
-        # misses (as `LRUPolicy`, `LFUPolicy`), which differs between caches: a row per ghost, one for the
-        # real cache
-        self._touched = np.zeros((4, n_keys))
-        self._clock = 0
-        self._forward = 0
-        self._layer = 0  # position of the current forward's layer
+        n_keys = len(self.stats.keys)
+        self._forward = 0  # forwards this policy has seen
         self._capacity = 0
-        self._resident = np.zeros(n_keys, dtype=bool)
-        self._ghosts = np.zeros((3, n_keys), dtype=bool)  # ghost caches run by one ranking each
+        self._ghosts: list[LRUGhost | LFUGhost | PredictiveGhost] = []  # by ranking, made at `bind`
         self._ghost_misses = [0.0, 0.0, 0.0]  # exponentially weighted, per ghost
-        self.leader = LFU  # whose ranking the real cache's evictions follow
+        self._resident = KeySet(0)  # the real cache's keys, made at `bind`
+        # the real cache's touch order (0: never): LRU orders by it, LFU breaks ties by it
+        self._touched = [0] * n_keys
+        self._clock = 0
+        self._leader = LFU  # whose ranking the real cache's evictions follow
+        self._heap: LazyHeap | None = None  # residents by the leader's ranking when LFU or LRU, once asked
         self._order: list[int] | None = None  # the forward's first victims, taken at its first eviction
         self._cursor = 0  # `_order[:_cursor]` are evicted already
         self._chunk = 1  # how many victims `_order` holds: the forward's misses plus its own keys
 
+    @property
+    def leader(self) -> int:
+        """Whose ranking the real cache's evictions follow: PREDICTIVE, LFU or LRU."""
+        return self._leader
+
+    @leader.setter
+    def leader(self, ranking: int) -> None:
+        self._leader, self._heap = ranking, None  # the new leader's heap is built when first needed
+
     def bind(self, capacity: int) -> None:
         self._capacity = capacity
+        n_keys = len(self.stats.keys)
+        self._ghosts = [PredictiveGhost(capacity, n_keys), LFUGhost(capacity), LRUGhost(capacity)]
+        self._resident = KeySet(min(capacity, n_keys))
 
     def index(self, key: Key) -> int:
         """The dense index of a (layer, expert) key."""
-        layer, expert = key  # type: ignore[misc]
-        pos = self._pos.get(layer)
-        if pos is None or not 0 <= expert < self.n_experts:
-            raise KeyError(f"{key!r} is not a key of layers {self.layers} x {self.n_experts} experts")
-        return pos * self.n_experts + expert
+        return self.stats.index(key)
 
-    def _key(self, i: int) -> Key:
-        return (self.layers[i // self.n_experts], i % self.n_experts)
+    def keep_values(self, keys: np.ndarray) -> np.ndarray:
+        """Keep value of the keys at these dense indices, at the current forward (higher stays longer)."""
+        return self.stats.keep_values(keys)
 
-    # --- learning ---------------------------------------------------------------------------------
+    # --- learning and the duel ----------------------------------------------------------------------
 
     def on_group(self, keys: Sequence[Key], uses: Sequence[int] | None = None, tokens: int = 1) -> None:
         if not self._capacity:
             raise RuntimeError("PredictivePolicy needs its capacity: use it inside a ResidentSet")
-        idx = np.fromiter((self.index(k) for k in keys), dtype=np.int64, count=len(keys))
-        if len(idx) == 0:
+        if len(keys) == 0:
             return
+        idx = self.stats.follow(self._forward + 1, keys, uses, tokens)
         self._forward += 1
-        self._layer = int(idx[0]) // self.n_experts
-        self._learn(idx, uses, tokens)
         self._duel(idx)
-        self._touch(REAL, idx, self._resident[idx])
-        self._order, self._chunk = None, len(idx) + int((~self._resident[idx]).sum())
+        resident, touched = self._resident.where, self._touched
+        hits = [i for i in idx if i in resident]
+        misses = [i for i in idx if i not in resident]
+        for i in hits + misses:  # the real cache's touch order: hits first, as the ghosts'
+            self._clock += 1
+            touched[i] = self._clock
+        if self._heap is not None:
+            for i in hits:
+                self._heap.rank(i, self._priority(i))
+        self._order, self._chunk = None, len(idx) + len(misses)
 
-    def _touch(self, cache: int, idx: np.ndarray, hit: np.ndarray) -> None:
-        """Stamp the forward's keys in `cache`'s touch order: its hits first, then its misses."""
-        order = np.concatenate([idx[hit], idx[~hit]])
-        self._touched[cache][order] = self._clock + np.arange(1, len(order) + 1)
-        self._clock += len(order)
-
-    def _learn(self, idx: np.ndarray, uses: Sequence[int] | None, tokens: int) -> None:
-        """Decay and update the averages of this layer's keys, and the transition table, with one forward."""
-        n, pos = self.n_experts, self._layer
-        span = slice(pos * n, (pos + 1) * n)
-        experts = idx - pos * n
-        used = np.zeros(n)
-        if tokens > 1 and uses is not None:  # several tokens at once: per-token rates, as `tokens` visits
-            used[experts] = np.asarray(uses, dtype=float) / tokens
-        else:  # one token: `idx` is in router order
-            tokens = 1
-            used[experts] = 1.0 - RANK_WEIGHT * np.arange(len(idx)) / max(1, len(idx) - 1)
-        for avg, decay in ((self._fast, FAST), (self._slow, SLOW)):
-            keep = decay**tokens
-            avg[span] = keep * avg[span] + (1.0 - keep) * used
-        previous = self._previous[pos]
-        if previous is not None:
-            self._follows[pos][np.ix_(previous, experts)] += 1
-            self._after[pos][previous] += 1
-        self._previous[pos] = experts
-        # forecast[e] = sum over this visit's experts a of (follows[a, e] + 1/8) / (after[a] + 1): a prior of
-        # 1/8 per pair so that an unseen pair is neither certain nor impossible
-        counts = self._follows[pos][experts].sum(axis=0, dtype=np.int64)
-        self._forecast[span] = (counts + PRIOR * len(experts)) / (
-            self._after[pos][experts].sum() + len(experts)
-        )
-        self._uses[idx] += 1.0
-        self._last_use[idx] = self._forward
-
-    def keep_values(self, keys: np.ndarray) -> np.ndarray:
-        """Keep value of the keys at these dense indices, at the current forward (higher stays longer)."""
-        n_layers = len(self.layers)
-        distance = (keys // self.n_experts - self._layer) % n_layers
-        distance = np.where(distance == 0, n_layers, distance).astype(float)
-        p = 0.5 * (self._fast[keys] + self._slow[keys])
-        q = FORECAST_SHARE * self._forecast[keys] + (1.0 - FORECAST_SHARE) * p
-        return q / distance
-
-    def _ranking(
-        self, by: int, candidates: np.ndarray, first: int | None = None, cache: int = REAL
-    ) -> np.ndarray:
-        """Key indices of `candidates` (a mask) in the eviction order of ranking `by`: lowest keep value
-        (PREDICTIVE; ties: least recently used, then lowest index), fewest uses (LFU; ties: least recently
-        touched in `cache`) or least recently touched in `cache` (LRU); only the `first` ones when given
-        (a partition, then a sort of those)."""
-        keys = np.flatnonzero(candidates)
-        touched = self._touched[cache][keys]
-        value = (
-            {PREDICTIVE: self.keep_values, LFU: self._uses.__getitem__}[by](keys) if by != LRU else touched
-        )
-        if first is not None and first < len(keys):
-            near = value <= np.partition(value, first - 1)[first - 1]  # ties at the cut stay in
-            keys, value, touched = keys[near], value[near], touched[near]
-        if by == PREDICTIVE:
-            order = keys[np.lexsort((keys, self._last_use[keys], value))]
-        else:
-            order = keys[np.lexsort((touched, value))]
-        return order if first is None else order[:first]
-
-    def _duel(self, idx: np.ndarray) -> None:
-        """Replay this forward in both ghost caches; the real cache follows the one that misses less."""
+    def _duel(self, idx: list[int]) -> None:
+        """Replay this forward in the ghost caches; the real cache follows the one that misses less."""
+        misses, forward = self._ghost_misses, self.stats.idx_set
         for by, ghost in enumerate(self._ghosts):
-            hit = ghost[idx]
-            missed = idx[~hit]
-            overflow = int(ghost.sum()) + len(missed) - self._capacity
-            if overflow > 0:  # victims outside the forward's own keys, as the real cache takes them
-                others = ghost.copy()
-                others[idx] = False
-                victims = self._ranking(by, others, overflow, cache=by)
-                ghost[victims] = False
-                overflow -= len(victims)
-            ghost[missed[max(0, overflow) :]] = True  # a forward larger than the cache keeps its last keys
-            self._ghost_misses[by] = self._ghost_misses[by] * DUEL_DECAY + len(missed)
-            if by != PREDICTIVE:
-                self._touch(by, idx, hit)
-        misses = self._ghost_misses
+            misses[by] = misses[by] * DUEL_DECAY + ghost.access(idx, forward, self.stats)
         best = min(range(len(misses)), key=misses.__getitem__)  # the first of equals: PREDICTIVE, LFU, LRU
-        if misses[best] < (1.0 - DUEL_MARGIN) * misses[self.leader]:
+        if misses[best] < (1.0 - DUEL_MARGIN) * misses[self._leader]:
             self.leader = best
 
     # --- the real cache -----------------------------------------------------------------------------
+
+    def _priority(self, i: int) -> Priority:
+        """Key `i`'s place in the LFU or LRU leader's order (lowest leaves first; ties: lowest index)."""
+        if self._leader == LFU:
+            return (self.stats.uses[i], self._touched[i], i)
+        return (self._touched[i], i)
 
     def on_hit(self, key: Key) -> None:
         pass  # everything a hit tells was learned from the forward (`on_group`)
 
     def on_admit(self, key: Key) -> None:
-        self._resident[self.index(key)] = True
+        i = self.stats.index(key)
+        self._resident.add(i)
+        if self._heap is not None:
+            self._heap.rank(i, self._priority(i))
 
     def on_evict(self, key: Key) -> None:
-        self._resident[self.index(key)] = False
+        i = self.stats.index(key)
+        self._resident.remove(i)
+        if self._heap is not None:
+            self._heap.discard(i)
+
+    def _ranking(self, first: int | None, among: set[int] | None = None) -> list[int]:
+        """Residents (or `among` them) in the leader's eviction order; only the `first` ones when given."""
+        if self._leader == PREDICTIVE:
+            if among is None:
+                return self.stats.lowest(self._resident.array(), first)
+            return self.stats.lowest(np.array(sorted(among), dtype=np.int64), first)
+        if among is not None:  # rarely: every key of the forward's first batch was protected
+            return sorted(among, key=self._priority)
+        if self._heap is None:
+            self._heap = LazyHeap()
+            for i in self._resident.array().tolist():
+                self._heap.rank(i, self._priority(i))
+        out = []
+        for i in self._heap.ordered():
+            out.append(i)
+            if len(out) == first:
+                break
+        return out
 
     def ranked(self) -> Iterator[Key]:
-        resident = self._resident
+        resident, keys = self._resident.where, self.stats.keys
         if self._order is None:  # at the forward's first eviction: enough victims for all its misses
-            self._order, self._cursor = self._ranking(self.leader, resident, self._chunk).tolist(), 0
+            self._order, self._cursor = self._ranking(self._chunk), 0
         order = self._order
-        while self._cursor < len(order) and not resident[order[self._cursor]]:  # evicted: skip for good
+        while self._cursor < len(order) and order[self._cursor] not in resident:  # evicted: skip for good
             self._cursor += 1
         for i in order[self._cursor :]:
-            if resident[i]:
-                yield self._key(i)
-        rest = resident.copy()  # rarely reached: every key of the first batch was protected
-        rest[order] = False
-        for i in self._ranking(self.leader, rest).tolist():
-            yield self._key(i)
+            if i in resident:
+                yield keys[i]
+        rest = set(self._resident.array().tolist()).difference(order)
+        for i in self._ranking(None, rest):
+            yield keys[i]
 
     def victim(self) -> Key:
         return next(self.ranked())

@@ -11,36 +11,37 @@ evaluated on the second), opt (Belady, the bound: needs the future), predictive-
 the predictive policy) and lru-prefetch (LRU plus a
 prefetch of the stale-gate prediction for the next layer, assumed to land before that layer runs).
 
-Bounded work for many budgets: budgets that buy the same number of slots are replayed once; LRU replays
-every budget in one pass (`moestream.trace.lru_stack`, checked against `run_policy` in the tests); and a
-budget at or above a policy's `saturation` (every expert it ever holds fits, so nothing is evicted)
-gives the results of that saturation capacity, reported without a replay.
+Bounded work for many budgets: budgets that buy the same number of slots are replayed once; a budget at
+or above a policy's `saturation` (every expert it ever holds fits, so nothing is evicted) gives the
+results of that saturation capacity, reported without a replay; and `run_capacities`
+(`moestream.trace.policy_replay`) runs LRU's budgets in one pass and the predictive policies' in lockstep.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.cache.partitions import PartitionedResidentSet, PinnedResidentSet, split_evenly
-from moestream.cache.policy import (
-    BeladyPolicy,
-    LFUPolicy,
-    LRUPolicy,
-    ResidentSet,
-    prefetch,
-    slots_for_budget,
-)
-from moestream.cache.predictive import PredictivePolicy
+from moestream.cache.partitions import split_evenly
+from moestream.cache.policy import slots_for_budget
 from moestream.errors import CacheBudgetError
 from moestream.trace.errors import TraceError
-from moestream.trace.lru_stack import lru_counts
+from moestream.trace.policy_replay import Counters, rank_by_frequency, run_capacities, run_policy
 from moestream.trace.replay import Replay, build_replay
 from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
 from moestream.units import MiB, format_size
+
+__all__ = [
+    "Counters",
+    "capacity_for",
+    "rank_by_frequency",
+    "run_capacities",
+    "run_policy",
+    "saturation",
+    "simulate",
+]
 
 POLICIES = (
     "lru",
@@ -60,24 +61,6 @@ ALIASES = {
     "prefetch": "lru-prefetch",
     "lru+prefetch": "lru-prefetch",
 }
-_COUNTERS = ("hits", "misses", "bytes_read", "prefetch_bytes", "prefetched", "prefetch_used")
-
-
-@dataclass
-class Counters:
-    """What one policy did in one cell (half x phase), summed over its forwards."""
-
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0  # demand misses + prefetches
-    prefetch_bytes: int = 0
-    prefetched: int = 0
-    prefetch_used: int = 0  # prefetched keys that the forward they were fetched for hit
-
-    def __iadd__(self, other: Counters) -> Counters:
-        for name in _COUNTERS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        return self
 
 
 def capacity_for(budget_bytes: int, slot_bytes: int) -> int:
@@ -89,61 +72,6 @@ def capacity_for(budget_bytes: int, slot_bytes: int) -> int:
             f"a budget of {format_size(budget_bytes)} holds no expert slot of {format_size(slot_bytes)}"
         )
     return capacity
-
-
-def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> list[Counters]:
-    """Replay every forward through `policy` with `capacity` slots. Returns Counters per cell (0..3).
-
-    Args:
-        unit: bytes read per expert miss, indexed by layer.
-    """
-    if policy == "lru":
-        return _run(ResidentSet(capacity, LRUPolicy()), replay, unit)
-    if policy == "lfu":
-        return _run(ResidentSet(capacity, LFUPolicy()), replay, unit)
-    if policy == "predictive":
-        if replay.uses is None:
-            raise ValueError("the predictive policy needs a replay built with uses=True")
-        return _run(
-            ResidentSet(capacity, PredictivePolicy(replay.layers, replay.n_experts)),
-            replay,
-            unit,
-            uses=replay.uses,
-        )
-    if policy == "opt":
-        return _run(ResidentSet(capacity, BeladyPolicy(replay.keys)), replay, unit)
-    if policy == "partitioned-lru":
-        return _run(PartitionedResidentSet(split_evenly(capacity, replay.layers)), replay, unit)
-    if policy == "static":
-        first = [i for i, c in enumerate(replay.cell) if c < 2]
-        second = [i for i, c in enumerate(replay.cell) if c >= 2]
-        return _run(
-            PinnedResidentSet(capacity, rank_by_frequency(replay.keys[i] for i in first)),
-            replay,
-            unit,
-            second,
-        )
-    if policy == "lru-prefetch":
-        return _run_prefetch(ResidentSet(capacity, LRUPolicy()), replay, unit)
-    if policy == "predictive-prefetch":
-        if replay.uses is None:
-            raise ValueError("the predictive policy needs a replay built with uses=True")
-        policy_ = PredictivePolicy(replay.layers, replay.n_experts)
-        return _run_prefetch(ResidentSet(capacity, policy_), replay, unit, replay.uses)
-    raise ValueError(f"unknown policy {policy!r}")
-
-
-def run_capacities(
-    replay: Replay, policy: str, capacities: Iterable[int], unit: list[int]
-) -> dict[int, list[Counters]]:
-    """`run_policy` at each of `capacities`: capacity -> Counters per cell. LRU does all of them in one
-    pass over the replay; the other policies replay once per capacity."""
-    if policy == "lru":
-        return {
-            capacity: [Counters(h, m, b) for h, m, b in cells]
-            for capacity, cells in lru_counts(replay, capacities, unit).items()
-        }
-    return {capacity: run_policy(replay, policy, capacity, unit) for capacity in sorted(set(capacities))}
 
 
 def saturation(replay: Replay, policy: str) -> int:
@@ -166,71 +94,6 @@ def saturation(replay: Replay, policy: str) -> int:
         else:
             low = mid + 1
     return low
-
-
-def rank_by_frequency(groups: Iterable[list[tuple[int, int]]]) -> list[tuple[int, int]]:
-    """Keys by the number of forwards that used them, most first; ties by first use (deterministic)."""
-    counts: Counter[tuple[int, int]] = Counter()
-    for keys in groups:
-        counts.update(keys)
-    return [key for key, _ in counts.most_common()]  # most_common keeps insertion order among ties
-
-
-def _run(
-    resident: ResidentSet,
-    replay: Replay,
-    unit: list[int],
-    indices: Iterable[int] | None = None,
-    uses: list[tuple[list[int], int]] | None = None,
-) -> list[Counters]:
-    # plain int lists instead of Counters objects in the hot loop: this loop is the simulator's speed
-    hits, misses, nbytes = [0] * 4, [0] * 4, [0] * 4
-    access, keys, layer, cell = resident.access_group, replay.keys, replay.layer, replay.cell
-    for i in range(len(keys)) if indices is None else indices:
-        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
-        c = cell[i]
-        hits[c] += len(h)
-        if m:
-            misses[c] += len(m)
-            nbytes[c] += len(m) * unit[layer[i]]
-    return [Counters(hits[c], misses[c], nbytes[c]) for c in range(4)]
-
-
-def _run_prefetch(
-    resident: ResidentSet, replay: Replay, unit: list[int], uses: list[tuple[list[int], int]] | None = None
-) -> list[Counters]:
-    """The resident set's policy, and after each forward of layer L, a prefetch of the predicted keys of
-    layer L+1 (same step)."""
-    if replay.predicted is None:
-        raise ValueError("a prefetching policy needs a replay built with predictions")
-    out = [Counters() for _ in range(4)]
-    pending: tuple[set[tuple[int, int]], Counters] | None = None
-    access, keys, layer, cell, predicted = (
-        resident.access_group,
-        replay.keys,
-        replay.layer,
-        replay.cell,
-        replay.predicted,
-    )
-    for i in range(len(keys)):
-        h, m = access(keys[i]) if uses is None else access(keys[i], *uses[i])
-        counters = out[cell[i]]
-        counters.hits += len(h)
-        counters.misses += len(m)
-        counters.bytes_read += len(m) * unit[layer[i]]
-        if pending is not None:  # the prefetch issued by the previous forward was for this one
-            fetched, issuer = pending
-            issuer.prefetch_used += sum(1 for key in h if key in fetched)
-            pending = None
-        guess = predicted[i]
-        if guess:
-            admitted = prefetch(resident, guess)
-            size = len(admitted) * unit[layer[i] + 1]
-            counters.prefetched += len(admitted)
-            counters.prefetch_bytes += size
-            counters.bytes_read += size
-            pending = (set(admitted), counters)
-    return out
 
 
 # --- from a trace to result records ------------------------------------------------------------------
