@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from several OpenMP threads, and on a loaded 2-core machine an OpenMP barrier
 # waiting for a descheduled thread turns milliseconds into seconds. Subprocesses inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The same for ggml's pool (moestream's -t default): its threads spin at a barrier after every op.
+os.environ.setdefault("MOESTREAM_THREADS", "1")
 
 import torch
 

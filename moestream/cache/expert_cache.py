@@ -243,6 +243,44 @@ class ExpertCache:
         self._submit(admitted)
         return queued
 
+    def pin_all_hits(self, layer: int, experts: list[int]) -> list[dict[str, int]] | None:
+        """One token's forward of `layer` over `experts` (distinct, in execution order) when every one is
+        in place, read in full, each kind in one part: what `open_layer` would do for them (the policy's
+        `begin_group` with one use each, a touch and a pin per expert, the hits counted), and returns
+        each expert's address of each kind. None, having done nothing, when any is not. Give the pins
+        back with `unpin_hits`."""
+        self._check_open()
+        with self.lock:
+            states = [self._states.get((layer, e)) for e in experts]
+            for state in states:
+                if state is None or state.failed or any(state.remaining.values()):
+                    return None
+                if any(len(parts) != 1 for parts in state.plan.values()):
+                    return None
+            self._begin_group(layer, experts, [1] * len(experts), 1)
+            addresses = []
+            for state in states:
+                state.cls.residents.touch(state.key)
+                if state.prefetched:
+                    state.prefetched = False
+                    self.stats.prefetch_used += 1
+                state.pins += 1
+                base = state.cls.buffer.address + state.base
+                addresses.append(
+                    {
+                        kind: base + parts[0].region_offset + parts[0].head
+                        for kind, parts in state.plan.items()
+                    }
+                )
+            self.stats.hits += len(experts)
+        return addresses
+
+    def unpin_hits(self, layer: int, experts: list[int]) -> None:
+        """Give back the pins `pin_all_hits` took."""
+        with self.lock:
+            for e in experts:
+                self._unpin(self._states[(layer, e)])
+
     def touch_if_resident(self, key: Key) -> None:
         """Count a use of `key` in the eviction order without reading or pinning it (a faster tier hit)."""
         with self.lock:

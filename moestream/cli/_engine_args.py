@@ -79,7 +79,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
     group.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB)")
     group.add_argument(
-        "--threads", "-t", type=int, default=None, help="compute threads (default: torch's choice)"
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="compute threads in total, on one pool (default: the physical cores)",
     )
     group.add_argument(
         "--dtype",
@@ -97,12 +101,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--trunk",
         default="auto",
-        choices=["auto", "graphs", "layer-graphs", "static", "eager"],
-        help="how attention, norms and routers run in a decode step: graphs (CUDA graphs between the MoE "
-        "layers' experts, over a static KV cache; when every expert fits the GPU tier, all are read at "
-        "load and the whole step is one graph), layer-graphs (never that one graph), static (the static "
-        "cache, each op launched from Python), eager (transformers' own dynamic cache, for debugging) or "
-        "auto (default: graphs on a CUDA device where the model allows them, else eager); the mode line "
+        choices=["auto", "ggml", "graphs", "layer-graphs", "static", "eager"],
+        help="how attention, norms and routers run: ggml (CPU: each decoder layer a ggml graph built by "
+        "moestream, the routed experts streamed between them, every compute on one thread pool), graphs "
+        "(CUDA graphs between the MoE layers' experts, over a static KV cache; when every expert fits the "
+        "GPU tier, all are read at load and the whole step is one graph), layer-graphs (never that one "
+        "graph), static (the static cache, each op launched from Python), eager (transformers' own "
+        "dynamic cache) or auto (default: ggml on the CPU and graphs on a CUDA device where the model "
+        "has them, else eager); the mode line "
         "says which ran",
     )
     group.add_argument(

@@ -23,10 +23,10 @@ from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
-from moestream.engine.trunk import release_trunk, resident_part, setup_trunk
+from moestream.engine.trunk import ggml_spec, release_trunk, resident_part, setup_trunk
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
-from moestream.ggml.host import physical_cores
+from moestream.ggml.host import default_threads
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
@@ -113,7 +113,7 @@ class Engine:
         self.options = options
         self._make_reader = make_reader or Reader
         # -t: compute threads in total; by default the physical cores (llama.cpp's rule)
-        self.threads = options.threads or physical_cores()
+        self.threads = options.threads or default_threads()
         torch.set_num_threads(self.threads)
         ggml_threads(self.threads)
         self.source = open_source(path)
@@ -139,6 +139,8 @@ class Engine:
         self.model = build_model(self.source, self.config, self.arch, dtype, stored)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
+        # the ggml graphs' view of the model, when they run it (before the experts' formats are chosen)
+        self._spec, self._no_graph = ggml_spec(self.model, options.trunk, self.device)
         self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
         if self.options.lock_memory:
             self.trunk.lock()
@@ -153,7 +155,14 @@ class Engine:
         self._step = ForwardStep(self.model)
         try:
             self._trunk_base = setup_trunk(
-                self._step, self.options.trunk, self._modules, self.device, self.ctx_size, self.threads
+                self._step,
+                self.options.trunk,
+                self._modules,
+                self.device,
+                self.ctx_size,
+                self.threads,
+                self._spec,
+                self._no_graph,
             )
             if self._step.runner is not None:  # one pool: ggml's; torch only runs glue in between
                 torch.set_num_threads(1)
@@ -239,6 +248,8 @@ class Engine:
             device=self.device,
             make_reader=self._make_reader,
         )
+        if self._spec is not None:
+            streaming.runtime.compute_floats_with_ggml()
         if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)

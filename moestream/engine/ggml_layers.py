@@ -26,6 +26,16 @@ from moestream.model.graph_spec import Attention, Layer, Mlp, ModelSpec
 SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph set serves 256 positions
 
 
+@dataclass(frozen=True)
+class ExpertTypes:
+    """The ggml types of one layer's routed experts (gate and up [I, H], down [H, I])."""
+
+    gate: int
+    up: int
+    down: int
+    inter: int
+
+
 @dataclass
 class StepBuffers:
     """Memory the graphs of one step shape (T tokens, span S) read and write between them (torch shapes)."""
@@ -61,16 +71,23 @@ class LayerGraphs:
     """Builds the graphs of one step shape; the caller plans and places them (`Net.finish`, `Arena`)."""
 
     def __init__(
-        self, spec: ModelSpec, kv: list[tuple[torch.Tensor, torch.Tensor]], buf: StepBuffers
+        self,
+        spec: ModelSpec,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        buf: StepBuffers,
+        experts: dict[int, ExpertTypes] | None = None,
     ) -> None:
         self.spec, self.kv, self.buf = spec, kv, buf
+        self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
         self.tokens = buf.tokens.numel()
         self.span = buf.mask.shape[1]
 
     # --- inputs: the residual stream with the previous layer's routed experts added -------------
 
-    def _stream(self, net: Net, layer: int) -> int:
-        """The residual stream entering `layer` (len(layers): the final norm) [H, T]."""
+    def _stream(self, net: Net, layer: int, fused: bool = False) -> int:
+        """The residual stream entering `layer` (len(layers): the final norm) [H, T]. `fused` (one token,
+        the previous layer's experts all cached): those experts are computed here, from their slots
+        (per-run inputs g0, u0, d0, g1, ...), with the very ops the expert runtime runs them with."""
         H, T = self.spec.hidden, self.tokens
         if layer == 0:
             ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
@@ -82,17 +99,31 @@ class LayerGraphs:
         if T > 1:  # prefill: the experts' weighted sum, computed by the expert runtime per token
             return net.add(x, net.per_run_input("moe", F32, [H, T]))
         w = net.tensor(F32, [prev.router.top_k], self.buf.weights[(layer - 1) % 2].data_ptr())
+        if fused:
+            types = self.experts[prev.index]
+            x_e = net.tensor(F32, [H, 1], self.buf.moe_in.data_ptr())
         for k in range(prev.router.top_k):  # decode: x + sum_k w_k * y_k, in the router's order
-            y = net.per_run_input(f"y{k}", F32, [H, 1])
+            if fused:
+                g = net.mul_mat(net.per_run_input(f"g{k}", types.gate, [H, types.inter]), x_e)
+                u = net.mul_mat(net.per_run_input(f"u{k}", types.up, [H, types.inter]), x_e)
+                y = net.mul_mat(
+                    net.per_run_input(f"d{k}", types.down, [types.inter, H]), net.swiglu_split(g, u)
+                )
+            else:
+                y = net.per_run_input(f"y{k}", F32, [H, 1])
             x = net.add(x, net.mul(y, net.view_1d(w, 1, 4 * k)))
         return x
 
+    def can_fuse(self, layer: int) -> bool:
+        """Whether the graph of `layer` (len(layers): the head) has a `fused` variant."""
+        return self.tokens == 1 and layer > 0 and (layer - 1) in self.experts
+
     # --- one decoder layer ---------------------------------------------------------------------
 
-    def layer(self, net: Net, layer: Layer) -> list[int]:
+    def layer(self, net: Net, layer: Layer, fused: bool = False) -> list[int]:
         """The graph of `layer`; returns its outputs in execution order."""
         spec, buf = self.spec, self.buf
-        x = self._stream(net, layer.index)
+        x = self._stream(net, layer.index, fused)
         h = self._norm(net, x, layer.attn_norm)
         writes, attn = self._attention(net, h, layer.attention, layer.index)
         resid = net.add(x, attn)
@@ -119,10 +150,10 @@ class LayerGraphs:
         moe_in = net.fix(h2, buf.moe_in.data_ptr())
         return [*writes, net.fix(resid, buf.resid[out].data_ptr()), moe_in, order, w]
 
-    def head(self, net: Net) -> list[int]:
+    def head(self, net: Net, fused: bool = False) -> list[int]:
         """Final norm and LM head on the last position -> logits [V]."""
         spec = self.spec
-        x = self._stream(net, len(spec.layers))
+        x = self._stream(net, len(spec.layers), fused)
         if self.tokens > 1:
             x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (self.tokens - 1))
         h = self._norm(net, x, spec.norm)

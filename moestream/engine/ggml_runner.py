@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moestream import ggml
-from moestream.engine.ggml_layers import SPAN_STEP, LayerGraphs, StepBuffers
+from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, LayerGraphs, StepBuffers
 from moestream.ggml.net import Arena, Net
 from moestream.model.graph_spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
@@ -50,43 +50,46 @@ class GgmlKV:
 
 
 class GraphSet:
-    """The graphs and buffers of one step shape (T tokens, span S)."""
+    """The graphs and buffers of one step shape (T tokens, span S): graph i computes layer i (i = number
+    of layers: the head); `fused[i]`, where it exists, is graph i with the previous layer's experts in
+    it (one token, every one of them cached)."""
 
     def __init__(
         self,
         spec: ModelSpec,
         kv: list[tuple[torch.Tensor, torch.Tensor]],
-        tokens: int,
-        span: int,
+        shape: tuple[int, int],
         experts: int,
+        types: dict[int, ExpertTypes],
         threads: int,
         pool: int,
     ) -> None:
+        tokens, span = shape
         self.buf = StepBuffers.make(spec, tokens, span, experts)
-        build = LayerGraphs(spec, kv, self.buf)
-        lib = ggml.library()
-        self.layers: list[Net] = []
+        self.pool = pool
+        build = LayerGraphs(spec, kv, self.buf, types)
+        self.graphs: list[Net] = []
+        self.fused: dict[int, Net] = {}
         try:
-            for layer in spec.layers:
-                net = Net(lib)
-                self.layers.append(net)
-                net.finish(build.layer(net, layer), threads, pool)
-            self.head = Net(lib)
-            self.layers.append(self.head)
-            self.head.finish(build.head(self.head), threads, pool)
+            for i in range(len(spec.layers) + 1):
+                for fused in (False, True) if build.can_fuse(i) else (False,):
+                    net = Net(ggml.library())
+                    if fused:
+                        self.fused[i] = net
+                    else:
+                        self.graphs.append(net)
+                    if i < len(spec.layers):
+                        net.finish(build.layer(net, spec.layers[i], fused), threads, pool)
+                    else:
+                        net.finish(build.head(net, fused), threads, pool)
         except BaseException:
             self.close()
             raise
-        self.layers.pop()
-        self.arena = Arena([*self.layers, self.head])
-        self.pool = pool
+        self.arena = Arena([*self.graphs, *self.fused.values()])
 
     def close(self) -> None:
-        for net in self.layers:
+        for net in [*self.graphs, *self.fused.values()]:
             net.close()
-        head = getattr(self, "head", None)
-        if head is not None:
-            head.close()
 
 
 class GgmlRunner:
@@ -146,12 +149,25 @@ class GgmlRunner:
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            gs = GraphSet(self.spec, self.kv, tokens, span, self.experts, self.threads, kern.pool)
+            gs = GraphSet(self.spec, self.kv, key, self.experts, self._types(), self.threads, kern.pool)
             self._sets[key] = gs
             while len(self._sets) > KEEP_SETS:
                 self._sets.pop(next(iter(self._sets))).close()
         self._sets.move_to_end(key)
         return gs
+
+    def _types(self) -> dict[int, ExpertTypes]:
+        """MoE layer -> its experts' ggml types, where the expert runtime computes them with ggml's
+        SwiGLU ops (the graphs then can compute cached ones themselves, with the same ops)."""
+        from moestream.runtime.formats.ggml import Ggml
+
+        types = {}
+        for layer in (x.index for x in self.spec.layers if x.router is not None):
+            rt = self.runtime(layer)
+            fmts = [rt.formats.get((layer, kind)) for kind in ("gate", "up", "down")]
+            if rt.layer_call(layer) is not None and all(isinstance(f, Ggml) for f in fmts):
+                types[layer] = ExpertTypes(fmts[0].type.id, fmts[1].type.id, fmts[2].type.id, fmts[0].rows)
+        return types
 
     def _step(self, ids: list[int], position: int) -> torch.Tensor:
         T = len(ids)
@@ -165,15 +181,53 @@ class GgmlRunner:
             span[None, :] <= b.rows[:, None], 0.0
         )
         kern = ggml.kernels(self.threads)
+        pinned: tuple[Any, int, list[int]] | None = None  # (cache, layer, experts) to unpin
         with kern._lock, kern.hold():
-            routed: Routed | None = None
-            for spec, net in zip(self.spec.layers, gs.layers):
-                net.run(**self._inputs(routed, b, T))
-                routed = self._experts(spec.index, b, T) if spec.router is not None else None
-            gs.head.run(**self._inputs(routed, b, T))
+            try:
+                routed: Routed | None = None
+                inputs: dict[str, int] = {}
+                for i, net in enumerate(gs.graphs):
+                    if pinned is not None:
+                        net = gs.fused[i]
+                    net.run(**inputs)
+                    if pinned is not None:
+                        pinned[0].unpin_hits(pinned[1], pinned[2])
+                        pinned = None
+                    if i == len(self.spec.layers) or self.spec.layers[i].router is None:
+                        inputs = {}
+                        continue
+                    if T == 1 and i + 1 in gs.fused:
+                        pinned, inputs = self._cached(i, b)
+                    if pinned is None:
+                        routed = self._experts(i, b)
+                        inputs = self._inputs(routed, b, T)
+            finally:
+                if pinned is not None:
+                    pinned[0].unpin_hits(pinned[1], pinned[2])
         return b.logits
 
-    def _experts(self, layer: int, b: StepBuffers, T: int) -> Routed:
+    def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, dict[str, int]]:
+        """One token's experts of `layer` when the cache holds every one and nothing else needs the
+        routing on the host (a trace, a replay, prefetch): pinned for the next graph, which computes
+        them from their slots. Returns ((cache, layer, experts) to unpin, the next graph's inputs), or
+        (None, {}) to run the expert runtime instead."""
+        rt = self.runtime(layer)
+        if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
+            return None, {}
+        experts = b.order[0, : b.weights[0].shape[1]].tolist()
+        addresses = rt.cache.pin_all_hits(layer, experts)
+        if addresses is None:
+            return None, {}
+        if any(a % ggml.WEIGHT_ALIGNMENT for slot in addresses for a in slot.values()):
+            rt.cache.unpin_hits(layer, experts)  # the runtime copies such weights first
+            return None, {}
+        rt.layer_calls += 1
+        inputs = {}
+        for k, slot in enumerate(addresses):
+            inputs[f"g{k}"], inputs[f"u{k}"], inputs[f"d{k}"] = slot["gate"], slot["up"], slot["down"]
+        return (rt.cache, layer, experts), inputs
+
+    def _experts(self, layer: int, b: StepBuffers) -> Routed:
         weights = b.weights[layer % 2]
         k = weights.shape[1]
         routed = self.runtime(layer).experts(layer, b.moe_in, b.order[:, :k], weights)
@@ -181,11 +235,9 @@ class GgmlRunner:
             weights.copy_(routed.weights)
         return routed
 
-    def _inputs(self, routed: Routed | None, b: StepBuffers, T: int) -> dict[str, int]:
+    def _inputs(self, routed: Routed, b: StepBuffers, T: int) -> dict[str, int]:
         """The per-run inputs of the graph after a MoE layer: its experts' outputs (decode) or their
         weighted sum (prefill), f32 and contiguous; `self._alive` keeps any converted copy alive."""
-        if routed is None:
-            return {}
         if T > 1:
             self._alive = [_f32(routed.weighted_sum(b.moe_in))]
             return {"moe": self._alive[0].data_ptr()}

@@ -20,7 +20,6 @@ import torch
 from moestream.engine.loop import ForwardStep
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.errors import MoestreamError
-from moestream.model.graph_spec import NoGraph
 from moestream.runtime.resident import ResidentExperts, unavailable
 
 
@@ -30,6 +29,25 @@ def _static_cache(model: torch.nn.Module, tokens: int) -> Any:
     return StaticCache(config=model.config, max_cache_len=tokens)
 
 
+def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[Any, str | None]:
+    """The ggml graphs' spec of `model` when `mode` (auto on the CPU, or ggml) runs them: (spec, None);
+    else (None, the reason auto fell back, or None when the mode never asked for them).
+
+    Raises:
+        MoestreamError: `--trunk ggml` was asked for and this model has no graph (yet).
+    """
+    if mode not in ("auto", "ggml") or device.type != "cpu":
+        return None, None
+    from moestream.model.graph_spec import NoGraph, graph_spec
+
+    try:
+        return graph_spec(model, model.config), None
+    except NoGraph as exc:
+        if mode == "ggml":
+            raise MoestreamError(f"--trunk ggml is not possible for this model: {exc}") from None
+        return None, str(exc)
+
+
 def setup_trunk(
     step: ForwardStep,
     mode: str,
@@ -37,24 +55,24 @@ def setup_trunk(
     device: torch.device,
     ctx_size: int,
     threads: int = 1,
+    spec: Any = None,
+    no_graph: str | None = None,
 ) -> str:
     """Give `step` the runner, static cache and graphs `mode` asks for; returns the mode line's part.
+    `spec`, `no_graph`: what `ggml_spec` said.
 
     Raises:
-        MoestreamError: `--trunk graphs` or `ggml` was asked for and this model's step cannot have them.
+        MoestreamError: `--trunk graphs` was asked for and this model's step cannot be captured.
     """
     asked = mode
-    if mode == "auto":
-        mode = "graphs" if device.type == "cuda" else "ggml"
-    step.one_graph = mode == "graphs"
-    if mode == "ggml":
-        try:
-            step.runner = _ggml_runner(step.model, dict(modules), ctx_size, threads)
-        except NoGraph as exc:
-            if asked != "auto":
-                raise MoestreamError(f"--trunk ggml is not possible for this model: {exc}") from None
-            return f"trunk eager (transformers: {exc})"
+    if spec is not None:
+        step.runner = _ggml_runner(step.model, spec, dict(modules), ctx_size, threads)
         return step.runner.describe()
+    if mode == "auto":
+        mode = "graphs" if device.type == "cuda" else "eager"
+        if no_graph is not None:
+            return f"trunk eager (transformers: {no_graph})"
+    step.one_graph = mode == "graphs"
     if mode == "eager":
         return "trunk eager (dynamic KV cache)"
     cache = _static_cache(step.model, ctx_size)
@@ -75,15 +93,18 @@ def setup_trunk(
     return f"{graphs.describe()} over a static KV cache of {ctx_size} tokens"
 
 
-def _ggml_runner(model: torch.nn.Module, modules: dict[int, Any], ctx_size: int, threads: int) -> Any:
+def _ggml_runner(
+    model: torch.nn.Module, spec: Any, modules: dict[int, Any], ctx_size: int, threads: int
+) -> Any:
     """The ggml graphs' runner of `model`, whose routed experts stream through `modules`' runtimes."""
     from moestream.engine.ggml_runner import GgmlRunner
     from moestream.model.arch import num_experts
-    from moestream.model.graph_spec import graph_spec
+    from moestream.model.quantized import block_bytes
 
-    spec = graph_spec(model, model.config)
+    # F32 keys and values for a model computed in f32 throughout (its KV cache was planned at 4 bytes);
+    # else F16, as llama.cpp keeps them
     dtype = next(model.parameters()).dtype
-    kv = torch.float32 if dtype == torch.float32 else torch.float16  # the KV cache's bytes as planned
+    kv = torch.float32 if dtype == torch.float32 and not block_bytes(model) else torch.float16
     experts = num_experts(model.config)
     return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads, kv)
 

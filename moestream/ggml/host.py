@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moestream.errors import MoestreamError
+
 
 def native_dir() -> Path:
     """Where `make native` puts its build: $MOESTREAM_HOME/ggml-native (default ~/.cache/moestream)."""
@@ -44,3 +46,19 @@ def physical_cores() -> int:
         except OSError:
             return len(allowed)
     return max(1, len(cores))
+
+
+def default_threads() -> int:
+    """`-t` when not given: $MOESTREAM_THREADS, else the physical cores (llama.cpp's rule). ggml's
+    threads meet at a spinning barrier after every op, so more threads than free cores costs far more
+    than it gives: a loaded machine (a test suite, CI) sets the variable."""
+    text = os.environ.get("MOESTREAM_THREADS", "").strip()
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise MoestreamError(f"MOESTREAM_THREADS={text!r} is not a positive number of threads")
+        return n
+    return physical_cores()

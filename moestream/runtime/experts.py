@@ -111,11 +111,7 @@ class ExpertRuntime:
 
     def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
-        self.formats = self._formats(tier.fuses)
-        family.bind(self.formats)
-        # the cached experts of a one-token forward at once where the formats allow: one ggml graph on
-        # the CPU, one grouped launch per matrix kind on the GPU
-        self._layer_calls = {layer: family.layer_call(layer) for layer in self.emap.layers}
+        self._plan(ggml_floats=False)
         self.layer_calls = 0  # forwards whose cached experts were computed at once
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
         self.observers: list[Callable[[LayerRouting], None]] = []
@@ -123,8 +119,21 @@ class ExpertRuntime:
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
         self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
 
-    def _formats(self, fuses: bool) -> dict[tuple[int, str], WeightFormat]:
-        formats = layer_formats(self.emap, self.tier.device.type)
+    def _plan(self, ggml_floats: bool) -> None:
+        """Choose the formats of every (layer, kind) and the layer calls over them, once."""
+        self.formats = self._formats(self.tier.fuses, ggml_floats)
+        self.family.bind(self.formats)
+        # the cached experts of a one-token forward at once where the formats allow: one ggml graph on
+        # the CPU, one grouped launch per matrix kind on the GPU
+        self._layer_calls = {layer: self.family.layer_call(layer) for layer in self.emap.layers}
+
+    def compute_floats_with_ggml(self) -> None:
+        """F32/F16/BF16 experts by ggml's kernels too (the ggml graphs' runner: every expert, cached or
+        streamed, goes through the same kernels as the graphs' own)."""
+        self._plan(ggml_floats=True)
+
+    def _formats(self, fuses: bool, ggml_floats: bool) -> dict[tuple[int, str], WeightFormat]:
+        formats = layer_formats(self.emap, self.tier.device.type, ggml_floats)
         if fuses:
             for layer in self.emap.layers:
                 for name, kinds in self.family.fusions.items():

@@ -94,13 +94,25 @@ def make_format(stored: StoredFormat, parts: Parts, device: str = "cpu") -> Weig
     return cls(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
 
 
-def layer_formats(emap: ExpertMap, device: str = "cpu") -> dict[tuple[int, str], WeightFormat]:
+def layer_formats(
+    emap: ExpertMap, device: str = "cpu", ggml_floats: bool = False
+) -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
-    their formats and shapes, so expert 0's parts describe them all)."""
+    their formats and shapes, so expert 0's parts describe them all). `ggml_floats`: F32/F16/BF16
+    matrices are computed by ggml too (the ggml graphs' runner: one kernel library for every expert)."""
     return {
-        (layer, kind): make_format(stored, emap.units[(layer, 0)][kind], device)
+        (layer, kind): _format(stored, emap.units[(layer, 0)][kind], device, ggml_floats)
         for (layer, kind), stored in emap.formats.items()
     }
+
+
+def _format(stored: StoredFormat, parts: Parts, device: str, ggml_floats: bool) -> WeightFormat:
+    floats = stored.name in ("F32", "F16", "BF16") and not stored.transposed and len(parts) == 1
+    if ggml_floats and device == "cpu" and floats:
+        from moestream.runtime.formats.ggml import Ggml
+
+        return Ggml(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
+    return make_format(stored, parts, device)
 
 
 def describe_formats(formats: dict[tuple[int, str], WeightFormat]) -> str:

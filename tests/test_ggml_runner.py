@@ -1,0 +1,155 @@
+"""The ggml runner (`--trunk ggml`, auto on the CPU): each decoder layer a ggml graph built by moestream.
+
+Oracles: stock transformers in fp32 (logits of every step, prefill and decode, within 1e-4: the graphs
+compute in f32 with an F32 KV cache for an f32 model, measured 4e-6..7e-6; ggml sums and rotates in
+another order, so not bit for bit) and its greedy tokens; within the ggml path, streamed == resident
+bit for bit at every budget and io mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from gguf import GGMLQuantizationType as Q
+
+import moestream
+from moestream.cache.expert_cache import budget_requirements
+from moestream.cli import main
+from moestream.engine import ggml_layers, ggml_runner
+from moestream.errors import MoestreamError
+from moestream.model.graph_spec import GRAPH_FAMILIES
+
+PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
+FORCED = [9, 150, 77, 31, 200, 6, 18, 42]  # teacher-forced decode steps
+TOLERANCE = 1e-4
+
+
+def _stock_logits(path) -> torch.Tensor:
+    """Stock transformers' logits at the last prompt position and after each forced token [1+n, V]."""
+    model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT + FORCED])).logits[0]
+    return logits[len(PROMPT) - 1 :]
+
+
+def _runner_logits(engine) -> torch.Tensor:
+    """The runner's logits for the same positions: one prefill step, then one step per forced token."""
+    step = engine._step
+    logits, kv = step(PROMPT, None)
+    out = [logits]
+    for token in FORCED:
+        logits, kv = step([token], kv)
+        out.append(logits)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", GRAPH_FAMILIES)
+def test_graphs_match_stock_transformers(arch, tiny_dir):
+    path = tiny_dir(arch)
+    ref = _stock_logits(path)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert engine._step.runner is not None
+        assert f"trunk ggml graphs ({arch}" in engine.mode_line()
+        got = _runner_logits(engine)
+        diff = (got - ref).abs().max().item()
+        assert diff <= TOLERANCE, (arch, diff)
+        model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        gen = engine.generate(PROMPT, max_tokens=16, ignore_eos=True)
+        assert gen.tokens == want[0, len(PROMPT) :].tolist()
+
+
+def _budgets(engine) -> list[int]:
+    minimum, _ = budget_requirements(engine.emap, engine.top_k)
+    everything = engine.cache.slot_bytes * len(engine.emap.units)
+    return [minimum, (minimum + everything) // 2, everything]
+
+
+def _streamed_equals_resident(path) -> None:
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        resident = _runner_logits(engine)
+        tokens = engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens
+        for budget in _budgets(engine):
+            for io_mode in ("direct", "pagecache", "mmap"):
+                engine.restream(cache=budget, io_mode=io_mode)
+                assert torch.equal(_runner_logits(engine), resident), (budget, io_mode)
+                # the cached experts of one token were computed inside the next layer's graph
+                assert engine.runtime.layer_calls > 0
+                assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens == tokens
+                if budget < engine.cache.slot_bytes * len(engine.emap.units):
+                    assert engine.cache.stats.misses > len(engine.emap.units), "small budgets re-read"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_streamed_equals_resident_bit_for_bit(arch, tiny_dir):
+    _streamed_equals_resident(tiny_dir(arch))
+
+
+def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(tiny_gguf):
+    """Q8_0 trunk and Q4_0/Q8_0 experts: the graphs read the blocks as stored; the transformers path on
+    the same file computes the same matrices with the same ggml kernels (activations quantized to 8 bits
+    inside both), but its attention in f32 from an F32 cache and its sums in another order."""
+    types = {"gate": Q.Q4_0, "up": Q.Q8_0, "down": Q.Q4_0}
+    _, path = tiny_gguf("qwen3_moe", ftype=Q.Q8_0, expert_type=lambda layer, kind: types[kind])
+    _streamed_equals_resident(path)
+    with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
+        eager = _runner_logits(engine)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert "trunk ggml graphs (qwen3_moe" in engine.mode_line()
+        got = _runner_logits(engine)
+    diff = (got - eager).abs().max().item()
+    assert diff <= 0.05 * eager.abs().max().item(), diff  # 8-bit activations, F16/F32 attention
+    assert torch.equal(got.argmax(-1), eager.argmax(-1))
+
+
+def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
+    """A prompt longer than a prefill chunk, and decoding across attention spans, give stock's logits."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
+    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    path = tiny_dir("qwen3_moe")
+    ref = _stock_logits(path)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        got = _runner_logits(engine)
+        assert len(engine._step.runner._sets) == ggml_runner.KEEP_SETS  # sets built and dropped
+    assert (got - ref).abs().max().item() <= TOLERANCE
+
+
+def test_prompt_cache_continues_the_graphs_kv_cache(tiny_dir):
+    path = tiny_dir("qwen2_moe")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        first = engine.generate(PROMPT, max_tokens=6, ignore_eos=True, cache_prompt=True)
+        longer = PROMPT + first.tokens + [11, 12, 13]
+        warm = engine.generate(longer, max_tokens=8, ignore_eos=True, cache_prompt=True)
+        assert warm.cached_tokens == len(PROMPT) + len(first.tokens) - 1
+        cold = engine.generate(longer, max_tokens=8, ignore_eos=True)
+        assert cold.cached_tokens == 0
+        assert warm.tokens == cold.tokens
+
+
+def test_one_pool_and_the_mode_line(tiny_dir):
+    with moestream.load(str(tiny_dir("mixtral")), cache="64MiB", threads=2) as engine:
+        assert engine._step.runner is not None  # auto picks the graphs on the CPU
+        assert torch.get_num_threads() == 1
+        from moestream import ggml
+
+        assert ggml.kernels().n_threads == 2
+        assert "threads 2 (one ggml pool; torch 1)" in engine.mode_line()
+    torch.set_num_threads(1)
+
+
+def test_families_without_graphs_run_transformers_and_say_why(tiny_dir):
+    path = tiny_dir("glm4_moe")
+    with moestream.load(str(path), cache="64MiB") as engine:
+        assert engine._step.runner is None
+        assert "trunk eager (transformers: glm4_moe has no ggml graph yet" in engine.mode_line()
+    with pytest.raises(MoestreamError, match="--trunk ggml is not possible for this model: glm4_moe"):
+        moestream.load(str(path), cache="64MiB", trunk="ggml")
+
+
+def test_cli_runs_the_graphs(tiny_dir, capsys):
+    path = tiny_dir("olmoe")
+    assert main(["generate", str(path), "-p", "Hello", "-n", "4", "--trunk", "ggml", "-t", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "trunk ggml graphs (olmoe" in err and "threads 1 (one ggml pool; torch 1)" in err
