@@ -191,3 +191,17 @@ def test_dequant_thresholds_cover_the_benchmarked_formats():
     assert ggml.dequant_threshold("Q6_K", "prebuilt", 8) == ggml.dequant_threshold("Q6_K", "prebuilt", 2)
     assert ggml.dequant_threshold("IQ2_XXS", "prebuilt", 1) == NEVER  # not measured: stay on ggml
     assert ggml.dequant_threshold("Q8_0", "custom", 1) == ggml.dequant_threshold("Q8_0", "prebuilt", 1)
+
+
+def test_the_mode_line_names_the_cpu_features_a_build_leaves_unused():
+    """Never a silent AVX2 fallback: a build without AVX512 on an AVX512 CPU says so, and what to run."""
+    from moestream.ggml.lib import unused_isa
+
+    flags = {"avx2", "avx512f", "avx512_vnni", "fma"}
+    assert unused_isa(("AVX2",), flags) == ["AVX512", "AVX512_VNNI"]
+    assert unused_isa(("AVX2", "AVX512", "AVX512_VNNI"), flags) == []
+    assert unused_isa(("NEON",), {"asimd", "asimddp", "i8mm"}) == ["DOTPROD", "MATMUL_INT8"]
+    from moestream.ggml.host import cpu_flags
+
+    missing = unused_isa(ggml.library().isa, cpu_flags())
+    assert (": make native" in ggml.describe()) == bool(missing)

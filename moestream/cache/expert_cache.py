@@ -67,6 +67,7 @@ class SlotState:
     # holds a pin of its own until its reads are done: a prefetch, or the reads of a forward that failed
     prefetching: bool = False
     prefetched: bool = False  # read ahead and not asked for yet
+    addresses: dict[str, int] | None = None  # kind -> where its bytes are, once read (`pin_all_hits`)
 
     @property
     def base(self) -> int:
@@ -243,37 +244,44 @@ class ExpertCache:
         self._submit(admitted)
         return queued
 
-    def pin_all_hits(self, layer: int, experts: list[int]) -> list[dict[str, int]] | None:
+    def pin_all_hits(self, layer: int, experts: list[int], alignment: int = 1) -> list[dict[str, int]] | None:
         """One token's forward of `layer` over `experts` (distinct, in execution order) when every one is
-        in place, read in full, each kind in one part: what `open_layer` would do for them (the policy's
-        `begin_group` with one use each, a touch and a pin per expert, the hits counted), and returns
-        each expert's address of each kind. None, having done nothing, when any is not. Give the pins
-        back with `unpin_hits`."""
+        in place, read in full, each kind in one part at an `alignment`-aligned address: what
+        `open_layer` would do for them (the policy's `begin_group` with one use each, a touch and a pin
+        per expert, the hits counted); returns each expert's address of each kind. None, having done
+        nothing, when any is not so. Give the pins back with `unpin_hits`."""
         self._check_open()
         with self.lock:
-            states = [self._states.get((layer, e)) for e in experts]
-            for state in states:
-                if state is None or state.failed or any(state.remaining.values()):
+            states = []
+            for e in experts:
+                state = self._states.get((layer, e))
+                if state is None or self._addresses(state, alignment) is None:
                     return None
-                if any(len(parts) != 1 for parts in state.plan.values()):
-                    return None
+                states.append(state)
             self._begin_group(layer, experts, [1] * len(experts), 1)
-            addresses = []
             for state in states:
                 state.cls.residents.touch(state.key)
                 if state.prefetched:
                     state.prefetched = False
                     self.stats.prefetch_used += 1
                 state.pins += 1
-                base = state.cls.buffer.address + state.base
-                addresses.append(
-                    {
-                        kind: base + parts[0].region_offset + parts[0].head
-                        for kind, parts in state.plan.items()
-                    }
-                )
             self.stats.hits += len(experts)
-        return addresses
+        return [state.addresses for state in states]
+
+    @staticmethod
+    def _addresses(state: SlotState, alignment: int) -> dict[str, int] | None:
+        """kind -> address of a fully read expert's one part of each kind (kept: a slot's bytes do not
+        change until it is evicted), or None."""
+        if state.addresses is None:
+            if state.failed or any(state.remaining.values()):
+                return None
+            if any(len(parts) != 1 for parts in state.plan.values()):
+                return None
+            base = state.cls.buffer.address + state.base
+            state.addresses = {k: base + p[0].region_offset + p[0].head for k, p in state.plan.items()}
+        if any(a % alignment for a in state.addresses.values()):
+            return None
+        return state.addresses
 
     def unpin_hits(self, layer: int, experts: list[int]) -> None:
         """Give back the pins `pin_all_hits` took."""

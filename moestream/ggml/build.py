@@ -4,7 +4,7 @@ The prebuilt libggml-python wheel is compiled for a baseline (AVX2 on x86, armv8
 GGML_NATIVE=ON build adds AVX512/VNNI/BF16, ARM dotprod/i8mm and llamafile's sgemm. The sdist vendors
 llama.cpp, whose ggml is configured from the llama.cpp root (its ggml/ folder alone lacks ggml.pc.in).
 
-    python -m moestream.ggml.build [--dest DIR] [--jobs N]
+    python -m moestream.ggml.build [--dest DIR] [--jobs N] [--source LLAMA_CPP_DIR]
 
 Output: DIR/lib/libggml-base.so*, DIR/lib/libggml-cpu.so* and DIR/build.json (version, ISA flags of the
 build machine, build seconds), where DIR defaults to `native_dir()` and moestream finds it.
@@ -71,7 +71,13 @@ def _fetch_source(work: Path, log: Path) -> tuple[Path, str]:
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
         tar.extractall(work, members=members, filter="data")
-    root = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return _local_source(next(work.glob("llama_cpp_python-*/vendor/llama.cpp")))
+
+
+def _local_source(root: Path) -> tuple[Path, str]:
+    """A llama.cpp tree already on disk (a machine without PyPI): its root and ggml version."""
+    if not (root / "ggml" / "CMakeLists.txt").exists():
+        raise SystemExit(f"make native: {root} is not a llama.cpp source tree (no ggml/CMakeLists.txt)")
     version = []
     for line in (root / "ggml" / "CMakeLists.txt").read_text().splitlines():
         for part in ("MAJOR", "MINOR", "PATCH"):
@@ -80,8 +86,9 @@ def _fetch_source(work: Path, log: Path) -> tuple[Path, str]:
     return root, ".".join(version)
 
 
-def build(dest: Path, jobs: int) -> dict:
-    """Configure and build ggml-base and ggml-cpu, install the shared libs under dest/lib."""
+def build(dest: Path, jobs: int, source: Path | None = None) -> dict:
+    """Configure and build ggml-base and ggml-cpu, install the shared libs under dest/lib; `source`: a
+    llama.cpp tree to build from instead of the sdist's."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise SystemExit(f"make native needs {tool} on PATH (e.g. apt-get install cmake g++)")
@@ -92,7 +99,7 @@ def build(dest: Path, jobs: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="moestream-ggml-") as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
-        root, version = _fetch_source(work, log)
+        root, version = _local_source(source) if source else _fetch_source(work, log)
         t1 = time.perf_counter()
         _run(["cmake", "-S", str(root), "-B", str(work / "build"), *generator, *CMAKE_FLAGS], log)
         targets = ["--target", "ggml-base", "ggml-cpu"]
@@ -110,7 +117,7 @@ def build(dest: Path, jobs: int) -> dict:
             shutil.copy2(p, dest / "lib" / p.name, follow_symlinks=False)
     info = {
         "ggml_version": version,
-        "source": SDIST,
+        "source": str(source) if source else SDIST,
         "fetch_seconds": round(t1 - t0, 1),
         "build_seconds": round(seconds, 1),
         "jobs": jobs,
@@ -128,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m moestream.ggml.build", description=__doc__.split("\n")[0])
     p.add_argument("--dest", type=Path, default=None, help="install folder (default: native_dir())")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
+    p.add_argument("--source", type=Path, help="a llama.cpp source tree on disk (default: the sdist's)")
     args = p.parse_args(argv)
     dest = args.dest or native_dir()
-    info = build(dest, args.jobs)
+    info = build(dest, args.jobs, args.source)
     print(
         f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "
         f"{info['build_seconds']} s ({info['jobs']} jobs, {info['generator']}) into {dest}"

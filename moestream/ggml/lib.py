@@ -206,8 +206,30 @@ class Library:
     isa: tuple[str, ...]
 
     def describe(self) -> str:
-        """E.g. 'ggml 0.20.2 prebuilt (AVX2)' or 'ggml 0.25.3 native (AVX2, AVX512, AVX512_VNNI, ...)'."""
-        return f"ggml {self.version} {self.kind} ({', '.join(self.isa) or 'no SIMD'})"
+        """E.g. 'ggml 0.25.3 native (AVX2, AVX512, AVX512_VNNI, ...)', or for a build that lacks what this
+        CPU has: 'ggml 0.20.2 prebuilt (AVX2; not using this CPU's AVX512, AVX512_VNNI: make native)'."""
+        unused = unused_isa(self.isa, cpu_flags())
+        note = f"; not using this CPU's {', '.join(unused)}: make native" if unused else ""
+        return f"ggml {self.version} {self.kind} ({', '.join(self.isa) or 'no SIMD'}{note})"
+
+
+# /proc/cpuinfo flag -> ggml_cpu_has_<name>, for the features a build may leave unused
+_CPU_FEATURES = {
+    "avx2": "AVX2",
+    "avx512f": "AVX512",
+    "avx512_vnni": "AVX512_VNNI",
+    "avx512_bf16": "AVX512_BF16",
+    "avx_vnni": "AVX_VNNI",
+    "amx_int8": "AMX_INT8",
+    "asimddp": "DOTPROD",
+    "i8mm": "MATMUL_INT8",
+    "sve": "SVE",
+}
+
+
+def unused_isa(isa: tuple[str, ...], flags: set[str]) -> list[str]:
+    """The CPU's kernel-relevant features (from /proc/cpuinfo `flags`) that a build with `isa` lacks."""
+    return [name for flag, name in _CPU_FEATURES.items() if flag in flags and name not in isa]
 
 
 def locate() -> tuple[Path, str]:
