@@ -38,8 +38,13 @@ def _round_up(n: int, step: int) -> int:
 class GgmlKV:
     """The runner's KV cache as the engine's prompt cache sees it: how many positions hold tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_token: int) -> None:
         self.tokens = 0
+        self.bytes_per_token = bytes_per_token
+
+    def held_bytes(self) -> int:
+        """Bytes of keys and values the positions in use hold."""
+        return self.tokens * self.bytes_per_token
 
     def crop(self, length: int) -> None:
         """transformers' convention: a negative length removes that many tokens, else keep `length`."""
@@ -113,7 +118,7 @@ class GgmlRunner:
             )
             for a in (layer.attention for layer in spec.layers)
         ]
-        self.state = GgmlKV()
+        self.state = GgmlKV(self.kv_bytes // self.ctx)
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
 
     @property

@@ -100,7 +100,11 @@ class PromptCache:
 
 
 def cache_bytes(kv: Any) -> int:
-    """Bytes of every tensor held by a transformers cache's layers (keys, values, recurrent states)."""
+    """Bytes of every tensor held by a transformers cache's layers (keys, values, recurrent states), or
+    of the positions a native runner's cache holds (`held_bytes`)."""
+    held = getattr(kv, "held_bytes", None)
+    if held is not None:
+        return held()
     total = 0
     for layer in getattr(kv, "layers", None) or []:
         for value in vars(layer).values():
