@@ -680,6 +680,7 @@ class Engine:
                     self.trunk.unlock()
                     self.prompt_cache.clear()
                     release_trunk(self._step)
+                    ggml_threads(None)  # ggml's later computes outside an engine: torch's count again
 
     def __enter__(self) -> Engine:
         return self
