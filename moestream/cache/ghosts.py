@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable, Container
 
 import numpy as np
 
+from moestream.cache.policy import Priority
 from moestream.cache.routing_stats import RoutingStats
 
 
@@ -80,51 +82,91 @@ class LRUGhost:
         return len(missed)
 
 
+class RisingHeap:
+    """Keys by a priority that only rises while they are held (a use count, a touch clock), smallest
+    first, without a heap push at every rise: each key held has one live entry, pushed with its priority
+    of then, which is at most its priority now (`current(key)`); an entry whose priority is outdated is
+    pushed again with the current one only when it reaches the top. So an entry at the top that is up to
+    date is the smallest of all current priorities. Entries of keys dropped, or replaced, are skipped
+    (a tick tells an entry from an older one of the same key and priority)."""
+
+    def __init__(self, current: Callable[[int], Priority]) -> None:
+        self.current = current
+        self.live: dict[int, int] = {}  # held key -> the tick of its live entry
+        self._heap: list[tuple[Priority, int, int]] = []  # (priority, tick, key)
+        self._tick = 0
+
+    def push(self, key: int) -> None:
+        """Hold `key` (not held yet) at its current priority."""
+        self._tick += 1
+        self.live[key] = self._tick
+        heapq.heappush(self._heap, (self.current(key), self._tick, key))
+        if len(self._heap) > 2 * len(self.live) + 64:  # mostly dead entries: rebuild from the live ones
+            self._heap = [(self.current(i), t, i) for i, t in self.live.items()]
+            heapq.heapify(self._heap)
+
+    def drop(self, key: int) -> None:
+        """Stop holding `key`."""
+        del self.live[key]
+
+    def smallest(self, n: int, skip: Container[int] = (), *, take: bool = False) -> list[int]:
+        """The `n` held keys of smallest current priority outside `skip` (fewer when there are fewer),
+        smallest first; with `take`, they are dropped too. Keys popped on the way are pushed back."""
+        heap, live, current = self._heap, self.live, self.current
+        out, back = [], []
+        while heap and len(out) < n:
+            entry = heapq.heappop(heap)
+            priority, tick, key = entry
+            if live.get(key) != tick:
+                continue  # dropped, or replaced by a newer entry
+            now = current(key)
+            if now != priority:  # it rose since: back in at its place
+                self._tick += 1
+                live[key] = self._tick
+                heapq.heappush(heap, (now, self._tick, key))
+            elif key in skip:
+                back.append(entry)
+            else:
+                out.append(key)
+                if take:
+                    del live[key]
+                else:
+                    back.append(entry)
+        for entry in back:
+            heapq.heappush(heap, entry)
+        return out
+
+
 class LFUGhost:
     """A ghost that evicts the key used by the fewest forwards since the start (ties: least recently
-    touched in this ghost). A heap with lazy deletion: a key's entry is live while it holds the key's
-    last touch."""
+    touched in this ghost)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, stats: RoutingStats) -> None:
         self.capacity = capacity
-        self._touch: dict[int, int] = {}  # key -> its last touch, for every key held
-        self._heap: list[tuple[int, int, int]] = []  # (uses, touch, key)
+        self._touch: dict[int, int] = {}  # key -> its last touch in this ghost
+        uses, touch = stats.uses, self._touch
+        self._held = RisingHeap(lambda i: (uses[i], touch[i]))
         self._clock = 0
 
     def access(self, idx: list[int], forward: frozenset[int], stats: RoutingStats) -> int:
         """Replay one forward (its uses already counted in `stats`); returns its misses."""
-        touch = self._touch
-        hits = [i for i in idx if i in touch]
-        missed = [i for i in idx if i not in touch]
-        overflow = len(touch) + len(missed) - self.capacity
+        held, touch = self._held, self._touch
+        hits = [i for i in idx if i in held.live]
+        missed = [i for i in idx if i not in held.live]
+        overflow = len(held.live) + len(missed) - self.capacity
         if overflow > 0:
-            overflow -= self._evict(overflow, forward)
+            overflow -= len(held.smallest(overflow, forward, take=True))
         kept = missed[max(0, overflow) :]
-        uses, clock, heap = stats.uses, self._clock, self._heap
-        for i in hits:
+        clock = self._clock
+        for i in hits:  # their priority rises: the heap learns it when they reach its top
             clock += 1
             touch[i] = clock
-            heapq.heappush(heap, (uses[i], clock, i))
         for i in kept:
             clock += 1
             touch[i] = clock
-            heapq.heappush(heap, (uses[i], clock, i))
+            held.push(i)
         self._clock = clock
-        if len(heap) > 4 * len(touch) + 64:  # mostly dead entries: rebuild from the live ones
-            self._heap = [(uses[i], t, i) for i, t in touch.items()]
-            heapq.heapify(self._heap)
         return len(missed)
-
-    def _evict(self, count: int, forward: frozenset[int]) -> int:
-        """Drop up to `count` keys outside `forward`, fewest uses first. Returns how many it dropped. The
-        forward's keys met on the way lose their entry: the forward touches them again right after."""
-        heap, touch, dropped = self._heap, self._touch, 0
-        while dropped < count and heap:
-            _, t, i = heapq.heappop(heap)
-            if touch.get(i) == t and i not in forward:
-                del touch[i]
-                dropped += 1
-        return dropped
 
 
 class PredictiveGhost:
@@ -140,15 +182,13 @@ class PredictiveGhost:
         where = keys.where
         missed = [i for i in idx if i not in where]
         overflow = len(where) + len(missed) - self.capacity
-        if overflow > 0:
-            hits = [i for i in idx if i in where]
-            for i in hits:  # ranked without the forward's own keys, which it needs now
-                keys.remove(i)
-            victims = stats.lowest(keys.array(), overflow)
+        if overflow > 0:  # victims outside the forward's own keys, which it needs now
+            others = len(where) - (len(idx) - len(missed))
+            victims = (
+                stats.lowest(keys.array(), min(overflow, others), outside_forward=True) if others else []
+            )
             for i in victims:
                 keys.remove(i)
-            for i in hits:
-                keys.add(i)
             overflow -= len(victims)
         for i in missed[max(0, overflow) :]:
             keys.add(i)

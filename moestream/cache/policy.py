@@ -228,9 +228,6 @@ class LazyHeap:
     def __len__(self) -> int:
         return len(self._live)
 
-    def __contains__(self, key: Key) -> bool:
-        return key in self._live
-
     def rank(self, key: Key, priority: Priority) -> None:
         """Give `key` (new or not) this priority."""
         self._tick += 1

@@ -36,13 +36,13 @@ heaps), and the predictive order is computed when a victim is needed, over the c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import ClassVar
 
 import numpy as np
 
-from moestream.cache.ghosts import KeySet, LFUGhost, LRUGhost, PredictiveGhost
-from moestream.cache.policy import EvictionPolicy, Key, LazyHeap, Priority
+from moestream.cache.ghosts import KeySet, LFUGhost, LRUGhost, PredictiveGhost, RisingHeap
+from moestream.cache.policy import EvictionPolicy, Key, Priority
 from moestream.cache.routing_stats import FAST, FORECAST_SHARE, PRIOR, RANK_WEIGHT, SLOW, RoutingStats
 
 __all__ = ["FAST", "FORECAST_SHARE", "PRIOR", "RANK_WEIGHT", "SLOW", "PredictivePolicy", "RoutingStats"]
@@ -75,7 +75,7 @@ class PredictivePolicy(EvictionPolicy):
         self._touched = [0] * n_keys
         self._clock = 0
         self._leader = LFU  # whose ranking the real cache's evictions follow
-        self._heap: LazyHeap | None = None  # residents by the leader's ranking when LFU or LRU, once asked
+        self._heap: RisingHeap | None = None  # residents in the LFU or LRU leader's order, once asked
         self._order: list[int] | None = None  # the forward's first victims, taken at its first eviction
         self._cursor = 0  # `_order[:_cursor]` are evicted already
         self._chunk = 1  # how many victims `_order` holds: the forward's misses plus its own keys
@@ -92,7 +92,7 @@ class PredictivePolicy(EvictionPolicy):
     def bind(self, capacity: int) -> None:
         self._capacity = capacity
         n_keys = len(self.stats.keys)
-        self._ghosts = [PredictiveGhost(capacity, n_keys), LFUGhost(capacity), LRUGhost(capacity)]
+        self._ghosts = [PredictiveGhost(capacity, n_keys), LFUGhost(capacity, self.stats), LRUGhost(capacity)]
         self._resident = KeySet(min(capacity, n_keys))
 
     def index(self, key: Key) -> int:
@@ -119,9 +119,7 @@ class PredictivePolicy(EvictionPolicy):
         for i in hits + misses:  # the real cache's touch order: hits first, as the ghosts'
             self._clock += 1
             touched[i] = self._clock
-        if self._heap is not None:
-            for i in hits:
-                self._heap.rank(i, self._priority(i))
+        # the hits' places in the LFU or LRU order only rose: `_heap` finds out when they reach its top
         self._order, self._chunk = None, len(idx) + len(misses)
 
     def _duel(self, idx: list[int]) -> None:
@@ -148,32 +146,26 @@ class PredictivePolicy(EvictionPolicy):
         i = self.stats.index(key)
         self._resident.add(i)
         if self._heap is not None:
-            self._heap.rank(i, self._priority(i))
+            self._heap.push(i)
 
     def on_evict(self, key: Key) -> None:
         i = self.stats.index(key)
         self._resident.remove(i)
         if self._heap is not None:
-            self._heap.discard(i)
+            self._heap.drop(i)
 
-    def _ranking(self, first: int | None, among: set[int] | None = None) -> list[int]:
-        """Residents (or `among` them) in the leader's eviction order; only the `first` ones when given."""
+    def _ranking(self, first: int, outside: Collection[int] = ()) -> list[int]:
+        """The `first` residents in the leader's eviction order, leaving out those in `outside`."""
         if self._leader == PREDICTIVE:
-            if among is None:
-                return self.stats.lowest(self._resident.array(), first)
-            return self.stats.lowest(np.array(sorted(among), dtype=np.int64), first)
-        if among is not None:  # rarely: every key of the forward's first batch was protected
-            return sorted(among, key=self._priority)
+            keys = self._resident.array()
+            if outside:
+                keys = keys[~np.isin(keys, list(outside))]
+            return self.stats.lowest(keys, first)
         if self._heap is None:
-            self._heap = LazyHeap()
+            self._heap = RisingHeap(self._priority)
             for i in self._resident.array().tolist():
-                self._heap.rank(i, self._priority(i))
-        out = []
-        for i in self._heap.ordered():
-            out.append(i)
-            if len(out) == first:
-                break
-        return out
+                self._heap.push(i)
+        return self._heap.smallest(first, outside)
 
     def ranked(self) -> Iterator[Key]:
         resident, keys = self._resident.where, self.stats.keys
@@ -185,9 +177,16 @@ class PredictivePolicy(EvictionPolicy):
         for i in order[self._cursor :]:
             if i in resident:
                 yield keys[i]
-        rest = set(self._resident.array().tolist()).difference(order)
-        for i in self._ranking(None, rest):
-            yield keys[i]
+        # past the first batch (every key of it protected, or evicted by a prefetch): the residents outside
+        # it, in order, as the caller asks for them: a few at first, then four times as many each time
+        outside, first, given = set(order), 1, 0
+        while True:
+            batch = self._ranking(first, outside)
+            for i in batch[given:]:
+                yield keys[i]
+            if len(batch) < first:
+                return
+            given, first = len(batch), 4 * first
 
     def victim(self) -> Key:
         return next(self.ranked())

@@ -50,6 +50,7 @@ class RoutingStats:
         self.idx_set: frozenset[int] = frozenset()
         self._keys: Sequence[Key] | None = None  # the object the current forward's keys came in
         self._values: np.ndarray | None = None  # every key's keep value at this forward, once asked for
+        self._values_outside = self._q  # the same with the forward's own keys at +inf
 
     def index(self, key: Key) -> int:
         """The dense index of a (layer, expert) key."""
@@ -122,12 +123,17 @@ class RoutingStats:
         distance = (layer - self.layer) % n_layers
         return np.where(distance == 0, n_layers, distance).astype(float)
 
-    def lowest(self, keys: np.ndarray, first: int | None = None) -> list[int]:
+    def lowest(
+        self, keys: np.ndarray, first: int | None = None, *, outside_forward: bool = False
+    ) -> list[int]:
         """`keys` (dense) by keep value, lowest first (ties: the least recently used, then the lowest
-        index); only the `first` ones when given (a partition, then a sort of those)."""
+        index); only the `first` ones when given (a partition, then a sort of those). `outside_forward`:
+        leave out the current forward's keys (`first` must not exceed the keys left)."""
         if self._values is None:  # once per forward, for every cache that shares these stats
             self._values = self._q / self._distance(self._key_layer)
-        value = self._values[keys]
+            self._values_outside = self._values.copy()
+            self._values_outside[self.idx] = np.inf  # keep values are finite: these sort last
+        value = (self._values_outside if outside_forward else self._values)[keys]
         if first is not None and 2 * first < len(keys):  # else sorting them all is as cheap
             near = value <= np.partition(value, first - 1)[first - 1]  # ties at the cut stay in
             keys, value = keys[near], value[near]
