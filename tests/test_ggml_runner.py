@@ -66,7 +66,7 @@ def _budgets(engine) -> list[int]:
     return [minimum, (minimum + everything) // 2, everything]
 
 
-def _streamed_equals_resident(path) -> None:
+def _streamed_equals_resident(path, fused: bool) -> None:
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         resident = _runner_logits(engine)
         tokens = engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens
@@ -74,16 +74,16 @@ def _streamed_equals_resident(path) -> None:
             for io_mode in ("direct", "pagecache", "mmap"):
                 engine.restream(cache=budget, io_mode=io_mode)
                 assert torch.equal(_runner_logits(engine), resident), (budget, io_mode)
-                # the cached experts of one token were computed inside the next layer's graph
-                assert engine.runtime.layer_calls > 0
                 assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens == tokens
                 if budget < engine.cache.slot_bytes * len(engine.emap.units):
                     assert engine.cache.stats.misses > len(engine.emap.units), "small budgets re-read"
+                elif fused:  # one token's cached experts were computed inside the next layer's graph
+                    assert engine.runtime.layer_calls > 0
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_streamed_equals_resident_bit_for_bit(arch, tiny_dir):
-    _streamed_equals_resident(tiny_dir(arch))
+    _streamed_equals_resident(tiny_dir(arch), fused=True)  # f32 experts: 8 KiB, slots a page apart
 
 
 def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(tiny_gguf):
@@ -92,7 +92,7 @@ def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(tin
     inside both), but its attention in f32 from an F32 cache and its sums in another order."""
     types = {"gate": Q.Q4_0, "up": Q.Q8_0, "down": Q.Q4_0}
     _, path = tiny_gguf("qwen3_moe", ftype=Q.Q8_0, expert_type=lambda layer, kind: types[kind])
-    _streamed_equals_resident(path)
+    _streamed_equals_resident(path, fused=False)  # Q4_0/Q8_0 experts of 1-2 KiB: no common slot layout
     with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
         eager = _runner_logits(engine)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:

@@ -131,6 +131,7 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
         drop_caches=True,
         baseline=args.baseline if kind == "moestream" else None,
         label=spec,
+        warmup=args.warmup,
     )
     results = run_bench(config)
     s = results["summary"]
@@ -211,6 +212,12 @@ def main() -> None:
     r.add_argument("--prompts", default="builtin")
     r.add_argument("--max-tokens", type=int, default=256)
     r.add_argument("--memory-limit", default=None)
+    r.add_argument(
+        "--warmup",
+        action="store_true",
+        help="run every prompt once, uncounted, before the measured pass (compute only: llama.cpp's "
+        "load reads the whole file, moestream's cache fills on the warm-up pass)",
+    )
     r.add_argument("--baseline", default=None, help="results dir the moestream runs' texts are compared with")
     r.add_argument("--out", required=True)
     t = sub.add_parser("table")

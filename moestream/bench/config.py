@@ -33,6 +33,7 @@ class BenchConfig:
     request_timeout_s: float = 3600.0
     server_env: dict[str, str] | None = None
     plots: bool = True
+    warmup: bool = False  # run every prompt once before the measured pass (compute-only comparisons)
 
     def __post_init__(self) -> None:
         if (self.target is None) == (self.server_argv is None):

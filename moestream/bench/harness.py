@@ -45,6 +45,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     config.out.mkdir(parents=True, exist_ok=True)
     with _prepared_machine(config) as machine:
         with _server(config, machine) as (url, server):
+            if config.warmup:  # not counted: the experts read, the caches and pools warm
+                _run_prompts(config, url, prompts, machine.device, server)
             requests, telemetry = _run_prompts(config, url, prompts, machine.device, server)
             mode_line = server.mode_line() if server is not None else None
         peak = machine.cgroup.peak_bytes() if machine.cgroup is not None else None

@@ -244,12 +244,14 @@ class ExpertCache:
         self._submit(admitted)
         return queued
 
-    def pin_all_hits(self, layer: int, experts: list[int], alignment: int = 1) -> list[dict[str, int]] | None:
+    def pin_all_hits(
+        self, layer: int, experts: list[int], alignment: int = 1
+    ) -> list[tuple[int, dict[str, int]]] | None:
         """One token's forward of `layer` over `experts` (distinct, in execution order) when every one is
         in place, read in full, each kind in one part at an `alignment`-aligned address: what
         `open_layer` would do for them (the policy's `begin_group` with one use each, a touch and a pin
-        per expert, the hits counted); returns each expert's address of each kind. None, having done
-        nothing, when any is not so. Give the pins back with `unpin_hits`."""
+        per expert, the hits counted); returns each expert's (slot in its size class, address of each
+        kind). None, having done nothing, when any is not so. Give the pins back with `unpin_hits`."""
         self._check_open()
         with self.lock:
             states = []
@@ -266,7 +268,7 @@ class ExpertCache:
                     self.stats.prefetch_used += 1
                 state.pins += 1
             self.stats.hits += len(experts)
-        return [state.addresses for state in states]
+        return [(state.slot, state.addresses) for state in states]
 
     @staticmethod
     def _addresses(state: SlotState, alignment: int) -> dict[str, int] | None:
@@ -282,6 +284,24 @@ class ExpertCache:
         if any(a % alignment for a in state.addresses.values()):
             return None
         return state.addresses
+
+    def slot_arena(self, layer: int) -> tuple[int, int, int, dict[str, int]] | None:
+        """(buffer address, slot bytes, slots, kind -> offset of its bytes in a slot) when every expert
+        of `layer` sits in one size class with each kind, one part, at the same offset in its slot (a
+        multiple of 4 KiB per expert keeps the file offsets' remainders equal); else None."""
+        keys = [key for key in self.emap.units if key[0] == layer]
+        classes = {id(self._class_of[key]) for key in keys}
+        layouts = {
+            tuple((kind, p[0].region_offset + p[0].head, len(p)) for kind, p in plan.items())
+            for plan in (plan_parts(self.emap.kinds, self.emap.units[key]) for key in keys)
+        }
+        if len(classes) != 1 or len(layouts) != 1:
+            return None
+        layout = next(iter(layouts))
+        if any(n != 1 for _, _, n in layout):
+            return None
+        cls = self._class_of[keys[0]]
+        return cls.buffer.address, cls.slot_bytes, cls.capacity, {kind: off for kind, off, _ in layout}
 
     def unpin_hits(self, layer: int, experts: list[int]) -> None:
         """Give back the pins `pin_all_hits` took."""

@@ -135,7 +135,20 @@ class RoutingStats:
             self._values_outside[self.idx] = np.inf  # keep values are finite: these sort last
         value = (self._values_outside if outside_forward else self._values)[keys]
         if first is not None and 2 * first < len(keys):  # else sorting them all is as cheap
-            near = value <= np.partition(value, first - 1)[first - 1]  # ties at the cut stay in
-            keys, value = keys[near], value[near]
+            keys, value = self._cut(keys, value, first)
         order = keys[np.lexsort((keys, self.last_use[keys], value))]
         return (order if first is None else order[:first]).tolist()
+
+    def _cut(self, keys: np.ndarray, value: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `first` lowest of `keys` in `lowest`'s order, unsorted, with their values: those below the
+        first-th value, and of those equal to it (often many: experts never used share one value) the
+        least recently used, then lowest, as many as are missing."""
+        kth = np.partition(value, first - 1)[first - 1]
+        below, tied = value < kth, value == kth
+        missing = first - int(below.sum())
+        tied_keys = keys[tied]
+        if missing < len(tied_keys):  # last use and index as one integer, to partition once more
+            rank = self.last_use[tied_keys].astype(np.int64) * len(self.keys) + tied_keys
+            tied_keys = tied_keys[np.argpartition(rank, missing - 1)[:missing]]
+        kept = np.concatenate([keys[below], tied_keys])
+        return kept, np.concatenate([value[below], np.full(len(tied_keys), kth)])

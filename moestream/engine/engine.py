@@ -249,7 +249,7 @@ class Engine:
             make_reader=self._make_reader,
         )
         if self._spec is not None:
-            streaming.runtime.compute_floats_with_ggml()
+            streaming.runtime.use_graph_kernels()
         if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))
         streaming.bind(self._modules)

@@ -27,13 +27,24 @@ SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph 
 
 
 @dataclass(frozen=True)
-class ExpertTypes:
-    """The ggml types of one layer's routed experts (gate and up [I, H], down [H, I])."""
+class SlotArena:
+    """Where a layer's cached experts lie: in one size class of the expert cache, each kind at the same
+    place in every slot, so one ggml_mul_mat_id over the whole class computes any of them by slot."""
 
-    gate: int
+    address: dict[str, int]  # kind -> its bytes in slot 0
+    slot_bytes: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class ExpertTypes:
+    """One MoE layer's routed experts as the graphs compute them (gate and up [I, H], down [H, I])."""
+
+    gate: int  # ggml types
     up: int
     down: int
     inter: int
+    arena: SlotArena | None  # None: the slots' layout differs between experts (no cached path)
 
 
 @dataclass
@@ -49,6 +60,8 @@ class StepBuffers:
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
     weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
     logits: torch.Tensor  # f32 [V]
+    slots: torch.Tensor  # i32 [K]: one token's cached experts, by slot, in the router's order
+    outputs: torch.Tensor  # f32 [K, H]: one token's experts' outputs computed by the expert runtime
 
     @classmethod
     def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int) -> StepBuffers:
@@ -64,6 +77,8 @@ class StepBuffers:
             order=torch.zeros(tokens, experts, dtype=torch.int32),
             weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
             logits=torch.zeros(spec.vocab, **f32),
+            slots=torch.zeros(k, dtype=torch.int32),
+            outputs=torch.zeros(k, spec.hidden, **f32),
         )
 
 
@@ -86,8 +101,8 @@ class LayerGraphs:
 
     def _stream(self, net: Net, layer: int, fused: bool = False) -> int:
         """The residual stream entering `layer` (len(layers): the final norm) [H, T]. `fused` (one token,
-        the previous layer's experts all cached): those experts are computed here, from their slots
-        (per-run inputs g0, u0, d0, g1, ...), with the very ops the expert runtime runs them with."""
+        the previous layer's experts all cached): those experts are computed here, from their slots,
+        by the very kernels the expert runtime runs them with (ggml_mul_mat_id)."""
         H, T = self.spec.hidden, self.tokens
         if layer == 0:
             ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
@@ -98,25 +113,35 @@ class LayerGraphs:
             return x
         if T > 1:  # prefill: the experts' weighted sum, computed by the expert runtime per token
             return net.add(x, net.per_run_input("moe", F32, [H, T]))
-        w = net.tensor(F32, [prev.router.top_k], self.buf.weights[(layer - 1) % 2].data_ptr())
+        K = prev.router.top_k
         if fused:
-            types = self.experts[prev.index]
-            x_e = net.tensor(F32, [H, 1], self.buf.moe_in.data_ptr())
-        for k in range(prev.router.top_k):  # decode: x + sum_k w_k * y_k, in the router's order
-            if fused:
-                g = net.mul_mat(net.per_run_input(f"g{k}", types.gate, [H, types.inter]), x_e)
-                u = net.mul_mat(net.per_run_input(f"u{k}", types.up, [H, types.inter]), x_e)
-                y = net.mul_mat(
-                    net.per_run_input(f"d{k}", types.down, [types.inter, H]), net.swiglu_split(g, u)
-                )
-            else:
-                y = net.per_run_input(f"y{k}", F32, [H, 1])
-            x = net.add(x, net.mul(y, net.view_1d(w, 1, 4 * k)))
-        return x
+            y = self._cached_experts(net, self.experts[prev.index], K)  # [H, K, 1]
+        else:
+            y = net.tensor(F32, [H, K], self.buf.outputs.data_ptr())  # the runtime's outputs
+        # decode: x + sum_k w_k * y_k: weighted, transposed, each row of K summed
+        w = net.tensor(F32, [1, K], self.buf.weights[(layer - 1) % 2].data_ptr())
+        summed = net.sum_rows(net.cont(net.transpose(net.mul(y, w))))  # [1, H]
+        return net.add(x, net.reshape_2d(summed, H, 1))
+
+    def _cached_experts(self, net: Net, p: ExpertTypes, K: int) -> int:
+        """The K experts in slots `buf.slots` of the layer's size class on the FFN norm's output."""
+        H, arena = self.spec.hidden, p.arena
+        x = net.tensor(F32, [H, 1, 1], self.buf.moe_in.data_ptr())
+        ids = net.tensor(I32, [K, 1], self.buf.slots.data_ptr())
+
+        def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
+            t = net.tensor(type_id, [cols, rows, arena.slots], arena.address[kind])
+            GgmlTensor.from_address(t).nb[2] = arena.slot_bytes  # experts a slot apart
+            return t
+
+        g = net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids)  # [I, K, 1]
+        u = net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids)
+        return net.mul_mat_id(weights("down", p.down, p.inter, H), net.swiglu_split(g, u), ids)
 
     def can_fuse(self, layer: int) -> bool:
         """Whether the graph of `layer` (len(layers): the head) has a `fused` variant."""
-        return self.tokens == 1 and layer > 0 and (layer - 1) in self.experts
+        p = self.experts.get(layer - 1)
+        return self.tokens == 1 and p is not None and p.arena is not None
 
     # --- one decoder layer ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moestream import ggml
-from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, LayerGraphs, StepBuffers
+from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, LayerGraphs, SlotArena, StepBuffers
 from moestream.ggml.net import Arena, Net
 from moestream.model.graph_spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
@@ -119,6 +119,8 @@ class GgmlRunner:
             for a in (layer.attention for layer in spec.layers)
         ]
         self.state = GgmlKV(self.kv_bytes // self.ctx)
+        self._moe_layers = [x.index for x in spec.layers if x.router is not None]
+        self._cache: Any = None  # the expert cache the graph sets read slots of
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
 
     @property
@@ -148,6 +150,10 @@ class GgmlRunner:
 
     def _set(self, tokens: int, span: int) -> GraphSet:
         kern = ggml.kernels(self.threads)
+        cache = self.runtime(self._moe_layers[0]).cache
+        if cache is not self._cache:  # a restream: the graphs read the old cache's slots
+            self.close_sets()
+            self._cache = cache
         key = (tokens, span)
         gs = self._sets.get(key)
         if gs is not None and gs.pool != kern.pool:  # the pool was replaced (another thread count)
@@ -162,16 +168,27 @@ class GgmlRunner:
         return gs
 
     def _types(self) -> dict[int, ExpertTypes]:
-        """MoE layer -> its experts' ggml types, where the expert runtime computes them with ggml's
-        SwiGLU ops (the graphs then can compute cached ones themselves, with the same ops)."""
+        """MoE layer -> how the graphs see its experts, where the expert runtime computes them with the
+        graphs' kernels (ggml_mul_mat_id); with their slots' layout when cached ones can be computed in
+        the next graph."""
         from moestream.runtime.formats.ggml import Ggml
 
         types = {}
-        for layer in (x.index for x in self.spec.layers if x.router is not None):
+        for layer in self._moe_layers:
             rt = self.runtime(layer)
             fmts = [rt.formats.get((layer, kind)) for kind in ("gate", "up", "down")]
-            if rt.layer_call(layer) is not None and all(isinstance(f, Ggml) for f in fmts):
-                types[layer] = ExpertTypes(fmts[0].type.id, fmts[1].type.id, fmts[2].type.id, fmts[0].rows)
+            if not all(isinstance(f, Ggml) and f.by_id for f in fmts):
+                continue
+            arena = rt.cache.slot_arena(layer)
+            if arena is not None:
+                base, slot_bytes, slots, offsets = arena
+                address = {kind: base + off for kind, off in offsets.items()}
+                # blocks as GGUF aligns them; floats (a safetensors file's odd header) by element
+                align = max({0: 4, 1: 2, 30: 2}.get(f.type.id, ggml.WEIGHT_ALIGNMENT) for f in fmts)
+                aligned = not any(a % align for a in address.values())
+                arena = SlotArena(address, slot_bytes, slots) if aligned else None
+            ids = (f.type.id for f in fmts)
+            types[layer] = ExpertTypes(*ids, fmts[0].rows, arena)
         return types
 
     def _step(self, ids: list[int], position: int) -> torch.Tensor:
@@ -213,22 +230,19 @@ class GgmlRunner:
 
     def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, dict[str, int]]:
         """One token's experts of `layer` when the cache holds every one and nothing else needs the
-        routing on the host (a trace, a replay, prefetch): pinned for the next graph, which computes
-        them from their slots. Returns ((cache, layer, experts) to unpin, the next graph's inputs), or
-        (None, {}) to run the expert runtime instead."""
+        routing on the host (a trace, a replay, prefetch): pinned, their slots in `b.slots`, for the
+        next graph to compute. Returns ((cache, layer, experts) to unpin, {}), or (None, {}) to run
+        the expert runtime instead."""
         rt = self.runtime(layer)
         if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
             return None, {}
         experts = b.order[0, : b.weights[0].shape[1]].tolist()
-        # (an unaligned expert is left to the runtime, which copies it first)
-        addresses = rt.cache.pin_all_hits(layer, experts, ggml.WEIGHT_ALIGNMENT)
-        if addresses is None:
+        pinned = rt.cache.pin_all_hits(layer, experts)
+        if pinned is None:
             return None, {}
         rt.layer_calls += 1
-        inputs = {}
-        for k, slot in enumerate(addresses):
-            inputs[f"g{k}"], inputs[f"u{k}"], inputs[f"d{k}"] = slot["gate"], slot["up"], slot["down"]
-        return (rt.cache, layer, experts), inputs
+        b.slots.copy_(torch.tensor([slot for slot, _ in pinned], dtype=torch.int32))
+        return (rt.cache, layer, experts), {}
 
     def _experts(self, layer: int, b: StepBuffers) -> Routed:
         weights = b.weights[layer % 2]
@@ -244,13 +258,17 @@ class GgmlRunner:
         if T > 1:
             self._alive = [_f32(routed.weighted_sum(b.moe_in))]
             return {"moe": self._alive[0].data_ptr()}
-        self._alive = [_f32(routed.outputs[e]) for e in routed.rows[0]]
-        return {f"y{k}": y.data_ptr() for k, y in enumerate(self._alive)}
+        for k, e in enumerate(routed.rows[0]):
+            b.outputs[k].copy_(routed.outputs[e][0])
+        return {}
 
-    def close(self) -> None:
+    def close_sets(self) -> None:
         for gs in self._sets.values():
             gs.close()
         self._sets.clear()
+
+    def close(self) -> None:
+        self.close_sets()
         self.kv = []
 
 

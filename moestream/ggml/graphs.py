@@ -41,9 +41,13 @@ class Builder:
         self.inputs: dict[str, int] = {}  # name -> ggml_tensor*, data supplied at each run
         self.scratch: list[int] = []  # intermediates, data in the graph's own buffer
 
-    def input(self, name: str, type_id: int, ne0: int, ne1: int) -> int:
-        """A 2-D input: ne0 is the contiguous dimension (torch shape [ne1, ne0])."""
-        t = self.lib.base.ggml_new_tensor_2d(self.ctx, type_id, ne0, ne1)
+    def input(self, name: str, type_id: int, ne0: int, ne1: int, ne2: int = 0) -> int:
+        """A 2-D input (3-D with ne2): ne0 is the contiguous dimension (torch shape [ne1, ne0])."""
+        base = self.lib.base
+        if ne2:
+            t = base.ggml_new_tensor_3d(self.ctx, type_id, ne0, ne1, ne2)
+        else:
+            t = base.ggml_new_tensor_2d(self.ctx, type_id, ne0, ne1)
         self.lib.base.ggml_set_name(t, name.encode())
         self.inputs[name] = t
         return t

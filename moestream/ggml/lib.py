@@ -154,6 +154,8 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_soft_max": (_P, [_P, _P]),
     "ggml_argsort": (_P, [_P, _P, _I]),
     "ggml_cont": (_P, [_P, _P]),
+    "ggml_transpose": (_P, [_P, _P]),
+    "ggml_mul_mat_id": (_P, [_P, _P, _P, _P]),
     "ggml_cpy": (_P, [_P, _P, _P]),
     "ggml_set_rows": (_P, [_P, _P, _P, _P]),
     "ggml_reshape_2d": (_P, [_P, _P, _I64, _I64]),

@@ -96,6 +96,38 @@ def linear(
     return y
 
 
+_ZEROS: dict[int, torch.Tensor] = {}
+
+
+def linear_id(
+    x: torch.Tensor, weight: Weight, type: TypeLike, rows: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear` by ggml_mul_mat_id over one expert: x [M, K] f32 -> [M, rows] f32.
+
+    The kernel the ggml graphs compute a layer's cached experts with (one mul_mat_id over the cache's
+    slots), so an expert computed alone as its bytes land gives the very same bits; ggml_mul_mat may
+    take other kernels (llamafile's sgemm) for the same product.
+    """
+    t = ggml_type(type)
+    m, k = x.shape if x.dim() == 2 else (0, 0)
+    xa = _activations(x, k)
+    wa = _weight_address(weight, t, rows, k, "weight")
+    y = _out(out, (m, rows))
+    if m == 0:
+        return y
+    ids = _ZEROS.get(m)
+    if ids is None:
+        ids = _ZEROS.setdefault(m, torch.zeros(m, dtype=torch.int32))  # every row uses expert 0
+    kern = kernels()
+
+    def build(b: Builder) -> int:
+        w = b.input("w", t.id, k, rows, 1)  # [K, rows, 1 expert]
+        return b.op("mul_mat_id", w, b.input("x", F32, k, 1, m), b.input("ids", I32, 1, m))
+
+    kern.compute(("linear_id", t.id, rows, k, m), build, w=wa, x=xa, ids=ids.data_ptr(), out=y.data_ptr())
+    return y
+
+
 def _three(types: TypeLike | Sequence[TypeLike]) -> tuple[GgmlType, GgmlType, GgmlType]:
     if isinstance(types, (list, tuple)):
         if len(types) != 3:

@@ -127,10 +127,16 @@ class ExpertRuntime:
         # the CPU, one grouped launch per matrix kind on the GPU
         self._layer_calls = {layer: self.family.layer_call(layer) for layer in self.emap.layers}
 
-    def compute_floats_with_ggml(self) -> None:
-        """F32/F16/BF16 experts by ggml's kernels too (the ggml graphs' runner: every expert, cached or
-        streamed, goes through the same kernels as the graphs' own)."""
+    def use_graph_kernels(self) -> None:
+        """For the ggml graphs' runner: F32/F16/BF16 experts by ggml too, and every product by
+        ggml_mul_mat_id, the kernel the graphs compute a layer's cached experts with; an expert computed
+        here (a miss, or any expert while a trace or prefetch needs the routing) gives their bits."""
+        from moestream.runtime.formats.ggml import Ggml
+
         self._plan(ggml_floats=True)
+        for fmt in self.formats.values():
+            if isinstance(fmt, Ggml):
+                fmt.by_id = True
 
     def _formats(self, fuses: bool, ggml_floats: bool) -> dict[tuple[int, str], WeightFormat]:
         formats = layer_formats(self.emap, self.tier.device.type, ggml_floats)

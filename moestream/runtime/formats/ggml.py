@@ -42,6 +42,9 @@ class Ggml(WeightFormat):
         lib = ggml.library()
         self._ggml = ggml
         self.threshold = ggml.dequant_threshold(stored.name, lib.kind, ggml.compute_threads())
+        # the ggml graphs' runner: every product by ggml_mul_mat_id, the kernel its graphs compute a
+        # layer's cached experts with (so an expert computed alone gives their bits)
+        self.by_id = False
 
     @property
     def alignment(self) -> int:
@@ -56,7 +59,8 @@ class Ggml(WeightFormat):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.threshold:  # [t,in] @ dequantized [out,in]^T in the activations' dtype
             return F.linear(x, self._ggml.dequantize(weight, self.type, self.rows, self.cols).to(x.dtype))
-        y = self._ggml.linear(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
+        product = self._ggml.linear_id if self.by_id else self._ggml.linear
+        y = product(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
@@ -73,7 +77,8 @@ class Ggml(WeightFormat):
     ) -> torch.Tensor | None:
         rows = x.shape[0]
         if (
-            x.dtype != torch.float32
+            self.by_id  # the graphs compute cached experts themselves; the rest go stage by stage
+            or x.dtype != torch.float32
             or not isinstance(up, Ggml)
             or not isinstance(down, Ggml)
             or rows >= min(self.threshold, up.threshold, down.threshold)  # those rows dequantize instead
