@@ -245,13 +245,14 @@ class ExpertCache:
         return queued
 
     def pin_all_hits(
-        self, layer: int, experts: list[int], alignment: int = 1
+        self, layer: int, experts: list[int], uses: list[int], tokens: int, alignment: int = 1
     ) -> list[tuple[int, dict[str, int]]] | None:
-        """One token's forward of `layer` over `experts` (distinct, in execution order) when every one is
-        in place, read in full, each kind in one part at an `alignment`-aligned address: what
-        `open_layer` would do for them (the policy's `begin_group` with one use each, a touch and a pin
-        per expert, the hits counted); returns each expert's (slot in its size class, address of each
-        kind). None, having done nothing, when any is not so. Give the pins back with `unpin_hits`."""
+        """A forward of `layer` over `experts` (distinct, in execution order; `uses[i]` of its `tokens`
+        routed to `experts[i]`) when every one is in place, read in full, each kind in one part at an
+        `alignment`-aligned address: what `open_layer` would do for them (the policy's `begin_group`,
+        a touch and a pin per expert, the hits counted); returns each expert's (slot in its size
+        class, address of each kind). None, having done nothing, when any is not so. Give the pins
+        back with `unpin_hits`."""
         self._check_open()
         with self.lock:
             states = []
@@ -260,7 +261,7 @@ class ExpertCache:
                 if state is None or self._addresses(state, alignment) is None:
                     return None
                 states.append(state)
-            self._begin_group(layer, experts, [1] * len(experts), 1)
+            self._begin_group(layer, experts, uses, tokens)
             for state in states:
                 state.cls.residents.touch(state.key)
                 if state.prefetched:

@@ -60,8 +60,8 @@ class StepBuffers:
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
     weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
     logits: torch.Tensor  # f32 [V]
-    slots: torch.Tensor  # i32 [K]: one token's cached experts, by slot, in the router's order
-    outputs: torch.Tensor  # f32 [K, H]: one token's experts' outputs computed by the expert runtime
+    slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
+    outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
 
     @classmethod
     def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int) -> StepBuffers:
@@ -77,8 +77,8 @@ class StepBuffers:
             order=torch.zeros(tokens, experts, dtype=torch.int32),
             weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
             logits=torch.zeros(spec.vocab, **f32),
-            slots=torch.zeros(k, dtype=torch.int32),
-            outputs=torch.zeros(k, spec.hidden, **f32),
+            slots=torch.zeros(tokens, k, dtype=torch.int32),
+            outputs=torch.zeros(tokens, k, spec.hidden, **f32),
         )
 
 
@@ -111,23 +111,22 @@ class LayerGraphs:
         x = net.tensor(F32, [H, T], self.buf.resid[(layer - 1) % 2].data_ptr())
         if prev.router is None:
             return x
-        if T > 1:  # prefill: the experts' weighted sum, computed by the expert runtime per token
-            return net.add(x, net.per_run_input("moe", F32, [H, T]))
         K = prev.router.top_k
         if fused:
-            y = self._cached_experts(net, self.experts[prev.index], K)  # [H, K, 1]
+            y = self._cached_experts(net, self.experts[prev.index], K)  # [H, K, T]
         else:
-            y = net.tensor(F32, [H, K], self.buf.outputs.data_ptr())  # the runtime's outputs
-        # decode: x + sum_k w_k * y_k: weighted, transposed, each row of K summed
-        w = net.tensor(F32, [1, K], self.buf.weights[(layer - 1) % 2].data_ptr())
-        summed = net.sum_rows(net.cont(net.transpose(net.mul(y, w))))  # [1, H]
-        return net.add(x, net.reshape_2d(summed, H, 1))
+            y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
+        # x + sum_k w_k * y_k per token: weighted, K brought to the rows, each row summed
+        w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
+        summed = net.sum_rows(net.cont(net.permute(net.mul(y, w), 1, 0, 2, 3)))  # [1, H, T]
+        return net.add(x, net.reshape_2d(summed, H, T))
 
     def _cached_experts(self, net: Net, p: ExpertTypes, K: int) -> int:
-        """The K experts in slots `buf.slots` of the layer's size class on the FFN norm's output."""
-        H, arena = self.spec.hidden, p.arena
-        x = net.tensor(F32, [H, 1, 1], self.buf.moe_in.data_ptr())
-        ids = net.tensor(I32, [K, 1], self.buf.slots.data_ptr())
+        """Each token's K experts, in slots `buf.slots` of the layer's size class, on the FFN norm's
+        output: [H, K, T]."""
+        H, T, arena = self.spec.hidden, self.tokens, p.arena
+        x = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
+        ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
 
         def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
             t = net.tensor(type_id, [cols, rows, arena.slots], arena.address[kind])
@@ -141,7 +140,7 @@ class LayerGraphs:
     def can_fuse(self, layer: int) -> bool:
         """Whether the graph of `layer` (len(layers): the head) has a `fused` variant."""
         p = self.experts.get(layer - 1)
-        return self.tokens == 1 and p is not None and p.arena is not None
+        return p is not None and p.arena is not None
 
     # --- one decoder layer ---------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from moestream import ggml
+from moestream.cache.policy import execution_order
 from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, LayerGraphs, SlotArena, StepBuffers
 from moestream.ggml.net import Arena, Net
 from moestream.model.graph_spec import ModelSpec
@@ -218,7 +219,7 @@ class GgmlRunner:
                     if i == len(self.spec.layers) or self.spec.layers[i].router is None:
                         inputs = {}
                         continue
-                    if T == 1 and i + 1 in gs.fused:
+                    if i + 1 in gs.fused:
                         pinned, inputs = self._cached(i, b)
                     if pinned is None:
                         routed = self._experts(i, b)
@@ -229,19 +230,25 @@ class GgmlRunner:
         return b.logits
 
     def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, dict[str, int]]:
-        """One token's experts of `layer` when the cache holds every one and nothing else needs the
-        routing on the host (a trace, a replay, prefetch): pinned, their slots in `b.slots`, for the
-        next graph to compute. Returns ((cache, layer, experts) to unpin, {}), or (None, {}) to run
-        the expert runtime instead."""
+        """The step's experts of `layer` when the cache holds every one and nothing else needs the
+        routing on the host (a trace, a replay, prefetch): pinned, each token's slots in `b.slots`,
+        for the next graph to compute. Returns ((cache, layer, experts) to unpin, {}), or (None, {})
+        to run the expert runtime instead."""
         rt = self.runtime(layer)
         if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
             return None, {}
-        experts = b.order[0, : b.weights[0].shape[1]].tolist()
-        pinned = rt.cache.pin_all_hits(layer, experts)
+        rows = b.order[:, : b.weights[0].shape[1]].tolist()
+        experts = execution_order(rows)
+        uses = dict.fromkeys(experts, 0)
+        for row in rows:
+            for e in row:
+                uses[e] += 1
+        pinned = rt.cache.pin_all_hits(layer, experts, list(uses.values()), len(rows))
         if pinned is None:
             return None, {}
         rt.layer_calls += 1
-        b.slots.copy_(torch.tensor([slot for slot, _ in pinned], dtype=torch.int32))
+        slot = {e: s for e, (s, _) in zip(experts, pinned)}
+        b.slots.copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
         return (rt.cache, layer, experts), {}
 
     def _experts(self, layer: int, b: StepBuffers) -> Routed:
@@ -253,13 +260,16 @@ class GgmlRunner:
         return routed
 
     def _inputs(self, routed: Routed, b: StepBuffers, T: int) -> dict[str, int]:
-        """The per-run inputs of the graph after a MoE layer: its experts' outputs (decode) or their
-        weighted sum (prefill), f32 and contiguous; `self._alive` keeps any converted copy alive."""
-        if T > 1:
-            self._alive = [_f32(routed.weighted_sum(b.moe_in))]
-            return {"moe": self._alive[0].data_ptr()}
-        for k, e in enumerate(routed.rows[0]):
-            b.outputs[k].copy_(routed.outputs[e][0])
+        """Put the runtime's expert outputs where the next graph reads them: `b.outputs` [T, K, H]."""
+        routing, k = routed.routing, b.outputs.shape[1]
+        flat = b.outputs.view(-1, b.outputs.shape[2])  # [T * K, H]
+        if T == 1:
+            for position, e in enumerate(routed.rows[0]):
+                flat[position].copy_(routed.outputs[e][0])
+            return {}
+        # the routing's pairs are grouped by expert, in the order of `by_expert`
+        outputs = torch.cat([_f32(routed.outputs[e]) for e in routing.by_expert])
+        flat.index_copy_(0, routing.tokens * k + routing.positions, outputs)
         return {}
 
     def close_sets(self) -> None:
