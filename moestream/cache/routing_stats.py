@@ -140,15 +140,16 @@ class RoutingStats:
         return (order if first is None else order[:first]).tolist()
 
     def _cut(self, keys: np.ndarray, value: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
-        """The `first` lowest of `keys` in `lowest`'s order, unsorted, with their values: those below the
-        first-th value, and of those equal to it (often many: experts never used share one value) the
-        least recently used, then lowest, as many as are missing."""
-        kth = np.partition(value, first - 1)[first - 1]
-        below, tied = value < kth, value == kth
-        missing = first - int(below.sum())
-        tied_keys = keys[tied]
-        if missing < len(tied_keys):  # last use and index as one integer, to partition once more
-            rank = self.last_use[tied_keys].astype(np.int64) * len(self.keys) + tied_keys
-            tied_keys = tied_keys[np.argpartition(rank, missing - 1)[:missing]]
-        kept = np.concatenate([keys[below], tied_keys])
-        return kept, np.concatenate([value[below], np.full(len(tied_keys), kth)])
+        """A subset of `keys` (with their values) that holds the `first` lowest in `lowest`'s order."""
+        low = value.min()
+        tied = value == low
+        if np.count_nonzero(tied) < first:  # ties at the cut stay in, the sort after takes them apart
+            near = value <= np.partition(value, first - 1)[first - 1]
+            return keys[near], value[near]
+        # at least `first` keys share the lowest value (experts never used do, often by the hundred, and
+        # numpy's partition is slow on such ties): the least recently used of them, then the lowest,
+        # last use and index taken as one integer
+        keys = keys[tied]
+        rank = self.last_use[keys].astype(np.int64) * len(self.keys) + keys
+        keys = keys[np.argpartition(rank, first - 1)[:first]]
+        return keys, np.full(first, low)
