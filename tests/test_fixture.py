@@ -99,7 +99,9 @@ def stale_gate_oracle(model, sequences: list[list[int]]) -> tuple[int, int]:
 def test_predict_eval_on_learned_routing_matches_stock_routers(stock, tmp_path, capsys) -> None:
     model, runs = stock
     trace_path = tmp_path / "fixture.parquet"
-    with moestream.load(str(FIXTURE), cache="64MiB", dtype="float32") as engine:
+    # the transformers path: the oracle counts stock transformers' own routers on its own hidden states,
+    # which the ggml graphs reproduce only within a tolerance (F16 keys and values)
+    with moestream.load(str(FIXTURE), cache="64MiB", dtype="float32", trunk="eager") as engine:
         engine.start_trace(trace_path)
         for prompt, _ in runs:
             engine.generate(prompt, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -1,9 +1,10 @@
 """The ggml runner (`--trunk ggml`, auto on the CPU): each decoder layer a ggml graph built by moestream.
 
-Oracles: stock transformers in fp32 (logits of every step, prefill and decode, within 1e-4: the graphs
-compute in f32 with an F32 KV cache for an f32 model, measured 4e-6..7e-6; ggml sums and rotates in
-another order, so not bit for bit) and its greedy tokens; within the ggml path, streamed == resident
-bit for bit at every budget and io mode.
+Oracles: stock transformers in fp32, its logits at every step (prefill and decode) within 4% of the
+largest logit, and its greedy tokens exactly. Not closer: the graphs keep keys and values in F16 and
+accumulate attention's values in F16 (llama.cpp's CPU flash attention), measured 0.2-2.1% here
+(0.0005% with an F32 cache, which ggml's CPU flash attention gets wrong on the trained fixture).
+Within the ggml path, streamed == resident bit for bit at every budget and io mode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from moestream.model.graph_spec import GRAPH_FAMILIES
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 FORCED = [9, 150, 77, 31, 200, 6, 18, 42]  # teacher-forced decode steps
-TOLERANCE = 1e-4
+TOLERANCE = 0.04  # of the largest |logit|
 
 
 def _stock_logits(path) -> torch.Tensor:
@@ -53,7 +54,7 @@ def test_graphs_match_stock_transformers(arch, tiny_dir):
         assert f"trunk ggml graphs ({arch}" in engine.mode_line()
         got = _runner_logits(engine)
         diff = (got - ref).abs().max().item()
-        assert diff <= TOLERANCE, (arch, diff)
+        assert diff <= TOLERANCE * ref.abs().max().item(), (arch, diff)
         model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         want = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         gen = engine.generate(PROMPT, max_tokens=16, ignore_eos=True)
@@ -113,7 +114,7 @@ def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         got = _runner_logits(engine)
         assert len(engine._step.runner._sets) == ggml_runner.KEEP_SETS  # sets built and dropped
-    assert (got - ref).abs().max().item() <= TOLERANCE
+    assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
 
 
 def test_prompt_cache_continues_the_graphs_kv_cache(tiny_dir):

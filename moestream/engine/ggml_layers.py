@@ -2,7 +2,7 @@
 
 One graph per layer and step shape: the previous MoE layer's routed experts summed onto the residual
 stream (their outputs are this graph's per-run inputs); attention (RMSNorm, projections with their
-biases, QK-norm, RoPE, the new rows written into the KV cache, F32 for an f32 model and else F16, flash
+biases, QK-norm, RoPE, the new rows written into the F16 KV cache, flash
 attention over the cache with a causal mask); the residual, the FFN norm, then either a dense MLP or
 the router (softmax, top-k by argsort, the families' normalisation) and the shared expert. The routed
 experts are not in the graph: the engine hands the router's choice to the expert cache between two
@@ -213,12 +213,11 @@ class LayerGraphs:
         rope = (ROPE_NEOX, spec.context, spec.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
         q = net.rope_ext(q, pos, None, spec.rope_dims, *rope)
         k = net.rope_ext(k, pos, None, spec.rope_dims, *rope)
-        kc, vc = self.kv[index]  # [ctx, Nkv * D] each, F16 or F32
+        kc, vc = self.kv[index]  # f16 [ctx, Nkv * D] each
         rows = net.tensor(I64, [T], self.buf.rows.data_ptr())
         ctx, size = kc.shape[0], kc.element_size()
-        kv_type = F32 if kc.dtype == torch.float32 else F16
-        k_all = net.tensor(kv_type, [Nkv * D, ctx], kc.data_ptr())
-        v_all = net.tensor(kv_type, [Nkv * D, ctx], vc.data_ptr())
+        k_all = net.tensor(F16, [Nkv * D, ctx], kc.data_ptr())
+        v_all = net.tensor(F16, [Nkv * D, ctx], vc.data_ptr())
         writes = [
             net.set_rows(k_all, net.reshape_2d(k, Nkv * D, T), rows),
             net.set_rows(v_all, net.reshape_2d(v, Nkv * D, T), rows),

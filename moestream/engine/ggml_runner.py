@@ -1,13 +1,14 @@
 """The ggml `ModelRunner`: each decoder layer a ggml graph built by moestream, one thread pool.
 
-It owns the KV cache (ggml tensors of the whole context: F32 for an f32 model, else F16 as llama.cpp
-has it), the graphs of the step shapes in use and their buffers. transformers keeps the configs, the
-tokenizer, the chat template and the routers' modules (the stale gate of `--prefetch`), and is the
-oracle of the tests. A step runs, per layer, one graph (attention, router, shared expert;
-`engine/ggml_layers.py`), then the layer's routed experts through the same `ExpertRuntime` as every
-other path (cache hits at once, each miss as its bytes land, prefetch, traces, routing replay), whose
-outputs the next graph sums in. Every compute, graphs and experts alike, runs on ggml's one
-threadpool; torch runs single-threaded glue in between.
+It owns the KV cache (F16 ggml tensors of the whole context, as llama.cpp keeps it: ggml's CPU flash
+attention over F32 keys and values gave wrong logits on the trained fixture), the graphs of the step
+shapes in use and their buffers. transformers keeps the configs, the tokenizer, the chat template and
+the routers' modules (the stale gate of `--prefetch`), and is the oracle of the tests. A step runs, per
+layer, one graph (attention, router, shared expert; `engine/ggml_layers.py`); the layer's routed
+experts then go either into the next graph (every one cached: mul_mat_ids over the cache's slots) or
+through the same `ExpertRuntime` as every other path (cache misses as their bytes land, prefetch,
+traces, routing replay), whose outputs the next graph sums in with the same nodes. Every compute,
+graphs and experts alike, runs on ggml's one threadpool; torch runs single-threaded glue in between.
 
 A graph set serves one step shape: T tokens (1 when decoding, up to CHUNK per prefill piece) and an
 attention span S (positions, a multiple of 256); the few most recent sets are kept.
@@ -108,14 +109,13 @@ class GgmlRunner:
         ctx_size: int,
         experts: int,
         threads: int,
-        kv_dtype: torch.dtype = torch.float16,
     ) -> None:
         self.spec, self.runtime, self.experts, self.threads = spec, runtime, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
         self.kv = [
             (
-                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=kv_dtype),
-                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=kv_dtype),
+                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=torch.float16),
+                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=torch.float16),
             )
             for a in (layer.attention for layer in spec.layers)
         ]
@@ -131,7 +131,7 @@ class GgmlRunner:
     def describe(self) -> str:
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them), "
-            f"KV cache {'F32' if self.kv[0][0].dtype == torch.float32 else 'F16'} of {self.ctx} positions"
+            f"KV cache F16 of {self.ctx} positions"
         )
 
     def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:

@@ -99,14 +99,9 @@ def _ggml_runner(
     """The ggml graphs' runner of `model`, whose routed experts stream through `modules`' runtimes."""
     from moestream.engine.ggml_runner import GgmlRunner
     from moestream.model.arch import num_experts
-    from moestream.model.quantized import block_bytes
 
-    # F32 keys and values for a model computed in f32 throughout (its KV cache was planned at 4 bytes);
-    # else F16, as llama.cpp keeps them
-    dtype = next(model.parameters()).dtype
-    kv = torch.float32 if dtype == torch.float32 and not block_bytes(model) else torch.float16
     experts = num_experts(model.config)
-    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads, kv)
+    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads)
 
 
 def resident_part(step: ForwardStep, top_k: int, hidden_size: int) -> str:
