@@ -2,7 +2,8 @@
 #   make demo   create .venv, install moestream, stream a synthetic MoE through a small cache
 #   make test   same set-up, then ruff (lint + format check) and the test suite
 #   make native build ggml's CPU backend for this CPU (AVX512/VNNI, dotprod, ...) from the llama-cpp-python
-#               sdist; moestream then uses it instead of the prebuilt libggml-python (AVX2 / armv8.0)
+#               sdist; moestream then uses it instead of the prebuilt libggml-python (AVX2 / armv8.0).
+#               `make setup` does this by itself where the prebuilt library leaves the CPU's features unused.
 #
 # Which torch: pyproject.toml leaves torch unpinned, so that GPU users keep their own build. `make setup`
 # installs torch only into a .venv that has none: TORCH_SPEC (the CPU build) from a local wheel if pip is
@@ -33,6 +34,9 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
 	fi
 	$(PY) -m pip install -q -e ".[test]"
+	@# ggml's kernels for this CPU where the prebuilt ones leave its features unused (AVX512, VNNI, ...);
+	@# a failed build keeps the prebuilt library, which the mode line then names with what it leaves unused
+	$(PY) -m moestream.ggml.build --if-needed || echo "make setup: the native ggml build failed; using the prebuilt library"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -158,19 +158,24 @@ class LayerGraphs:
             return [*writes, net.fix(resid, buf.resid[out].data_ptr())]
         r = layer.router
         E = r.weight.rows
-        probs = net.soft_max(net.mul_mat(net.weight(r.weight.ggml, [spec.hidden, E]), h2))  # [E, T]
-        order = net.fix(net.argsort(probs, SORT_DESC), buf.order.data_ptr())  # [E, T] i32
+        logits = net.mul_mat(net.weight(r.weight.ggml, [spec.hidden, E]), h2)  # [E, T]
+        probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
+        choice = probs if r.bias is None else net.add(probs, net.weight(r.bias, [E]))
+        order = net.fix(net.argsort(choice, SORT_DESC), buf.order.data_ptr())  # [E, T] i32
         top = net.view_2d(order, r.top_k, self.tokens, _nb1(order), 0)  # [K, T]
         picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
+        w = view = net.reshape_2d(picked, r.top_k, self.tokens)  # [K, T]
         if r.normalize:
-            w = net.reshape_2d(picked, r.top_k, self.tokens)
             w = net.div(w, net.sum_rows(w))
-        else:
-            w = picked
-        w = net.fix(w, buf.weights[out].data_ptr())
+        if r.scale != 1.0:
+            w = net.scale(w, r.scale)
+        w = net.fix(picked if w == view else w, buf.weights[out].data_ptr())  # a result, not a view
         if r.shared is not None:
-            gate = net.sigmoid(net.mul_mat(net.weight(r.shared_gate.ggml, [spec.hidden, 1]), h2))  # [1, T]
-            resid = net.add(resid, net.mul(self._mlp(net, h2, r.shared), gate))
+            shared = self._mlp(net, h2, r.shared)
+            if r.shared_gate is not None:  # Qwen2-MoE: sigmoid(gate . x) * shared(x)
+                gate = net.sigmoid(net.mul_mat(net.weight(r.shared_gate.ggml, [spec.hidden, 1]), h2))
+                shared = net.mul(shared, gate)  # [H, T] * [1, T]
+            resid = net.add(resid, shared)
         moe_in = net.fix(h2, buf.moe_in.data_ptr())
         return [*writes, net.fix(resid, buf.resid[out].data_ptr()), moe_in, order, w]
 

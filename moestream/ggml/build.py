@@ -131,13 +131,40 @@ def build(dest: Path, jobs: int, source: Path | None = None) -> dict:
     return info
 
 
+def _why_build(dest: Path) -> str | None:
+    """Why this machine wants a native build (None: it does not, or has one)."""
+    if (dest / "build.json").exists():
+        return None
+    from moestream.ggml.lib import GgmlUnavailableError, library, unused_isa
+
+    try:
+        isa = library().isa
+    except GgmlUnavailableError as exc:
+        return f"the prebuilt ggml cannot run here ({exc}); building ggml for this CPU"
+    unused = unused_isa(isa, cpu_flags())
+    if not unused:
+        return None
+    return f"the prebuilt ggml leaves this CPU's {', '.join(unused)} unused; building ggml for this CPU"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m moestream.ggml.build", description=__doc__.split("\n")[0])
     p.add_argument("--dest", type=Path, default=None, help="install folder (default: native_dir())")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
     p.add_argument("--source", type=Path, help="a llama.cpp source tree on disk (default: the sdist's)")
+    p.add_argument(
+        "--if-needed",
+        action="store_true",
+        help="build only when the prebuilt library leaves features of this CPU unused (AVX512, VNNI, "
+        "dotprod, ...) and no native build is there yet (what `make setup` runs)",
+    )
     args = p.parse_args(argv)
     dest = args.dest or native_dir()
+    if args.if_needed:
+        reason = _why_build(dest)
+        if reason is None:
+            return
+        print(f"make native: {reason}", flush=True)
     info = build(dest, args.jobs, args.source)
     print(
         f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "

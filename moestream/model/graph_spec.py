@@ -20,7 +20,7 @@ from moestream.model.quantized import QuantEmbedding, QuantLinear
 from moestream.model.streaming import StreamingExperts
 
 # families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers)
-GRAPH_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+GRAPH_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
 _FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
 
 
@@ -72,8 +72,11 @@ class Router:
     weight: Matrix  # [experts, hidden]
     top_k: int
     normalize: bool  # the top-k probabilities divided by their sum
-    shared: Mlp | None = None  # Qwen2-MoE's shared expert, gated by sigmoid(shared_gate . x)
+    shared: Mlp | None = None  # a shared expert (Qwen2-MoE: gated by sigmoid(shared_gate . x))
     shared_gate: Matrix | None = None
+    sigmoid: bool = False  # scores are sigmoid(logits) (GLM-4.5), else softmax(logits)
+    bias: torch.Tensor | None = None  # f32 [experts], added to the scores for the choice only
+    scale: float = 1.0  # the chosen weights' factor (routed_scaling_factor)
 
 
 @dataclass
@@ -176,6 +179,14 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
     if getattr(mlp, "shared_expert", None) is not None:
         router.shared = _mlp(mlp.shared_expert)
         router.shared_gate = matrix(mlp.shared_expert_gate)
+    if family == "glm4_moe":  # sigmoid scores, a bias for the choice, groups, a scaling factor
+        groups, kept = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
+        if groups > 1 and kept < groups:
+            raise NoGraph("group-limited routing (topk_group < n_group) is not in the graphs yet")
+        router.sigmoid = True
+        router.bias = _f32(gate.e_score_correction_bias)
+        router.scale = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
+        router.shared = _mlp(mlp.shared_experts)
     return router
 
 
