@@ -27,9 +27,9 @@ def main() -> None:
     inside = [0.0]
     run = net.Net.run
 
-    def timed(self: net.Net, **addresses: int) -> None:
+    def timed(self: net.Net) -> None:
         t = time.perf_counter()
-        run(self, **addresses)
+        run(self)
         inside[0] += time.perf_counter() - t
 
     net.Net.run = timed

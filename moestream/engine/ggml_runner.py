@@ -207,36 +207,30 @@ class GgmlRunner:
         pinned: tuple[Any, int, list[int]] | None = None  # (cache, layer, experts) to unpin
         with kern._lock, kern.hold():
             try:
-                routed: Routed | None = None
-                inputs: dict[str, int] = {}
                 for i, net in enumerate(gs.graphs):
-                    if pinned is not None:
-                        net = gs.fused[i]
-                    net.run(**inputs)
+                    (gs.fused[i] if pinned is not None else net).run()
                     if pinned is not None:
                         pinned[0].unpin_hits(pinned[1], pinned[2])
                         pinned = None
                     if i == len(self.spec.layers) or self.spec.layers[i].router is None:
-                        inputs = {}
                         continue
                     if i + 1 in gs.fused:
-                        pinned, inputs = self._cached(i, b)
+                        pinned = self._cached(i, b)
                     if pinned is None:
-                        routed = self._experts(i, b)
-                        inputs = self._inputs(routed, b, T)
+                        self._place(self._experts(i, b), b)
             finally:
                 if pinned is not None:
                     pinned[0].unpin_hits(pinned[1], pinned[2])
         return b.logits
 
-    def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, dict[str, int]]:
+    def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, int, list[int]] | None:
         """The step's experts of `layer` when the cache holds every one and nothing else needs the
         routing on the host (a trace, a replay, prefetch): pinned, each token's slots in `b.slots`,
-        for the next graph to compute. Returns ((cache, layer, experts) to unpin, {}), or (None, {})
-        to run the expert runtime instead."""
+        for the next graph to compute. Returns (cache, layer, experts) to unpin, or None to run the
+        expert runtime instead."""
         rt = self.runtime(layer)
         if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
-            return None, {}
+            return None
         rows = b.order[:, : b.weights[0].shape[1]].tolist()
         experts = execution_order(rows)
         uses = dict.fromkeys(experts, 0)
@@ -245,11 +239,11 @@ class GgmlRunner:
                 uses[e] += 1
         pinned = rt.cache.pin_all_hits(layer, experts, list(uses.values()), len(rows))
         if pinned is None:
-            return None, {}
+            return None
         rt.layer_calls += 1
         slot = {e: s for e, (s, _) in zip(experts, pinned)}
         b.slots.copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
-        return (rt.cache, layer, experts), {}
+        return rt.cache, layer, experts
 
     def _experts(self, layer: int, b: StepBuffers) -> Routed:
         weights = b.weights[layer % 2]
@@ -259,18 +253,19 @@ class GgmlRunner:
             weights.copy_(routed.weights)
         return routed
 
-    def _inputs(self, routed: Routed, b: StepBuffers, T: int) -> dict[str, int]:
+    @staticmethod
+    def _place(routed: Routed, b: StepBuffers) -> None:
         """Put the runtime's expert outputs where the next graph reads them: `b.outputs` [T, K, H]."""
-        routing, k = routed.routing, b.outputs.shape[1]
+        k = b.outputs.shape[1]
         flat = b.outputs.view(-1, b.outputs.shape[2])  # [T * K, H]
-        if T == 1:
+        if b.outputs.shape[0] == 1:
             for position, e in enumerate(routed.rows[0]):
                 flat[position].copy_(routed.outputs[e][0])
-            return {}
+            return
         # the routing's pairs are grouped by expert, in the order of `by_expert`
+        routing = routed.routing
         outputs = torch.cat([_f32(routed.outputs[e]) for e in routing.by_expert])
         flat.index_copy_(0, routing.tokens * k + routing.positions, outputs)
-        return {}
 
     def close_sets(self) -> None:
         for gs in self._sets.values():

@@ -1,16 +1,15 @@
 """ggml graphs built by moestream (a model's layers), with every tensor placed before the first run.
 
-A `Net` is one ggml context holding one graph. Its tensors are of three kinds:
+A `Net` is one ggml context holding one graph. Its tensors are of two kinds:
 
-- fixed: their data is at an address given when they are made (weights, the KV cache, the buffers a
-  runner keeps between graphs: the residual stream, the router's output, the logits);
-- per-run: inputs whose address is given at each run (the routed experts' outputs of a decode step);
+- fixed: their data is at an address given when they are made (weights, the KV cache, the expert
+  cache's slots, the buffers a runner fills or reads between graphs: the residual stream, the router's
+  output, the experts' slots or outputs, the logits);
 - scratch: every other result, placed back to back in an `Arena` that all graphs of one set share:
   they run one at a time and leave nothing for later in scratch, so one region serves them all.
 
 Views (reshape, permute, view, the results of set_rows and cpy) take their data from their source at
-placement; a view of a per-run input is refused when the graph is built, since its address would be
-stale at the next run. Nothing is allocated per run: `run` writes the per-run addresses and computes.
+placement. Nothing is allocated or written per run: `run` computes.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ class Net:
             raise RuntimeError("ggml_init failed")
         self.nodes = nodes
         self.fixed: set[int] = set()
-        self.per_run: dict[str, GgmlTensor] = {}
         self.gf = 0
         self.scratch_bytes = self.work_bytes = 0
         self._layout: list[tuple[GgmlTensor, int]] = []  # scratch tensors and their offsets
@@ -50,8 +48,7 @@ class Net:
     # --- building ------------------------------------------------------------------------------
 
     def tensor(self, type_id: int, ne: Sequence[int], address: int | None = None) -> int:
-        """A leaf of shape ne (ne[0] contiguous); fixed at `address`, else data comes from `fix` or a
-        per-run name (`per_run_input`)."""
+        """A leaf of shape ne (ne[0] contiguous), fixed at `address` (or later by `fix`)."""
         b, n = self.lib.base, len(ne)
         if n == 1:
             t = b.ggml_new_tensor_1d(self.ctx, type_id, ne[0])
@@ -74,11 +71,6 @@ class Net:
             return self.tensor(type_id, ne, w.data_ptr())
         address, type_id = w
         return self.tensor(type_id, ne, address)
-
-    def per_run_input(self, name: str, type_id: int, ne: Sequence[int]) -> int:
-        t = self.tensor(type_id, ne)
-        self.per_run[name] = GgmlTensor.from_address(t)
-        return t
 
     def fix(self, t: int, address: int) -> int:
         """Give tensor t (a leaf, or a result that must outlive the graph) the memory at `address`."""
@@ -107,7 +99,6 @@ class Net:
         self.gf = b.ggml_new_graph_custom(self.ctx, self.nodes, False)
         for out in outputs:
             b.ggml_build_forward_expand(self.gf, out)
-        per_run = {C.addressof(t) for t in self.per_run.values()}
         offset = 0
         for i in range(b.ggml_graph_n_nodes(self.gf)):
             ptr = b.ggml_graph_node(self.gf, i)
@@ -115,11 +106,6 @@ class Net:
             if ptr in self.fixed:
                 continue
             if t.view_src:
-                root = t.view_src
-                while GgmlTensor.from_address(root).view_src:
-                    root = GgmlTensor.from_address(root).view_src
-                if root in per_run:
-                    raise ValueError("a view of a per-run input would go stale between runs")
                 self._views.append(t)  # its source may be placed only below
                 continue
             self._layout.append((t, offset))
@@ -140,10 +126,8 @@ class Net:
         self._plan.work_data = work
         self._plan_ref = C.byref(self._plan)
 
-    def run(self, /, **addresses: int) -> None:
-        """Compute, with each per-run input at the given address (the caller holds the pool's lock)."""
-        for name, address in addresses.items():
-            self.per_run[name].data = address
+    def run(self) -> None:
+        """Compute (the caller holds the pool's lock)."""
         status = self.lib.cpu.ggml_graph_compute(self.gf, self._plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
