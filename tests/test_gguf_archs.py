@@ -39,7 +39,8 @@ def test_streamed_gguf_equals_stock_transformers(arch, tiny_gguf):
     )
     with torch.inference_mode():
         ref_logits = model(full).logits[0]
-    with moestream.load(str(path), cache="64MiB") as engine:
+    # the transformers path: the oracle is stock transformers on the HF checkpoint, bit for bit
+    with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
         minimum, _ = budget_requirements(engine.emap, engine.top_k)
         everything = engine.cache.slot_bytes * len(engine.emap.units)
         runs = ((minimum, "direct"), ((minimum + everything) // 2, "pagecache"), (everything, "mmap"))

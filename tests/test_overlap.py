@@ -46,6 +46,7 @@ def test_thousand_forwards_identical_under_random_completion(tiny_dir):
         cache=5 * 36 * 1024,
         io_mode="direct",  # 5 slots: constant eviction
         make_reader=lambda mode, threads: JitteryReader(mode, 8),
+        trunk="eager",  # the runtime's torch formats, which the resident reference computes with
     )
     gen = torch.Generator().manual_seed(0)
     misses_before = engine.cache.stats.misses
