@@ -110,14 +110,23 @@ class Graph:
         """Point every input and `out` at the given addresses and compute (the caller holds the lock)."""
         for name, address in addresses.items():
             self._slots[name].data = address
-        status = self.lib.cpu.ggml_graph_compute(self.gf, self._plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        compute_graph(self.lib, self.gf, self._plan_ref)
 
     def close(self) -> None:
-        if self.ctx:
-            self.lib.base.ggml_free(self.ctx)
-            self.ctx = None
+        self.ctx = free_context(self.lib, self.ctx)
+
+
+def compute_graph(lib: Library, gf: int, plan_ref: object) -> None:
+    """ggml_graph_compute of a planned graph; a failure status is an error."""
+    status = lib.cpu.ggml_graph_compute(gf, plan_ref)
+    if status != 0:
+        raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+
+def free_context(lib: Library, ctx: int | None) -> None:
+    """Free a ggml context (once: returns None for the caller to keep)."""
+    if ctx:
+        lib.base.ggml_free(ctx)
 
 
 class Kernels:

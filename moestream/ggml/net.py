@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moestream.ggml.graphs import compute_graph, free_context
 from moestream.ggml.lib import GgmlTensor, InitParams, Library
 
 F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30  # GGML_TYPE_*
@@ -128,14 +129,10 @@ class Net:
 
     def run(self) -> None:
         """Compute (the caller holds the pool's lock)."""
-        status = self.lib.cpu.ggml_graph_compute(self.gf, self._plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        compute_graph(self.lib, self.gf, self._plan_ref)
 
     def close(self) -> None:
-        if self.ctx:
-            self.lib.base.ggml_free(self.ctx)
-            self.ctx = None
+        self.ctx = free_context(self.lib, self.ctx)
 
 
 class Arena:
