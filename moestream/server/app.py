@@ -139,7 +139,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     body = await read_json(request, state.options.max_body, state.options.request_timeout)
     pending, stream = await generation.submit(state, body, chat, started, access_record(request))
     if stream:
-        return generation.stream(state, pending)
+        return generation.stream(state, pending, request)
     return await generation.answer(state, pending, request)
 
 

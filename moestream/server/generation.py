@@ -103,11 +103,11 @@ def _params(
         raise APIError(400, str(exc), code="invalid_value") from None
 
 
-def stream(state: ServerState, pending: Pending) -> StreamingResponse:
+def stream(state: ServerState, pending: Pending, request: Request) -> StreamingResponse:
     """The SSE response: text deltas, then a last chunk with usage, timings and moe, then [DONE]."""
     # the background task also cancels a job whose client left before the first chunk was even asked for
     return StreamingResponse(
-        _sse(state, pending),
+        _sse(state, pending, request),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         background=BackgroundTask(pending.job.cancel),
@@ -145,9 +145,13 @@ async def _final(state: ServerState, pending: Pending) -> Generation:
             return event.gen
 
 
-async def _sse(state: ServerState, pending: Pending) -> AsyncIterator[str]:
-    """The event stream; leaving it early (client gone, starlette cancels us) cancels the job."""
+async def _sse(state: ServerState, pending: Pending, request: Request) -> AsyncIterator[str]:
+    """The event stream; leaving it early (client gone, starlette cancels us) cancels the job. The
+    client going away cancels it at once too: a write fails only once the socket's buffers are full,
+    which a fast generation fills with hundreds of tokens nobody reads."""
     shape, first, finished = pending.shape, True, False
+    gone = asyncio.ensure_future(_disconnected(request))
+    gone.add_done_callback(lambda _: pending.job.cancel())
     try:
         opening = shape.opening()
         if opening:
@@ -175,6 +179,7 @@ async def _sse(state: ServerState, pending: Pending) -> AsyncIterator[str]:
                 yield SSE_DONE
                 return
     finally:
+        gone.cancel()
         pending.job.cancel()
         if not finished:
             state.metrics.requests.labels(pending.endpoint, "499").inc()
