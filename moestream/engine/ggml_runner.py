@@ -59,7 +59,7 @@ class GgmlKV:
 class GraphSet:
     """The graphs and buffers of one step shape (T tokens, span S): graph i computes layer i (i = number
     of layers: the head); `fused[i]`, where it exists, is graph i with the previous layer's experts in
-    it (one token, every one of them cached)."""
+    it, computed from the cache's slots (when every one the step routes to is cached)."""
 
     def __init__(
         self,
