@@ -194,7 +194,11 @@ def test_ctrl_c_stops_an_answer_keeps_it_and_the_conversation_goes_on(model):
         assert again.finish == "cancelled" and again.prompt > len(without_answer)
         assert again.cached >= stopped.prompt and again.prefill == again.prompt - again.cached
 
-        term.type(b"half a line\x03")  # Ctrl-C at the prompt drops the line, not the session
+        # Ctrl-C at the prompt drops the line, not the session; sent once the line is on the screen (the
+        # prompt reading it): a ^C typed ahead of it reaches the process before readline does
+        term.type(b"half a line")
+        term.expect(b"half a line")
+        term.type(b"\x03")
         term.expect(PROMPT)
         assert term.stats() == again
         term.type(b"\x04")  # Ctrl-D
