@@ -19,6 +19,7 @@ e.g. slots of one size class holding each tensor's experts at the same offset in
 from __future__ import annotations
 
 import ctypes as C
+import signal
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -137,11 +138,16 @@ class Kernels:
         self.n_threads = n_threads
         params = self.lib.base.ggml_threadpool_params_default(n_threads)
         params.paused = True
-        self.pool = self.lib.cpu.ggml_threadpool_new(C.byref(params))
-        # A pool of the calling thread alone, for graphs whose ops ggml runs single-task: waking the
-        # main pool's workers for those only makes them compete with the one thread that works.
-        params1 = self.lib.base.ggml_threadpool_params_default(1)
-        self.solo = self.lib.cpu.ggml_threadpool_new(C.byref(params1)) if n_threads > 1 else None
+        # the workers inherit this mask: Ctrl-C and SIGTERM reach the main thread (see io/reader.py)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self.pool = self.lib.cpu.ggml_threadpool_new(C.byref(params))
+            # A pool of the calling thread alone, for graphs whose ops ggml runs single-task: waking the
+            # main pool's workers for those only makes them compete with the one thread that works.
+            params1 = self.lib.base.ggml_threadpool_params_default(1)
+            self.solo = self.lib.cpu.ggml_threadpool_new(C.byref(params1)) if n_threads > 1 else None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if not self.pool or (n_threads > 1 and not self.solo):
             raise RuntimeError(f"ggml_threadpool_new({n_threads}) failed")
         self._graphs: OrderedDict[tuple, Graph] = OrderedDict()

@@ -20,6 +20,7 @@ import itertools
 import logging
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -229,6 +230,10 @@ class Reader:
         self._files.clear()
 
     def _run(self) -> None:
+        # Ctrl-C and SIGTERM are for the main thread, whose handlers Python runs: a process-directed
+        # signal the kernel handed to this thread would not wake the main thread from a blocking read
+        # (a chat prompt waiting in readline)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         while True:
             with self._cond:
                 while not self._heap and not self._closed:
