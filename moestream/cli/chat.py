@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import select
 import signal
 import sys
 from typing import Any
@@ -143,12 +145,41 @@ def run(args: argparse.Namespace) -> int:
         return _loop(chat)
 
 
+def _read_line(prompt: str) -> str:
+    """input(), but a Ctrl-C reaches it whichever thread the kernel hands the signal to: Python's C-level
+    handler writes to a wakeup pipe that this select waits on beside stdin, so the main thread wakes
+    and raises KeyboardInterrupt (a plain blocking read, or readline's, waited on for the next key:
+    1 run in 4 of the pty test hung under load). The terminal's own line editing stays."""
+    try:
+        sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (io.UnsupportedOperation is an OSError)
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    previous = signal.set_wakeup_fd(wake_w)
+    try:
+        while True:
+            ready, _, _ = select.select([sys.stdin, wake_r], [], [])
+            if wake_r in ready:
+                os.read(wake_r, 512)  # the handler (KeyboardInterrupt) runs as this returns to Python
+            if sys.stdin in ready:
+                line = sys.stdin.readline()
+                if not line:
+                    raise EOFError
+                return line
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(wake_r)
+        os.close(wake_w)
+
+
 def _loop(chat: Conversation) -> int:
-    if sys.stdin.isatty():
-        import readline  # noqa: F401  (line editing and history for input())
     while True:
         try:
-            line = input(PROMPT).strip()
+            line = _read_line(PROMPT).strip()
         except EOFError:
             print(flush=True)
             return 0
