@@ -100,9 +100,9 @@ class LayerGraphs:
     # --- inputs: the residual stream with the previous layer's routed experts added -------------
 
     def _stream(self, net: Net, layer: int, fused: bool = False) -> int:
-        """The residual stream entering `layer` (len(layers): the final norm) [H, T]. `fused` (one token,
-        the previous layer's experts all cached): those experts are computed here, from their slots,
-        by the very kernels the expert runtime runs them with (ggml_mul_mat_id)."""
+        """The residual stream entering `layer` (len(layers): the final norm) [H, T]. `fused` (every expert
+        the previous layer routes the step to is cached): those experts are computed here, from their
+        slots, by the very kernel the expert runtime runs them with (ggml_mul_mat_id)."""
         H, T = self.spec.hidden, self.tokens
         if layer == 0:
             ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
@@ -133,7 +133,7 @@ class LayerGraphs:
             GgmlTensor.from_address(t).nb[2] = arena.slot_bytes  # experts a slot apart
             return t
 
-        g = net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids)  # [I, K, 1]
+        g = net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids)  # [I, K, T]
         u = net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids)
         return net.mul_mat_id(weights("down", p.down, p.inter, H), net.swiglu_split(g, u), ids)
 
