@@ -177,6 +177,9 @@ def _read_line(prompt: str) -> str:
 
 
 def _loop(chat: Conversation) -> int:
+    # a chat answers Ctrl-C even when started with SIGINT ignored (a shell's background job, nohup'ed
+    # scripts): Python then keeps it ignored, and the prompt would never see it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
             line = _read_line(PROMPT).strip()
