@@ -137,6 +137,9 @@ class ExpertRuntime:
         for fmt in self.formats.values():
             if isinstance(fmt, Ggml):
                 fmt.by_id = True
+        # no layer call: the graphs compute a layer's cached experts themselves, and the runtime's own
+        # (per-expert mul_mat graphs) would give other bits; every expert here goes stage by stage
+        self._layer_calls = {}
 
     def _formats(self, fuses: bool, ggml_floats: bool) -> dict[tuple[int, str], WeightFormat]:
         formats = layer_formats(self.emap, self.tier.device.type, ggml_floats)

@@ -77,8 +77,7 @@ class Ggml(WeightFormat):
     ) -> torch.Tensor | None:
         rows = x.shape[0]
         if (
-            self.by_id  # the graphs compute cached experts themselves; the rest go stage by stage
-            or x.dtype != torch.float32
+            x.dtype != torch.float32
             or not isinstance(up, Ggml)
             or not isinstance(down, Ggml)
             or rows >= min(self.threshold, up.threshold, down.threshold)  # those rows dequantize instead
