@@ -20,6 +20,7 @@ VERBS: dict[str, str] = {
     "info": "moestream.cli.info",
     "demo": "moestream.cli.demo",
     "simulate": "moestream.cli.simulate",
+    "plan": "moestream.cli.plan",
     "predict-eval": "moestream.cli.predict_eval",
     "trace-convert": "moestream.cli.trace_convert",
     "gpu-floor": "moestream.cli.gpu_floor",
