@@ -27,7 +27,8 @@ class Checkpoint:
 
 
 def resolve_path(path_or_id: str) -> Path:
-    """A local checkpoint directory or .gguf file, or a hub id resolved through the local HF cache.
+    """A local checkpoint directory or .gguf file, or a model by name (`REPO[:QUANT]`, see `store.hub`)
+    from the HF cache, downloaded into it first where it is not there.
 
     Raises:
         CheckpointError: the path does not exist and is not a hub id that can be fetched, or it is a
@@ -47,16 +48,14 @@ def resolve_path(path_or_id: str) -> Path:
     raise CheckpointError(f"checkpoint {kind} {path} does not exist")
 
 
-def _from_hub(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
+def _from_hub(name: str) -> Path:
+    """`REPO[:QUANT]`, fetched as `-hf` fetches it (`store.hub`)."""
+    from moestream.store.hub import fetch
 
-        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as exc:  # offline, unknown repo, auth: all end the same way for the user
-        raise CheckpointError(
-            f"{repo_id} is not a local directory and could not be fetched from the hub ({exc})"
-        ) from None
+    try:
+        return fetch(name)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{name} is not a local checkpoint, and as a model by name: {exc}") from None
 
 
 def shard_files(path: Path) -> list[str]:
