@@ -3,10 +3,11 @@
 huggingface_hub (its cache under `HF_HOME`, its endpoint `HF_ENDPOINT`, its token) downloads the files
 that `hub_select.select_files` picks from the repository's listing, with its progress bars on stderr.
 What it checks itself (huggingface_hub 2.4): a dropped connection is resumed with a range request (five
-tries), and a file whose length differs from the hub's is refused. It checks no hash, so every file
-this call downloaded is hashed here against the listing (the sha256 of an LFS file, the git blob id of
-any other) and deleted from the cache when it differs. A download interrupted by the end of the process
-starts over: huggingface_hub deletes its partial file.
+tries, from the last 10 MiB it wrote), and a file whose length differs from the hub's is refused. It
+checks no hash, and it deletes a partial download when its process ends; so large files served over
+plain HTTP are downloaded by `hub_blob` (resumed by the next process, sha256 checked), and every other
+file downloaded here is hashed against the listing (sha256 of an LFS file, git blob id of any other)
+and deleted from the cache when it differs.
 
 Offline (`HF_HUB_OFFLINE=1`, or the hub unreachable) the listing huggingface_hub cached at the download
 (else the files of the cached snapshot) stands in for the hub's, and a file not in the cache is one
@@ -16,17 +17,16 @@ error.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from moestream.errors import CheckpointError
+from moestream.store.hub_blob import digest, download_blob, resumable
 from moestream.store.hub_select import HubSpec, Selection, parse_spec, select_files
 
 REVISION = "main"
-_HASH_CHUNK = 8 << 20
 
 
 def fetch(text: str) -> Path:
@@ -39,25 +39,26 @@ def fetch(text: str) -> Path:
             the hub cannot be reached.
     """
     spec = parse_spec(text)
-    listing, offline = _listing(spec)
+    listing, commit, offline = _listing(spec)
     selection = select_files(spec, sorted(listing))
     if offline is not None:
         return _cached(spec, selection, offline)
-    return _download(spec, selection, listing)
+    return _download(spec, selection, listing, commit)
 
 
-def _listing(spec: HubSpec) -> tuple[dict[str, Any], str | None]:
-    """The repository's files (path -> RepoFile) and None, or the cached ones and why not from the hub."""
+def _listing(spec: HubSpec) -> tuple[dict[str, Any], str, str | None]:
+    """The repository's files (path -> RepoFile), its commit and None; or the cached files, "" and why
+    the hub was not asked."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    if constants.is_offline_mode():
+    if _offline_mode(constants):
         return _cached_listing(spec, "HF_HUB_OFFLINE is set")
     api = HfApi()
     try:
         commit = api.model_info(spec.repo, revision=REVISION).sha or REVISION
         tree = api.list_repo_tree(spec.repo, recursive=True, revision=commit)
-        return {f.path: f for f in tree if hasattr(f, "blob_id")}, None
+        return {f.path: f for f in tree if hasattr(f, "blob_id")}, commit, None
     except GatedRepoError:
         raise CheckpointError(
             f"{spec.repo} is gated: accept its terms on {api.endpoint}/{spec.repo} and log in "
@@ -74,21 +75,25 @@ def _listing(spec: HubSpec) -> tuple[dict[str, Any], str | None]:
         return _cached_listing(spec, f"{api.endpoint} cannot be reached ({_first_line(exc)})")
 
 
-def _cached_listing(spec: HubSpec, why: str) -> tuple[dict[str, Any], str]:
-    """The files of the cached snapshot of `spec.repo`'s main branch, from huggingface_hub's cached
-    listing or else from the snapshot's directory."""
-    from huggingface_hub import get_cached_repo_tree
-    from huggingface_hub.errors import CachedRepoTreeNotFoundError
+def _offline_mode(constants: Any) -> bool:
+    check = getattr(constants, "is_offline_mode", None)
+    return bool(check() if check is not None else constants.HF_HUB_OFFLINE)
 
+
+def _cached_listing(spec: HubSpec, why: str) -> tuple[dict[str, Any], str, str]:
+    """The files of the cached snapshot of `spec.repo`'s main branch, from huggingface_hub's cached
+    listing (2.x) or else from the snapshot's directory."""
     try:
-        return {f.path: f for f in get_cached_repo_tree(spec.repo, revision=REVISION)}, why
-    except CachedRepoTreeNotFoundError:
+        from huggingface_hub import get_cached_repo_tree
+
+        return {f.path: f for f in get_cached_repo_tree(spec.repo, revision=REVISION)}, "", why
+    except Exception:  # no listing cached (CachedRepoTreeNotFoundError), or a huggingface_hub without it
         pass
     snapshot = _snapshot_dir(spec.repo)
     if snapshot is None or not snapshot.is_dir():
         raise CheckpointError(f"{spec} is not in the HF cache ({_cache_dir()}) and {why}")
     names = [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if not p.is_dir()]
-    return dict.fromkeys(names), why
+    return dict.fromkeys(names), "", why
 
 
 def _cached(spec: HubSpec, selection: Selection, why: str) -> Path:
@@ -103,15 +108,20 @@ def _cached(spec: HubSpec, selection: Selection, why: str) -> Path:
     return snapshot / selection.open if selection.open else snapshot
 
 
-def _download(spec: HubSpec, selection: Selection, listing: dict[str, Any]) -> Path:
-    """Download what is not cached yet, hash it against the listing, return the path to open."""
+def _download(spec: HubSpec, selection: Selection, listing: dict[str, Any], commit: str) -> Path:
+    """Download what is not cached yet (large files resumably, `hub_blob`), check every downloaded
+    file against the listing, return the path to open."""
     from huggingface_hub import snapshot_download, try_to_load_from_cache
 
     fresh = [n for n in selection.files if not isinstance(try_to_load_from_cache(spec.repo, n), str)]
     if fresh:
         print(f"moestream: downloading {_names(fresh)} of {spec.repo}", file=sys.stderr, flush=True)
+    storage = _cache_dir() / _repo_folder(spec.repo)
+    blobs = [n for n in fresh if resumable(listing.get(n))]
+    for name in blobs:  # hashed as they land
+        download_blob(spec.repo, name, commit, listing[name], storage)
     try:
-        # exact names as fnmatch patterns (a GGUF name may hold [ or ])
+        # the rest, and every file linked into the snapshot (exact names as patterns: [ ] escaped)
         folder = snapshot_download(
             spec.repo, revision=REVISION, allow_patterns=[glob.escape(n) for n in selection.files]
         )
@@ -124,45 +134,40 @@ def _download(spec: HubSpec, selection: Selection, listing: dict[str, Any]) -> P
         if not (snapshot / name).is_file():
             raise CheckpointError(f"{spec.repo} changed while it was downloaded ({name} is gone); run again")
     for name in fresh:
-        _verify(spec, snapshot / name, listing.get(name))
+        if name not in blobs:
+            _verify(spec, snapshot / name, listing.get(name))
     return snapshot / selection.open if selection.open else snapshot
 
 
 def _verify(spec: HubSpec, path: Path, entry: Any) -> None:
-    """Hash a downloaded file against the hub's listing; delete it from the cache when it differs."""
+    """Hash a file huggingface_hub downloaded against the hub's listing; delete it when it differs."""
     if entry is None:
         return
-    lfs = getattr(entry, "lfs", None)
-    size = path.stat().st_size
-    if lfs is not None:
-        kind, expected, digest = "sha256", lfs.sha256, hashlib.sha256()
-    else:  # a git blob's id: sha1 of "blob <size>\0" and the bytes
-        kind, expected, digest = "git blob id", entry.blob_id, hashlib.sha1(f"blob {size}\0".encode())
-    if size >= 1 << 30:
-        print(f"moestream: checking the {kind} of {path.name}", file=sys.stderr, flush=True)
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    if size == entry.size and digest.hexdigest() == expected:
+    kind, got = digest(path, entry)
+    size, expected = path.stat().st_size, entry.lfs.sha256 if entry.lfs is not None else entry.blob_id
+    if size == entry.size and got == expected:
         return
-    blob = path.resolve()
-    for p in {path, blob}:
+    for p in {path, path.resolve()}:
         p.unlink(missing_ok=True)
-    got = f"{size} bytes" if size != entry.size else f"{kind} {digest.hexdigest()[:16]}..."
+    what = f"{size} bytes" if size != entry.size else f"{kind} {got[:16]}..."
     raise CheckpointError(
-        f"{spec.repo}'s {path.name} came down corrupt ({got}, the hub lists {entry.size} bytes, {kind} "
+        f"{spec.repo}'s {path.name} came down corrupt ({what}, the hub lists {entry.size} bytes, {kind} "
         f"{expected[:16]}...); it was deleted from the cache, run again to download it again"
     )
 
 
 def _snapshot_dir(repo: str) -> Path | None:
     """The cached snapshot of `repo`'s main branch, or None."""
-    storage = _cache_dir() / ("models--" + repo.replace("/", "--"))
+    storage = _cache_dir() / _repo_folder(repo)
     try:
         commit = (storage / "refs" / REVISION).read_text().strip()
     except OSError:
         return None
     return storage / "snapshots" / commit
+
+
+def _repo_folder(repo: str) -> str:
+    return "models--" + repo.replace("/", "--")
 
 
 def _cache_dir() -> Path:
