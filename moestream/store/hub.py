@@ -71,8 +71,16 @@ def _listing(spec: HubSpec) -> tuple[dict[str, Any], str, str | None]:
         ) from None
     except HfHubHTTPError as exc:  # the hub is down or refuses: what is cached may still do
         return _cached_listing(spec, f"{api.endpoint} answered {_first_line(exc)}")
-    except Exception as exc:  # no connection (httpx's errors, huggingface_hub's offline error)
+    except Exception as exc:
+        if not _network_error(exc):
+            raise
         return _cached_listing(spec, f"{api.endpoint} cannot be reached ({_first_line(exc)})")
+
+
+def _network_error(exc: BaseException) -> bool:
+    """No connection: an OSError (huggingface_hub's offline error is one) or an HTTP client's error."""
+    clients = ("httpx", "httpx2", "httpcore", "requests", "urllib3")
+    return isinstance(exc, OSError) or any(t.__module__.split(".")[0] in clients for t in type(exc).__mro__)
 
 
 def _offline_mode(constants: Any) -> bool:
@@ -111,12 +119,15 @@ def _cached(spec: HubSpec, selection: Selection, why: str) -> Path:
 def _download(spec: HubSpec, selection: Selection, listing: dict[str, Any], commit: str) -> Path:
     """Download what is not cached yet (large files resumably, `hub_blob`), check every downloaded
     file against the listing, return the path to open."""
-    from huggingface_hub import snapshot_download, try_to_load_from_cache
+    from huggingface_hub import snapshot_download
 
-    fresh = [n for n in selection.files if not isinstance(try_to_load_from_cache(spec.repo, n), str)]
+    storage = _cache_dir() / _repo_folder(spec.repo)
+    current = storage / "snapshots" / commit  # the hub's main branch now
+    fresh = [n for n in selection.files if not (current / n).is_file()]
+    if not fresh and _snapshot_dir(spec.repo) == current:  # nothing to download, nothing to update
+        return current / selection.open if selection.open else current
     if fresh:
         print(f"moestream: downloading {_names(fresh)} of {spec.repo}", file=sys.stderr, flush=True)
-    storage = _cache_dir() / _repo_folder(spec.repo)
     blobs = [n for n in fresh if resumable(listing.get(n))]
     for name in blobs:  # hashed as they land
         download_blob(spec.repo, name, commit, listing[name], storage)
