@@ -53,14 +53,25 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--cache", default="512MiB", help="expert cache budget, e.g. 512MiB, 2GiB (default 512MiB)"
+        "--cache",
+        default="auto",
+        help="expert cache budget, e.g. 512MiB, 2GiB, or auto (default): the largest cache that fits in "
+        "the memory left after the trunk, the KV cache at the context, the graphs' buffers and the "
+        "process's libraries, under every memory cgroup and MemAvailable; every expert when they all "
+        "fit (the mode line says which limit decided it)",
     )
     group.add_argument("--device", default="cpu", help="compute device: cpu, cuda or cuda:N (default cpu)")
-    group.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert cache (default: --cache)")
+    group.add_argument(
+        "--gpu-cache",
+        default=None,
+        help="CUDA: GPU expert cache, a size or auto: what free VRAM leaves after the trunk, KV cache and "
+        "activations (default: --cache)",
+    )
     group.add_argument(
         "--host-cache",
-        default="0",
-        help="CUDA: pinned host cache between disk and GPU (default 0: staging only)",
+        default=None,
+        help="CUDA: pinned host cache between disk and GPU, a size (0: staging only) or auto: what RAM "
+        "leaves, none when the GPU holds every expert (default: auto when --cache is, else 0)",
     )
     group.add_argument(
         "--unified",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
+from moestream.engine.auto_budget import size_auto
 from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
 from moestream.engine.kvcache import kv_cache_bytes
@@ -59,7 +60,7 @@ class Generation:
 
 def load(
     path: str,
-    cache: int | str = "512MiB",
+    cache: int | str = "auto",
     device: str = "cpu",
     io_mode: str = "direct",
     io_threads: int = 4,
@@ -73,7 +74,9 @@ def load(
     Args:
         path: checkpoint directory (config.json, *.safetensors, tokenizer files), GGUF file (the first
             part of a split GGUF) or a directory holding one, or hub id.
-        cache: expert cache budget in bytes or as "512MiB"/"2GiB".
+        cache: expert cache budget in bytes, as "512MiB"/"2GiB", or "auto" (the default): the largest
+            cache the machine's memory leaves after the rest of the run, every expert when they all fit
+            (`engine/auto_budget.py`; `mode_line()` says what was chosen and from which limit).
         device: "cpu".
         io_mode: "direct" (O_DIRECT), "pagecache" (buffered reads) or "mmap" (reads through a memory map).
         io_threads: dedicated I/O threads.
@@ -148,6 +151,8 @@ class Engine:
             self._modules = streaming_modules(self.model)
             self.emap.restrict([layer for layer, _ in self._modules])
             self.family = make_family(self.config, self.emap, self.device, self.dtype)
+            # an auto budget: what the memory leaves now that the trunk is in (refused if below the minimum)
+            self.options, self.auto = size_auto(self, self.options)
             self.streaming = self._stream()
         except BaseException:
             self.trunk.unlock()
@@ -276,6 +281,8 @@ class Engine:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
             raise MoestreamError(str(exc)) from None
+        if options.auto:
+            raise MoestreamError("restream takes sizes: an auto budget is sized when the model loads")
         self.check_usable()
         options = plan_restream(self, options)  # against the room the current cache gives back
         recorder, previous = self.recorder, self.options
@@ -290,6 +297,7 @@ class Engine:
             self.streaming = self._stream()
             self.runtime.replay = self.replay
             self.trunk_line = self._trunk_base + self._resident()
+            self.auto = []  # the sizes given now are the ones in use
         except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
             self.options = previous
             try:
@@ -349,7 +357,8 @@ class Engine:
             f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
             f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
             f"{describe_formats(self.runtime.formats)}) | "
-            f"{self._threads_part()} | dtype {str(self.dtype).removeprefix('torch.')} | "
+            + "".join(f"{budget.describe()} | " for budget in self.auto)
+            + f"{self._threads_part()} | dtype {str(self.dtype).removeprefix('torch.')} | "
             f"{self._trunk_part()}{self.trunk_line} | "
             f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
             + (

@@ -277,5 +277,39 @@ class GgmlRunner:
         self.kv = []
 
 
+def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int) -> tuple[int, int]:
+    """(its KV cache, its graph sets at most): the bytes a runner of `spec` takes, known before it is
+    built. The graphs of the largest step shape (a full prefill chunk attending over the whole context)
+    are laid out as `GraphSet` lays them out, over meta tensors (nothing is allocated): the largest
+    graph's scratch and work, the step's buffers, and what a fused graph adds for the routed experts
+    (`inter`: their intermediate size; gate, up and SwiGLU [I, K, T], down [H, K, T], f32), times
+    KEEP_SETS (a long prompt keeps that many prefill sets)."""
+    ctx = _round_up(ctx_size, SPAN_STEP)
+    tokens = min(CHUNK, ctx)
+    with torch.device("meta"):
+        kv = [
+            tuple(torch.empty(ctx, a.kv_heads * a.head_dim, dtype=torch.float16) for _ in range(2))
+            for a in (layer.attention for layer in spec.layers)
+        ]
+        buf = StepBuffers.make(spec, tokens, ctx, experts)
+    build = LayerGraphs(spec, kv, buf)
+    pool = ggml.kernels(threads).pool
+    scratch = work = 0
+    for i in range(len(spec.layers) + 1):
+        net = Net(ggml.library())
+        try:
+            outputs = build.layer(net, spec.layers[i]) if i < len(spec.layers) else build.head(net)
+            net.finish(outputs, threads, pool)
+            scratch, work = max(scratch, net.scratch_bytes), max(work, net.work_bytes)
+        finally:
+            net.close()
+    moe = any(layer.router is not None for layer in spec.layers)
+    fused = 4 * spec.top_k * tokens * (3 * inter + spec.hidden) if moe else 0
+    held = [t for t in vars(buf).values() if isinstance(t, torch.Tensor)]
+    held += [t for v in vars(buf).values() if isinstance(v, tuple) for t in v]
+    buffers = sum(t.nbytes for t in held)
+    return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_SETS * (scratch + work + fused + buffers)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()

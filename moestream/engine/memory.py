@@ -49,8 +49,10 @@ class MemoryNeed:
         return " + ".join(f"{name} ({format_size(n)})" for name, n in self.parts if n)
 
 
-def check_memory(need: MemoryNeed, rooms: list[Room], cache_part: str = "the expert cache") -> None:
-    """Refuse `need` when it exceeds the tightest room.
+def check_memory(
+    need: MemoryNeed, rooms: list[Room], cache_part: str = "the expert cache", minimum: int = 1
+) -> None:
+    """Refuse `need` when it exceeds the tightest room (`minimum`: the smallest cache the model runs with).
 
     Raises:
         MemoryBudgetError: naming every part of the need, the limit and the largest cache that fits.
@@ -62,11 +64,15 @@ def check_memory(need: MemoryNeed, rooms: list[Room], cache_part: str = "the exp
         return
     others = need.total - dict(need.parts).get(cache_part, 0)
     fits = room.nbytes - others
-    advice = (
-        f"use a cache of at most {format_size(fits)}"
-        if fits > 0
-        else "nothing fits besides the cache: free memory or raise the limit"
-    )
+    if fits >= minimum:
+        advice = f"use a cache of at most {format_size(fits)}"
+    elif fits > 0:
+        advice = (
+            f"that leaves {format_size(fits)}, less than the smallest cache this model runs with "
+            f"({format_size(minimum)}): free memory or raise the limit"
+        )
+    else:
+        advice = "nothing fits besides the cache: free memory or raise the limit"
     raise MemoryBudgetError(
         f"{need.describe()} need {format_size(need.total)}, but this process may use only "
         f"{format_size(max(room.nbytes, 0))} more ({room.why}); {advice}"
@@ -167,14 +173,15 @@ def memlock_room(root: Path = Path("/")) -> Room | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY:
         return None
-    status = _status(root)
+    status = process_status(root)
     if int(status.get("CapEff", "0"), 16) >> CAP_IPC_LOCK & 1:
         return None
     locked = int(status.get("VmLck", "0 kB").split()[0]) * 1024
     return Room(soft - locked, f"RLIMIT_MEMLOCK (ulimit -l) is {format_size(soft)}")
 
 
-def _status(root: Path) -> dict[str, str]:
+def process_status(root: Path = Path("/")) -> dict[str, str]:
+    """/proc/self/status as name -> value text (empty when it cannot be read)."""
     try:
         lines = (root / "proc/self/status").read_text().splitlines()
     except OSError:

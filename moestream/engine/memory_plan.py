@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from moestream.cache.expert_cache import budget_requirements
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.memory import (
     WORKING_BYTES,
@@ -16,7 +17,7 @@ from moestream.engine.memory import (
     memlock_room,
     memory_rooms,
 )
-from moestream.engine.options import EngineOptions
+from moestream.engine.options import AUTO, EngineOptions
 from moestream.model.loader import trunk_tensors
 from moestream.runtime.streaming import host_cache_bytes
 from moestream.store.tensors import LazyTensor, QuantizedTensor
@@ -71,9 +72,21 @@ def memory_need(engine: Any, options: EngineOptions, tensors: dict[str, Any] | N
 
 def plan_memory(engine: Any, options: EngineOptions, tensors: dict[str, Any] | None = None) -> EngineOptions:
     """Refuse a run that cannot fit (MemoryBudgetError); the options to run with (unlocked where
-    RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`."""
+    RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`. An auto budget is checked at its
+    smallest here, before anything is read, and sized once the trunk is in (`auto_budget.size_auto`)."""
+    part = CACHE if engine.device.type != "cuda" else "the pinned staging slots"
+    if options.auto:
+        minimum = budget_requirements(engine.emap, engine.top_k)[0]
+        smallest = {
+            name: minimum if value == AUTO else value
+            for name, value in (("cache", options.cache), ("gpu_cache", options.gpu_cache))
+        }
+        host = 0 if options.host_cache == AUTO else options.host_cache
+        smallest = dataclasses.replace(options, **smallest, host_cache=host)
+        check_memory(memory_need(engine, smallest, tensors), memory_rooms(), part, minimum=minimum)
+        return options  # locking is checked for the size chosen
     need = memory_need(engine, options, tensors)
-    check_memory(need, memory_rooms(), CACHE if engine.device.type != "cuda" else "the pinned staging slots")
+    check_memory(need, memory_rooms(), part)
     if options.lock_memory and not lock_allowed(need, memlock_room()):
         return dataclasses.replace(options, lock_memory=False)
     return options

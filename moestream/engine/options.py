@@ -9,6 +9,8 @@ from moestream.runtime.prefetch import MODES as PREFETCH_MODES
 from moestream.runtime.streaming import POLICY_CLASSES, StreamConfig
 from moestream.units import parse_size
 
+AUTO = "auto"  # a budget sized from the machine at load (engine/auto_budget.py)
+
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
@@ -26,7 +28,9 @@ TRUNK_MODES = ("auto", "ggml", "graphs", "layer-graphs", "static", "eager")
 class EngineOptions:
     """How a model is streamed. See `moestream.load` for the meaning of each field."""
 
-    cache: int | str = "512MiB"
+    # "auto": the largest cache the machine's memory leaves after the rest of the run (every expert when
+    # they all fit), decided at load (engine/auto_budget.py); or a size
+    cache: int | str = AUTO
     device: str = "cpu"
     io_mode: str = "direct"
     io_threads: int = 4
@@ -35,8 +39,10 @@ class EngineOptions:
     dtype: str = "auto"
     trunk_dtype: str | None = None  # dequantize block-type trunk weights into this dtype (None: keep them)
     lock_memory: bool = True
-    gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`)
-    host_cache: int | str = 0  # CUDA: pinned host slots between disk and GPU (0: staging only)
+    gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`; "auto": free VRAM's)
+    # CUDA: pinned host slots between disk and GPU (0: staging only; "auto": what RAM leaves; default auto
+    # when `cache` is, else 0)
+    host_cache: int | str | None = None
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
     policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
     # read the next layer's confident stale-gate guesses while this layer computes: "off" (or False), "on"
@@ -49,10 +55,12 @@ class EngineOptions:
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
-        self.cache = parse_size(self.cache)
+        self.cache = _size_or_auto(self.cache)
         self.piece = parse_size(self.piece)
-        self.gpu_cache = self.cache if self.gpu_cache is None else parse_size(self.gpu_cache)
-        self.host_cache = parse_size(self.host_cache)
+        self.gpu_cache = self.cache if self.gpu_cache is None else _size_or_auto(self.gpu_cache)
+        if self.host_cache is None:
+            self.host_cache = AUTO if self.cache == AUTO else 0
+        self.host_cache = _size_or_auto(self.host_cache)
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device {self.device!r} is not supported (supported: cpu, cuda, cuda:N)")
         if self.device.startswith("cuda"):
@@ -92,6 +100,18 @@ class EngineOptions:
         if self.trunk_dtype is not None and self.trunk_dtype not in DTYPES[1:]:
             raise ValueError(f"trunk dtype {self.trunk_dtype!r} is not one of {', '.join(DTYPES[1:])}")
 
+    @property
+    def auto(self) -> bool:
+        """Whether a budget is still to be sized from the machine (`engine/auto_budget.py`)."""
+        return AUTO in (self.cache, self.gpu_cache, self.host_cache)
+
     def stream_config(self) -> StreamConfig:
-        """The fields that decide how experts are streamed."""
+        """The fields that decide how experts are streamed (every budget sized: no "auto" left)."""
+        if self.auto:
+            raise ValueError("an auto budget is sized at load, before the streaming is built")
         return StreamConfig(**{f.name: getattr(self, f.name) for f in fields(StreamConfig)})
+
+
+def _size_or_auto(value: int | str) -> int | str:
+    """The string auto as is, else bytes."""
+    return AUTO if isinstance(value, str) and value.strip().lower() == AUTO else parse_size(value)

@@ -1,0 +1,250 @@
+"""`auto` budgets: the expert cache sized from the machine's memory at load, every expert when all fit.
+
+An auto budget is sized after the trunk is read (on a GPU, moved there) and before the cache is
+allocated, so the room (`memory_rooms`: every memory cgroup's limit less its unreclaimable usage, and
+MemAvailable) is measured with the trunk already in it. What the room must still keep besides the cache:
+
+- the KV cache at the full context (the ggml runner's F16 tensors, else transformers' in the model's
+  dtype), allocated after the cache;
+- the ggml runner's graph buffers: laid out before they exist (`ggml_runner.planned_bytes`);
+- the pages of the files the process has mapped and touched, its libraries (torch, ggml, the
+  tokenizer's), measured as RssFile in /proc/self/status: the cgroup's usage and MemAvailable count
+  them as page cache that can be given back, but the process runs from them, and reclaimed they are
+  read again on every call into them;
+- working memory (WORKING_BYTES: torch's glue between graphs, the tokenizer, the allocator's slack);
+- a margin of 1/MARGIN_SHARE of the room: what the kernel charges besides the process's pages (the page
+  tables of a locked cache, slab) and the arenas glibc gives each I/O and compute thread.
+
+On CUDA the GPU tier is sized from the free VRAM (`torch.cuda.mem_get_info`, the trunk already there)
+less the KV cache and the activations, and the pinned host tier from RAM (none when the GPU tier holds
+every expert); unified memory (one tier of host memory the GPU reads in place) is one budget from RAM
+that also keeps the KV cache and the activations. An explicit size wins over auto, tier by tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moestream.cache.expert_cache import budget_requirements, planned_bytes
+from moestream.engine.memory import (
+    WORKING_BYTES,
+    MemoryNeed,
+    Room,
+    check_memory,
+    lock_allowed,
+    memlock_room,
+    memory_rooms,
+    process_status,
+)
+from moestream.engine.options import AUTO, EngineOptions
+from moestream.model.arch import text_config
+from moestream.units import format_size
+
+MARGIN_SHARE = 32  # 1/32 of the room is left unused (see the module's docstring)
+GPU_RESERVE = 512 << 20  # CUDA: cuBLAS workspaces, the caching allocator's blocks, CUDA graphs' pools
+_EVERY = 1 << 62  # a budget past any checkpoint: `planned_bytes` of it is every expert's slots
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """One tier's auto budget: the bytes chosen, from which limit, and what that limit had to keep."""
+
+    tier: str  # "cache", "GPU tier", "host tier", "unified memory cache"
+    nbytes: int  # the budget chosen (0: the tier is not used)
+    every: int  # the budget that holds every expert
+    room: Room  # the tightest limit, as measured when the budget was chosen
+    kept: tuple[tuple[str, int], ...]  # what the room keeps besides the tier, margin included
+
+    @property
+    def holds_all(self) -> bool:
+        return self.nbytes >= self.every
+
+    def describe(self) -> str:
+        """The mode line's account of the choice: what, and from which limit."""
+        limit = f"tightest limit: {self.room.why}"
+        if self.holds_all:
+            return f"auto {self.tier}: every expert, nothing streamed ({format_size(self.every)}; {limit})"
+        if self.nbytes == 0:
+            return f"auto {self.tier}: none, staging slots only ({limit})"
+        kept = " + ".join(f"{name} {format_size(n)}" for name, n in self.kept if n)
+        return (
+            f"auto {self.tier}: the largest that fits ({limit}; {format_size(self.room.nbytes)} left, "
+            f"less {kept})"
+        )
+
+
+def largest_fit(
+    tier: str,
+    room: Room,
+    kept: list[tuple[str, int]],
+    every: int,
+    minimum: int,
+    allocated: Callable[[int], int] = lambda budget: budget,
+) -> AutoBudget:
+    """The largest budget, at most `every`, whose allocation (`allocated(budget)`) fits `room` after
+    `kept` and the margin.
+
+    Raises:
+        MemoryBudgetError: not even `minimum` fits (the parts, the limit and the minimum named).
+    """
+    kept = [*kept, (f"a margin of 1/{MARGIN_SHARE}", max(room.nbytes, 0) // MARGIN_SHARE)]
+    free = room.nbytes - sum(n for _, n in kept)
+    smallest = f"the {tier} at its smallest"
+    check_memory(MemoryNeed([(smallest, allocated(minimum)), *kept]), [room], smallest, minimum=minimum)
+    budget = min(every, free)
+    while budget > minimum and allocated(budget) > free:  # size classes round up to top-k slots each
+        budget = max(minimum, budget - (allocated(budget) - free))
+    return AutoBudget(tier, budget, every, room, tuple(kept))
+
+
+def cuda_split(
+    gpu_room: Room,
+    gpu_kept: list[tuple[str, int]],
+    gpu_every: int,
+    gpu_minimum: int,
+    host_room: Room,
+    host_kept: list[tuple[str, int]],
+    host_every: int,
+    host_minimum: int,
+    gpu_given: int | None = None,
+) -> tuple[AutoBudget, AutoBudget]:
+    """(GPU tier, pinned host tier): the GPU tier `gpu_given`, or the largest that free VRAM leaves
+    after `gpu_kept`; the host tier none (0: staging only) when the GPU tier holds every expert or RAM
+    has no room past the staging slots, else the largest that RAM leaves after `host_kept`.
+
+    Raises:
+        MemoryBudgetError: the GPU has no room for its smallest tier (top-k slots).
+    """
+    if gpu_given is None:
+        gpu = largest_fit("GPU tier", gpu_room, gpu_kept, gpu_every, gpu_minimum)
+    else:
+        gpu = AutoBudget("GPU tier", gpu_given, gpu_every, gpu_room, ())
+    host_kept = [*host_kept, (f"a margin of 1/{MARGIN_SHARE}", max(host_room.nbytes, 0) // MARGIN_SHARE)]
+    free = host_room.nbytes - sum(n for _, n in host_kept)
+    host = 0 if gpu.holds_all or free < host_minimum else min(host_every, free)
+    return gpu, AutoBudget("host tier", host, host_every, host_room, tuple(host_kept))
+
+
+def mapped_file_bytes(root: Path = Path("/")) -> int:
+    """Resident pages of the files the process maps (RssFile): its libraries, measured."""
+    return int(process_status(root).get("RssFile", "0 kB").split()[0]) * 1024
+
+
+def size_auto(engine: Any, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
+    """`options` with every auto budget sized for the loaded `engine` (its trunk read, its family made;
+    unlocked where RLIMIT_MEMLOCK forbids locking what was chosen), and the budgets' accounts for the
+    mode line; unchanged (and no accounts) without auto.
+
+    Raises:
+        MemoryBudgetError: the machine has no room for the smallest cache.
+    """
+    if not options.auto:
+        return options, []
+    sized, accounts = _size(engine, options)
+    return _lock_check(engine, sized), accounts
+
+
+def _size(engine: Any, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
+    emap, top_k = engine.emap, engine.top_k
+    host_every = planned_bytes(emap, _EVERY, top_k)
+    host_minimum = budget_requirements(emap, top_k)[0]
+    fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
+    libraries = [("the libraries' mapped files", mapped_file_bytes()), ("working memory", WORKING_BYTES)]
+    # the tightest limit; where none could be read, nothing bounds the cache but the experts
+    room = min(memory_rooms(), key=lambda r: r.nbytes, default=Room(_EVERY, "no memory limit could be read"))
+    kv = (f"the KV cache at {engine.ctx_size} tokens", engine._kv_bytes())
+    one_tier = engine.device.type != "cuda"
+    if not one_tier:
+        from moestream.runtime.streaming import uses_unified_memory
+
+        activations = ("activations", activation_bytes(engine.config, engine.ctx_size))
+        if not uses_unified_memory(options.unified, engine.device):
+            return _size_cuda(engine, options, room, [kv, activations], libraries)
+    if options.cache != AUTO:  # an explicit size wins (the CUDA tier sizes do not apply to one tier)
+        return dataclasses.replace(options, gpu_cache=options.cache, host_cache=0), []
+    if one_tier:
+        cache = largest_fit(
+            "cache", room, [*_runner_parts(engine, kv), *libraries], host_every, host_minimum, fit
+        )
+    else:  # unified memory: the KV cache and the activations are in the same memory as the cache
+        kept = [kv, activations, *libraries]
+        cache = largest_fit("unified memory cache", room, kept, host_every, host_minimum, fit)
+    return dataclasses.replace(options, cache=cache.nbytes, gpu_cache=cache.nbytes, host_cache=0), [cache]
+
+
+def _size_cuda(
+    engine: Any,
+    options: EngineOptions,
+    host_room: Room,
+    gpu_kept: list[tuple[str, int]],
+    host_kept: list[tuple[str, int]],
+) -> tuple[EngineOptions, list[AutoBudget]]:
+    """The GPU and host tiers (those asked to be auto) for a GPU-slot device."""
+    import torch
+
+    from moestream.runtime.cuda import gpu_layout
+
+    emap, top_k = engine.emap, engine.top_k
+    slot = max(gpu_layout(emap, key, engine.family.fusions)[1] for key in emap.units)
+    free, total = torch.cuda.mem_get_info(engine.device)
+    gpu_room = Room(free, f"{format_size(free)} of the GPU's {format_size(total)} free")
+    gpu_auto = options.gpu_cache == AUTO
+    gpu, host = cuda_split(
+        gpu_room,
+        [*gpu_kept, ("CUDA workspaces", GPU_RESERVE)],
+        slot * len(emap.units),
+        slot * top_k,
+        host_room,
+        host_kept,
+        planned_bytes(emap, _EVERY, top_k),
+        budget_requirements(emap, top_k)[0],
+        gpu_given=None if gpu_auto else options.gpu_cache,
+    )
+    host_auto = options.host_cache == AUTO
+    accounts = [tier for tier, auto in ((gpu, gpu_auto), (host, host_auto)) if auto]
+    host_cache = host.nbytes if host_auto else options.host_cache
+    sized = dataclasses.replace(options, cache=gpu.nbytes, gpu_cache=gpu.nbytes, host_cache=host_cache)
+    return sized, accounts
+
+
+def _runner_parts(engine: Any, kv: tuple[str, int]) -> list[tuple[str, int]]:
+    """The KV cache and, under the ggml graphs, their buffers: what the CPU trunk takes after the cache."""
+    if engine._spec is None:
+        return [kv]
+    from moestream.engine.ggml_runner import planned_bytes as runner_bytes
+    from moestream.model.arch import num_experts
+
+    cfg = text_config(engine.config)
+    inter = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    kv_bytes, graphs = runner_bytes(
+        engine._spec, engine.ctx_size, num_experts(engine.config), inter, engine.threads
+    )
+    return [(f"the F16 KV cache at {engine.ctx_size} tokens", kv_bytes), ("the ggml graphs' buffers", graphs)]
+
+
+def activation_bytes(config: Any, ctx_size: int) -> int:
+    """CUDA: a prefill of the whole context at once (transformers does not chunk it), f32: per token
+    16 hidden-size vectors (residual, norms, q/k/v/o, the experts' summed output) and, per routed expert,
+    its gate, up and product (3 intermediate-size vectors)."""
+    cfg = text_config(config)
+    hidden = int(cfg.hidden_size)
+    inter = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "experts_per_token", 1))
+    return 4 * ctx_size * (16 * hidden + 3 * k * inter)
+
+
+def _lock_check(engine: Any, options: EngineOptions) -> EngineOptions:
+    """As `plan_memory`'s lock check, for the host slots the budget was sized to: unlocked (said once)
+    where RLIMIT_MEMLOCK forbids locking them."""
+    from moestream.runtime.streaming import host_cache_bytes
+
+    if not options.lock_memory:
+        return options
+    host = host_cache_bytes(engine.emap, options.stream_config(), engine.top_k, engine.device)
+    if lock_allowed(MemoryNeed([("the expert cache", host)], locked=host), memlock_room()):
+        return options
+    return dataclasses.replace(options, lock_memory=False)
