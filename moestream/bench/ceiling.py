@@ -31,18 +31,37 @@ class ReadRate:
     io_threads: int
     piece: int
     measured: bool = True  # False: given by the user (`--read-rate`), not measured
+    samples: tuple[float, ...] = ()  # bytes/s of each measurement combined into this one
 
     @property
     def bytes_per_s(self) -> float:
         return self.nbytes / self.seconds
 
+    @classmethod
+    def combine(cls, parts: list[ReadRate]) -> ReadRate:
+        """Several measurements as one: all their bytes over all their seconds."""
+        first = parts[0]
+        return cls(
+            sum(p.nbytes for p in parts),
+            sum(p.seconds for p in parts),
+            first.io_mode,
+            first.io_threads,
+            first.piece,
+            samples=tuple(p.bytes_per_s for p in parts),
+        )
+
     def line(self) -> str:
         rate = f"{self.bytes_per_s / (1 << 30):.3f} GiB/s"
         if not self.measured:
             return f"{rate} (given)"
+        each = ""
+        if len(self.samples) > 1:
+            each = f" in {len(self.samples)} samples of " + ", ".join(
+                f"{x / (1 << 30):.3f}" for x in self.samples
+            )
         return (
-            f"{rate} ({self.nbytes / (1 << 30):.2f} GiB of random whole experts in {self.seconds:.1f} s; "
-            f"io {self.io_mode}, {self.io_threads} io threads, {self.piece >> 10} KiB pieces)"
+            f"{rate} ({self.nbytes / (1 << 30):.2f} GiB of random whole experts in {self.seconds:.1f} s"
+            f"{each}; io {self.io_mode}, {self.io_threads} io threads, {self.piece >> 10} KiB pieces)"
         )
 
 

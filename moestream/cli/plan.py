@@ -14,6 +14,7 @@ from moestream.cli._engine_args import add_model_argument, model_path
 from moestream.errors import MoestreamError
 from moestream.units import parse_size
 
+DEFAULT_READ_SECONDS = 4.0
 POLICIES = ("lru", "lfu", "predictive")  # the ones a live engine runs (`--policy` of generate)
 AUTO_MISSING = "the auto budget is not shown: this moestream has no automatic cache budget (`--cache auto`)"
 
@@ -82,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--read-seconds",
         type=float,
         default=None,
-        help="how long the read rate is measured (default 2.5 s)",
+        help=f"how long the read rate is measured, in two samples: before and after the compute "
+        f"(default {DEFAULT_READ_SECONDS:g} s in all)",
     )
     disk.add_argument("--io-threads", type=int, default=4, help="I/O threads (default 4, the engine's)")
     disk.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB, the engine's)")
@@ -126,11 +128,19 @@ def run(args: argparse.Namespace) -> int:
     if given is not None:
         fit_trace(given, emap, top_k, sizes, args.trace)  # a trace of another model fails before measuring
     prompts = _prompts(args)
+    # the disk's rate is sampled before and after the compute: it drifts on a shared machine
+    rates = [_read_rate(args, emap, top_k, 1, 2)]
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         record = None if given is not None else Path(args.save_trace or Path(tmp) / "plan-trace.parquet")
         compute = _measure_compute(path, prompts, args.max_tokens, record, sizes, options)
         trace = given if record is None else _read(record)
-    rate = _read_rate(args, emap)
+    if rates[0].measured:
+        from moestream.bench.ceiling import ReadRate
+
+        rates.append(_read_rate(args, emap, top_k, 2, 2))
+        rate = ReadRate.combine(rates)
+    else:
+        rate = rates[0]
     trace = fit_trace(trace, emap, top_k, sizes, args.trace or "recorded here")
     rows, notes = plan_rows(trace, budgets, args.policy, compute.ms_per_token, rate.bytes_per_s)
     _report(args, path, trace, rows, notes, compute, rate, prompts, given is None)
@@ -150,7 +160,7 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
             "--read-seconds sets how long the read rate is measured; with --read-rate it is not"
         )
     if args.read_seconds is None:
-        args.read_seconds = 2.5
+        args.read_seconds = DEFAULT_READ_SECONDS
     if args.read_seconds <= 0:
         raise MoestreamError(f"--read-seconds must be positive, got {args.read_seconds}")
     if args.trace and args.save_trace:
@@ -238,7 +248,9 @@ def _measure_compute(
         return measure_compute(engine, prompts, max_tokens, record)
 
 
-def _read_rate(args: argparse.Namespace, emap: Any) -> Any:
+def _read_rate(args: argparse.Namespace, emap: Any, top_k: int, sample: int, samples: int) -> Any:
+    """The given read rate, or sample `sample` of `samples`, each `--read-seconds` / `samples` long,
+    top-k experts in flight (a layer's misses)."""
     from moestream.bench.ceiling import ReadRate, measure_read_rate
 
     if args.read_rate:
@@ -249,10 +261,12 @@ def _read_rate(args: argparse.Namespace, emap: Any) -> Any:
         if rate < 1:
             raise MoestreamError(f"--read-rate must be positive, got {args.read_rate}")
         return ReadRate(rate, 1.0, "direct", args.io_threads, parse_size(args.piece), measured=False)
-    print(f"moestream plan: measuring the disk's read rate for {args.read_seconds:g} s", file=sys.stderr)
-    return measure_read_rate(
-        emap, args.read_seconds, "direct", args.io_threads, parse_size(args.piece), depth=8
+    seconds = args.read_seconds / samples
+    print(
+        f"moestream plan: measuring the disk's read rate for {seconds:g} s ({sample} of {samples})",
+        file=sys.stderr,
     )
+    return measure_read_rate(emap, seconds, "direct", args.io_threads, parse_size(args.piece), depth=top_k)
 
 
 def _report(

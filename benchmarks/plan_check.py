@@ -1,0 +1,177 @@
+"""`moestream plan` against real runs: predicted and measured decode tok/s at three cache budgets.
+
+Each round runs `moestream plan CHECKPOINT --json` (its own trace, read rate and compute cost), then one
+real run per budget, every process started after the page cache is dropped (root), the budgets' order
+rotated from round to round, so that the plan and the runs it predicts are measured close together on a
+shared, noisy machine. Two routings:
+
+- the checkpoint's own (default): plan records the routing of `--prompt` (`--max-tokens` tokens), and
+  each real run is `moestream generate CHECKPOINT --prompt ... --ignore-eos --cache BUDGET --json`, the
+  same greedy tokens, so the simulator's MiB/token must equal the measured one;
+- a given trace (`--trace FILE`, e.g. the trained fixture's learned routing recorded with `moestream
+  generate ../shared/fixtures/stdlib-moe-8x64 --trace FILE`, on a synthetic checkpoint of the same
+  layers, experts and top-k at real expert size): `plan --trace FILE`, and each real run is
+  `moestream generate CHECKPOINT --replay-routing FILE --cache BUDGET --json`.
+
+    python benchmarks/plan_check.py CHECKPOINT --budgets 512MiB,2GiB,4GiB [--trace FILE] [--rounds 2]
+
+Prints one line per (round, budget) and a summary: measured / predicted tok/s for the serial model
+(compute + read, what plan reports) and the overlapped one (max of the two), target within 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MOESTREAM = [sys.executable, "-m", "moestream"]
+DEFAULT_PROMPT = "Explain, step by step, why the sky is blue during the day and red at sunset."
+
+
+def drop_page_cache() -> bool:
+    """sync; echo 3 > drop_caches (needs root). Returns whether it worked."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def run_json(cmd: list[str]) -> dict:
+    """Run a moestream command; its stdout's last line that is a JSON object (or the whole of it)."""
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    try:
+        return json.loads(out.stdout)
+    except json.JSONDecodeError:
+        line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("{"))
+        return json.loads(line)
+
+
+def plan(args: argparse.Namespace, trace_out: Path) -> dict:
+    cmd = [*MOESTREAM, "plan", args.checkpoint, "--budgets", args.budgets, "--json", *threads(args)]
+    if args.trace:
+        cmd += ["--trace", args.trace]
+    else:
+        cmd += ["--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--save-trace", str(trace_out)]
+    return run_json(cmd)
+
+
+def threads(args: argparse.Namespace) -> list[str]:
+    return [] if args.threads is None else ["--threads", str(args.threads)]
+
+
+def real_run(args: argparse.Namespace, budget: str) -> dict:
+    """A real run's decode figures: tok/s, MiB/token, tokens."""
+    cmd = [*MOESTREAM, "generate", args.checkpoint, "--cache", budget, "--json", *threads(args)]
+    if args.trace:
+        cmd += ["--replay-routing", args.trace]
+    else:
+        cmd += ["--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos"]
+    stats = run_json(cmd)["stats"]
+    decode = stats["decode"]
+    return {
+        "tok_s": stats["decode_tok_s"],
+        "mib_per_token": decode["bytes_read"] / (1 << 20) / max(1, decode["tokens"]),
+        "tokens": decode["tokens"],
+        "read_gib_s": decode["bytes_read"] / (1 << 30) / decode["seconds"] if decode["seconds"] else 0.0,
+    }
+
+
+def parse_size(text: str) -> int:
+    from moestream.units import parse_size as parse
+
+    return parse(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--budgets", default="512MiB,2GiB,4GiB", help="three cache budgets")
+    parser.add_argument(
+        "--trace", help="replay this trace's routing (plan --trace, generate --replay-routing)"
+    )
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--threads", "-t", type=int, help="compute threads of plan and the runs (default theirs)"
+    )
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args()
+    budgets = [b.strip() for b in args.budgets.split(",")]
+    results = []
+    print(
+        f"date {time.strftime('%Y-%m-%dT%H:%M:%S%z')}; routing: {args.trace or 'the checkpoint own'}; "
+        f"threads {args.threads or 'default'}"
+    )
+    head = (
+        f"{'round':>5} {'budget':>8} {'MiB/tok pred':>12} {'meas':>7} {'compute ms':>10} "
+        f"{'read GiB/s plan':>15} {'while decoding':>14} {'tok/s pred':>10} {'overlap':>8} {'meas':>7} "
+        f"{'meas/pred':>9} {'meas/overlap':>12}"
+    )
+    print(head)
+    with tempfile.TemporaryDirectory(prefix="plan-check-") as tmp:
+        for round_ in range(args.rounds):
+            dropped = drop_page_cache()
+            predicted = plan(args, Path(tmp) / f"trace{round_}.parquet")
+            rows = {r["budget_bytes"]: r for r in predicted["rows"]}
+            order = budgets[round_ % len(budgets) :] + budgets[: round_ % len(budgets)]
+            for budget in order:
+                dropped = drop_page_cache() and dropped
+                real = real_run(args, budget)
+                row = rows[parse_size(budget)]
+                result = {
+                    "round": round_,
+                    "budget": budget,
+                    "predicted": row,
+                    "read_bytes_per_s": predicted["read_bytes_per_s"],
+                    "compute_ms_per_token": predicted["compute_ms_per_token"],
+                    "synthetic_routing": predicted["synthetic_routing"],
+                    "measured": real,
+                    "page_cache_dropped": dropped,
+                    "ratio": real["tok_s"] / row["tok_s"],
+                    "ratio_overlap": real["tok_s"] / row["overlap_tok_s"],
+                }
+                results.append(result)
+                print(
+                    f"{round_:>5} {budget:>8} {row['mib_per_token']:>12.1f} {real['mib_per_token']:>7.1f} "
+                    f"{predicted['compute_ms_per_token']:>10.1f} "
+                    f"{predicted['read_bytes_per_s'] / (1 << 30):>15.3f} {real['read_gib_s']:>14.3f} "
+                    f"{row['tok_s']:>10.2f} {row['overlap_tok_s']:>8.2f} {real['tok_s']:>7.2f} "
+                    f"{result['ratio']:>9.2f} {result['ratio_overlap']:>12.2f}",
+                    flush=True,
+                )
+    summarize(results, budgets)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def summarize(results: list[dict], budgets: list[str]) -> None:
+    print()
+    print(f"{'budget':>8} {'mean meas/pred (serial)':>24} {'mean meas/overlap':>18}")
+    worst = {"serial": 0.0, "overlap": 0.0}
+    for budget in budgets:
+        mine = [r for r in results if r["budget"] == budget]
+        serial = sum(r["ratio"] for r in mine) / len(mine)
+        overlap = sum(r["ratio_overlap"] for r in mine) / len(mine)
+        worst["serial"] = max(worst["serial"], *(abs(r["ratio"] - 1) for r in mine))
+        worst["overlap"] = max(worst["overlap"], *(abs(r["ratio_overlap"] - 1) for r in mine))
+        print(f"{budget:>8} {serial:>24.2f} {overlap:>18.2f}")
+    for model, err in worst.items():
+        verdict = "within 20%" if err <= 0.2 else "NOT within 20%"
+        print(f"{model}: worst single run off by {err:.0%}: {verdict}")
+    if not all(r["page_cache_dropped"] for r in results):
+        print("the page cache could not be dropped (not root): runs may have read from it")
+
+
+if __name__ == "__main__":
+    main()
