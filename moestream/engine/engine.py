@@ -25,6 +25,7 @@ from moestream.engine.prompt_cache import KVState, PromptCache
 from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters, GenerationStats, PhaseStats
 from moestream.engine.trunk import ggml_spec, release_trunk, resident_part, setup_trunk
+from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
 from moestream.ggml.host import default_threads
@@ -90,8 +91,10 @@ def load(
             model's maximum and 8192).
 
     Raises:
-        MoestreamError: the checkpoint is missing, malformed or unsupported, or the budget is too small.
+        MoestreamError: the checkpoint is missing, malformed or unsupported, the budget is too small, or
+            an option cannot take effect here (a CUDA tier size on the CPU, say: `engine/unused.py`).
     """
+    refuse_unused(device, extra)
     try:
         options = EngineOptions(
             cache=cache,
@@ -135,6 +138,9 @@ class Engine:
         self.closed, self.broken = False, None  # see `unavailable`
         keep = options.trunk_dtype is None
         stored = trunk_tensors(self.source, self.config, self.arch, self.emap, keep)  # nothing read yet
+        self.has_block_trunk = _has_blocks(
+            stored if keep else trunk_tensors(self.source, self.config, self.arch, self.emap)
+        )
         # before anything is read or locked: a run that cannot fit is refused with the numbers
         self.options = plan_memory(self, self.options, stored)
         dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
@@ -181,6 +187,7 @@ class Engine:
         self.recorder: Any = None
         self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
         self._requests = 0
+        warn_unused(self)
 
     @property
     def cache(self) -> ExpertCache:
@@ -696,6 +703,13 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _has_blocks(tensors: dict[str, Any]) -> bool:
+    """Whether the trunk stores weights in GGUF block types (what --trunk-dtype dequantizes)."""
+    from moestream.store.tensors import QuantizedTensor
+
+    return any(isinstance(t, QuantizedTensor) for t in tensors.values())
 
 
 def _override_top_k(config: Any, k: int) -> None:

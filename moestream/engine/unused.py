@@ -1,0 +1,82 @@
+"""No silent no-ops: an engine option that cannot take effect where it is used is refused (one sentence,
+MoestreamError) or, where it is harmless, warned about once with the reason (`warnings.warn`, which the
+CLI prints as one line).
+
+`refuse_unused` looks at the options alone (before anything is read); `warn_unused` at the loaded engine
+(what the checkpoint stores, what the cache holds).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from moestream.errors import MoestreamError
+
+# values of the CUDA tier sizes that mean "not given" (the CLI's defaults, and the sizing logic's "auto")
+_UNSET = (None, "auto", 0, "0")
+_CUDA_ONLY = {
+    "gpu_cache": "--gpu-cache (gpu_cache)",
+    "host_cache": "--host-cache (host_cache)",
+    "unified": "--unified (unified)",
+}
+
+
+def refuse_unused(device: str, given: dict[str, Any]) -> None:
+    """Refuse `given` options (the engine options a caller passed) that `device` would ignore.
+
+    Raises:
+        MoestreamError: a CUDA tier option on the CPU; a GPU slot size with unified memory; --dtype and
+            --trunk-dtype naming different dtypes (a dequantized trunk is computed in its own).
+    """
+    cuda = str(device).startswith("cuda")
+    named = [flag for name, flag in _CUDA_ONLY.items() if given.get(name) not in _UNSET]
+    if named and not cuda:
+        raise MoestreamError(
+            f"{' and '.join(named)} {'apply' if len(named) > 1 else 'applies'} to the CUDA tiers "
+            "(--device cuda) only; on the CPU the expert cache is --cache"
+        )
+    if cuda and given.get("unified") is True:
+        tiers = [flag for flag in named if not flag.startswith("--unified")]
+        if tiers:
+            raise MoestreamError(
+                f"{' and '.join(tiers)} size the GPU slot tiers, which --unified replaces with one tier of "
+                "device-mapped host memory: --cache sets its size"
+            )
+    dtype, trunk_dtype = given.get("dtype", "auto"), given.get("trunk_dtype")
+    if trunk_dtype is not None and dtype not in (None, "auto", trunk_dtype):
+        raise MoestreamError(
+            f"--dtype {dtype} and --trunk-dtype {trunk_dtype} disagree: a dequantized trunk is computed "
+            "in its own dtype; give one of them"
+        )
+
+
+def warn_unused(engine: Any) -> None:
+    """Warn once about options the loaded engine honours in name only."""
+    options = engine.options
+    if options.trunk_dtype is not None and not engine.has_block_trunk:
+        warnings.warn(
+            f"--trunk-dtype {options.trunk_dtype}: {engine.path.name} stores no non-expert weight in GGUF "
+            f"block types, so there is nothing to dequantize; the trunk is computed in "
+            f"{options.trunk_dtype}, as --dtype {options.trunk_dtype} would do",
+            stacklevel=3,
+        )
+    if engine.device.type == "cuda" and not options.lock_memory:
+        warnings.warn(
+            "--no-mlock: on a CUDA device the host slots are page-locked for the copies to the GPU "
+            "(cudaHostRegister) whatever it says, and the trunk lives on the GPU",
+            stacklevel=3,
+        )
+    holds_all = engine.device.type == "cpu" and engine.cache.capacity >= len(engine.emap.units)
+    if holds_all and options.prefetch != "off":
+        warnings.warn(
+            f"--prefetch {options.prefetch}: the expert cache holds all {len(engine.emap.units)} experts, "
+            "so once each was read there is nothing left to read ahead",
+            stacklevel=3,
+        )
+    if holds_all and options.policy != "lru":
+        warnings.warn(
+            f"--policy {options.policy}: the expert cache holds all {len(engine.emap.units)} experts, so "
+            "nothing is ever evicted and the policy never chooses",
+            stacklevel=3,
+        )
