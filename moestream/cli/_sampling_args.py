@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any
 
 from moestream.errors import MoestreamError
@@ -66,6 +67,13 @@ def sampling_params(args: argparse.Namespace, **override: Any) -> Any:
         ignore_eos=args.ignore_eos,
     )
     try:
-        return SamplingParams(**{**settings, **override})
+        params = SamplingParams(**{**settings, **override})
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
+    unused = params.unused_when_greedy()
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        warnings.warn(
+            f"{flags} only shape sampling: with --temperature 0 (greedy) they change nothing", stacklevel=2
+        )
+    return params

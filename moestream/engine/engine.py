@@ -501,9 +501,15 @@ class Engine:
         """
         self.check_usable()
         try:
-            params = params or SamplingParams(**sampling)
+            given, params = params is None, params or SamplingParams(**sampling)
         except (ValueError, TypeError) as exc:
             raise MoestreamError(str(exc)) from None
+        if given and params.unused_when_greedy():
+            warnings.warn(
+                f"{', '.join(params.unused_when_greedy())} only shape sampling: greedy decoding "
+                "(temperature 0) does not use them",
+                stacklevel=2,
+            )
         ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
         self.check_context(len(ids), params.max_tokens)
         self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output

@@ -66,6 +66,14 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
+    def unused_when_greedy(self) -> list[str]:
+        """The sampling-only settings given (top_p, top_k, min_p, seed) that greedy decoding (temperature
+        0) never reads: the callers warn about them."""
+        if not is_greedy(self.temperature):
+            return []
+        off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None}
+        return [name for name, value in off.items() if getattr(self, name) != value]
+
 
 class PresenceFrequencyPenalty:
     """OpenAI's penalties: logit[j] -= frequency x count(j) + presence x (count(j) > 0), counted over the
