@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from typing import Any
 
 from moestream.cli._power_args import add_gpu_floor_argument
@@ -188,6 +189,14 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not record the stale-gate prediction of the next layers' experts",
     )
+
+
+def warn_trace_predict(args: argparse.Namespace) -> None:
+    """--no-trace-predict changes what --trace records: alone it changes nothing."""
+    if args.no_trace_predict and not args.trace:
+        warnings.warn(
+            "--no-trace-predict changes what --trace records, and no --trace was given", stacklevel=2
+        )
 
 
 def read_chat_template(args: argparse.Namespace) -> str | None:

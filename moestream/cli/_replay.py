@@ -18,6 +18,13 @@ def replay_routing(args: argparse.Namespace) -> int:
 
     if args.trace:
         raise MoestreamError("--replay-routing and --trace cannot be used together")
+    unused = unused_by_replay(args)
+    if unused:
+        raise MoestreamError(
+            f"--replay-routing runs the trace's requests (their prompt and answer lengths, greedy, past "
+            f"EOS), so {', '.join(unused)} would change nothing: leave "
+            f"{'them' if len(unused) > 1 else 'it'} out"
+        )
     with moestream.load(model_path(args), **engine_kwargs(args)) as engine:
         requests = engine.replay_routing(args.replay_routing)
         print(engine.mode_line(), file=sys.stderr, flush=True)
@@ -36,3 +43,20 @@ def replay_routing(args: argparse.Namespace) -> int:
         )
         print(total.line(), file=sys.stderr, flush=True)
     return 0
+
+
+def unused_by_replay(args: argparse.Namespace) -> list[str]:
+    """The options of `generate` given that a routing replay does not read: the prompt, the chat
+    template and every sampling option."""
+    from moestream.cli._sampling_args import add_sampling_arguments
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_sampling_arguments(probe)
+    probe.add_argument("--prompt")
+    probe.add_argument("--chat", action="store_true")
+    probe.add_argument("--chat-template")
+    return [
+        max(action.option_strings, key=len)
+        for action in probe._actions
+        if getattr(args, action.dest, action.default) != action.default
+    ]

@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import threading
+import warnings
 from typing import Any
 
 from moestream.cli._engine_args import (
@@ -19,6 +20,7 @@ from moestream.cli._engine_args import (
     model_path,
     read_chat_template,
     use_chat_template,
+    warn_trace_predict,
 )
 from moestream.cli._sampling_args import add_sampling_arguments, sampling_params
 from moestream.errors import MoestreamError
@@ -54,6 +56,12 @@ def run(args: argparse.Namespace) -> int:
         return replay_routing(args)
     if args.prompt is None:
         raise MoestreamError("generate needs --prompt TEXT (or --replay-routing TRACE)")
+    if args.chat_template is not None and not args.chat:
+        warnings.warn(
+            "--chat-template is used with --chat only: without it the prompt goes in as plain text",
+            stacklevel=2,
+        )
+    warn_trace_predict(args)
     # everything a user can get wrong is checked before the model loads, which can take minutes
     params = sampling_params(args)
     path, template = model_path(args), read_chat_template(args)

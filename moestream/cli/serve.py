@@ -20,6 +20,7 @@ from moestream.cli._engine_args import (
     model_path,
     read_chat_template,
     use_chat_template,
+    warn_trace_predict,
 )
 from moestream.errors import MoestreamError
 from moestream.server.guard import DEFAULT_MAX_CONNECTIONS, DEFAULT_REQUEST_TIMEOUT, limited_protocol
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             f"--request-timeout must be a positive number of seconds, got {args.request_timeout}"
         )
     path, template = model_path(args), read_chat_template(args)
+    warn_trace_predict(args)
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"moestream: warning: listening on {args.host} without --api-key: anyone who can reach "
