@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from moestream.errors import MoestreamError
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         )
     policies, notes = choose_policies(args.policy, trace.has_predictions)
     trace.notes.extend(notes)
+    _warn_prefetch_options(args, policies)
     if args.prefetch_top is not None and args.prefetch_top < 1:
         raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
     records, replay, sizes = simulate(
@@ -143,3 +145,23 @@ def run(args: argparse.Namespace) -> int:
         plot_curves(records, args.plot, title, trace.header.synthetic)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _warn_prefetch_options(args: argparse.Namespace, policies: list[str]) -> None:
+    """--prefetch-top and --prefetch-min-score shape the *-prefetch policies only."""
+    from moestream.trace.simulator import PREFETCHING
+
+    given = [
+        flag
+        for flag, value, default in (
+            ("--prefetch-top", args.prefetch_top, None),
+            ("--prefetch-min-score", args.prefetch_min_score, 0.0),
+        )
+        if value != default
+    ]
+    if given and not any(p in PREFETCHING for p in policies):
+        warnings.warn(
+            f"{' and '.join(given)} shape{'' if len(given) > 1 else 's'} the "
+            f"{' and '.join(PREFETCHING)} policies only, and none of them runs here",
+            stacklevel=2,
+        )
