@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,9 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--seed", default="0", help="random seed (default 0)")
-    p.add_argument(
-        "--shard-size", dest="shard_size", default="2GiB", help="maximum shard size (default 2GiB)"
-    )
+    p.add_argument("--shard-size", dest="shard_size", default=None, help="maximum shard size (default 2GiB)")
     p.add_argument("--vocab-size", dest="vocab_size", help="config vocab size (default: tokenizer size)")
     p.add_argument(
         "--mxfp4", action="store_true", help="gpt_oss only: MXFP4 experts like the released gpt-oss"
@@ -79,11 +78,17 @@ def run(args: argparse.Namespace) -> int:
     from moestream.synth.build import SYNTH_MARKER, synthesize
 
     sizes = {name: _int_arg(name, getattr(args, name)) for name in _SIZES}
-    shard_bytes = _size_arg("--shard-size", args.shard_size)
+    shard_bytes = _size_arg("--shard-size", args.shard_size or "2GiB")
     threads = _int_arg("threads", args.threads)
     if threads is not None and threads < 1:
         raise MoestreamError(f"--threads must be at least 1, not {threads}")
     fmt = args.format or ("gguf" if args.quant or str(args.out).endswith(".gguf") else "safetensors")
+    if fmt == "gguf" and args.shard_size is not None:
+        warnings.warn("--shard-size splits safetensors shards; --format gguf writes one file", stacklevel=2)
+    if fmt == "safetensors" and threads is not None:
+        warnings.warn(
+            "--threads quantizes a GGUF synth; a safetensors one is written on one thread", stacklevel=2
+        )
     t0 = time.perf_counter()
     with _progress_bar() as on_progress:
         out = synthesize(
