@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import warnings
 
 from moestream.power.errors import GpuFloorError
 from moestream.power.settings import DEFAULTS_FILE, DaemonSettings, build_settings, read_defaults_file
@@ -82,8 +83,40 @@ def settings_from_args(args: argparse.Namespace) -> DaemonSettings:
         raise GpuFloorError(f"cannot read {args.config}: {exc.strerror or exc}.") from None
 
 
+# the options each mode reads (the settings: --config, --floor-mhz, --hold-s, --library, --moe-flag,
+# --symbol, --bpftrace); the others, given, are said to change nothing
+_SETTINGS = ("config", "floor_mhz", "hold_s", "library", "moe_flag", "symbol", "bpftrace")
+_READS = {
+    "check": (*_SETTINGS, "sysfs_root"),
+    "install": (*_SETTINGS, "root"),
+    "uninstall": ("root",),
+    "run": (*_SETTINGS, "sysfs_root", "state_dir", "verbose"),
+}
+_DEFAULTS = {"config": DEFAULTS_FILE, "sysfs_root": "/", "root": "/", "verbose": False}
+
+
+def _check_unused(args: argparse.Namespace) -> None:
+    """Refuse --check with install or uninstall; warn about options the chosen mode does not read."""
+    if args.check and args.action != "run":
+        raise GpuFloorError(
+            f"--check reports what the daemon would use; it does not {args.action} (drop one)."
+        )
+    mode = "check" if args.check else args.action
+    unused = [
+        "--" + name.replace("_", "-")
+        for name in (*_SETTINGS, "sysfs_root", "state_dir", "root", "verbose")
+        if name not in _READS[mode] and getattr(args, name) != _DEFAULTS.get(name)
+    ]
+    if unused:
+        what = "--check" if args.check else f"gpu-floor {args.action}"
+        warnings.warn(
+            f"{', '.join(unused)}: {what} does not read {'them' if len(unused) > 1 else 'it'}", stacklevel=2
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch --check, install, uninstall or the daemon itself."""
+    _check_unused(args)
     if args.action == "uninstall":
         from moestream.power.systemd import uninstall
 
