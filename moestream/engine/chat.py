@@ -43,11 +43,32 @@ def render_chat(
             f"chat_template_kwargs may not set {', '.join(clash)}: they are parameters "
             "of the template call, not template variables"
         )
+    unread = sorted(set(extra) - template_variables(tokenizer.chat_template, set(extra)))
+    if unread:  # a variable the template never reads would change nothing (enable_thinking on a non-Qwen3)
+        raise TemplateKwargsError(
+            f"chat_template_kwargs {', '.join(unread)}: this model's chat template reads no such "
+            "variable, so it would change nothing"
+        )
     try:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as exc:  # templates raise on message orders they do not accept (jinja exceptions)
         raise MoestreamError(f"the chat template rejected the messages: {exc}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def template_variables(template: Any, default: set[str]) -> set[str]:
+    """The variables a Jinja chat template reads (`default` where that cannot be told: a template that
+    does not parse, here or in transformers, or several named templates)."""
+    if not isinstance(template, str):
+        return default
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+    except jinja2.TemplateError:
+        return default
+    return meta.find_undeclared_variables(parsed)
 
 
 def render_chat_text(

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, validated strictly (a string is never an integer).
 
 `null` for an optional field means its default, as the openai package and its wrappers send it. Fields
-that change nothing here (user, metadata, store, ...) are accepted and ignored; fields whose meaning we
-cannot honour (n > 1, logprobs, tools, response_format, ...) are refused with a message naming the
+that change nothing here (user, metadata, store, ...: `IGNORED`) are accepted and ignored; fields whose
+meaning we cannot honour (n > 1, logprobs, tools, response_format, ...) and fields this server does not
+know (another server's sampling knobs: typical_p, mirostat, ...) are refused with a message naming the
 field, so a client never silently gets something other than what it asked for.
 """
 
@@ -34,6 +35,10 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "tools": ([],),
 }
+
+# fields of OpenAI's API that change nothing a server computes (bookkeeping, and parallel_tool_calls: no
+# tools run here), and llama.cpp's name of a field we have: accepted
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "repeat_penalty"})
 
 
 class StreamOptions(BaseModel):
@@ -105,6 +110,9 @@ class _Sampling(BaseModel):
         for name, off in UNSUPPORTED.items():
             if name in extra and extra[name] not in off:
                 return name, f"'{name}' is not supported by this server"
+        unknown = next((name for name in extra if name not in UNSUPPORTED and name not in IGNORED), None)
+        if unknown is not None:
+            return unknown, f"'{unknown[:64]}' is not a field this server knows, so it would change nothing"
         return None
 
     def limit(self) -> int | None:
