@@ -132,6 +132,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         label=args.label,
         plots=not args.no_plots,
         api_key=args.api_key,
+        # the key the client sends is the key the server it starts requires (else it checks none)
+        server_env={**os.environ, "MOESTREAM_API_KEY": args.api_key} if args.model and args.api_key else None,
         server_name="moestream" if args.model else "server",
     )
 
