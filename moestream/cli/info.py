@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from typing import Any
 
 from moestream.units import MiB, format_size
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip running the model on the sample text (which reads every expert once)",
     )
-    p.add_argument("--cache", default="512MiB", help="cache budget for the routing run (default 512MiB)")
+    p.add_argument("--cache", default=None, help="cache budget for the routing run (default 512MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -81,14 +82,17 @@ def routing(path: str, cache: str) -> dict[str, Any]:
     import moestream
     from moestream.synth.routing import SAMPLE_TEXT, routing_stats
 
-    with moestream.load(path, cache=cache) as engine:
+    # transformers' forward over the whole text (the ggml graphs compute a step's last position only)
+    with moestream.load(path, cache=cache, trunk="eager") as engine:
         return routing_stats(engine.model, engine.tokenizer, SAMPLE_TEXT)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_routing and args.cache is not None:
+        warnings.warn("--cache sizes the routing run, which --no-routing skips", stacklevel=2)
     info = describe(args.path)
     if not args.no_routing:
-        info["routing"] = routing(args.path, args.cache)
+        info["routing"] = routing(args.path, args.cache or "512MiB")
     if args.json:
         print(json.dumps(info))
         return 0

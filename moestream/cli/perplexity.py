@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
@@ -49,8 +50,19 @@ def run(args: argparse.Namespace) -> int:
             "--experts-per-token changes the model, so its perplexity is not the model's; "
             "add --allow-lossy to measure it anyway"
         )
+    if args.allow_lossy and args.experts_per_token is None:
+        warnings.warn(
+            "--allow-lossy accepts --experts-per-token, and none was given: the run is lossless", stacklevel=2
+        )
+    if args.trunk not in ("auto", "eager"):
+        warnings.warn(
+            f"--trunk {args.trunk}: perplexity scores every position of a chunk in one transformers forward "
+            "(the trunk's graphs compute a step's last position only), so it runs --trunk eager",
+            stacklevel=2,
+        )
     text = _read_text(args.text)
-    with moestream.load(args.path, **engine_kwargs(args)) as engine:
+    # transformers' forward over whole chunks: no ggml graphs, CUDA graphs or static cache built unused
+    with moestream.load(args.path, **{**engine_kwargs(args), "trunk": "eager"}) as engine:
         mode = engine.mode_line()
         print(mode, file=sys.stderr if args.json else sys.stdout, flush=True)
         limit = getattr(engine.config, "max_position_embeddings", None)
