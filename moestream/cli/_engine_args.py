@@ -11,25 +11,45 @@ from moestream.errors import MoestreamError
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    """PATH as the first argument, or as `-m/--model PATH` (llama.cpp's spelling)."""
+    """PATH as the first argument, or as `-m/--model PATH` (llama.cpp's spelling), or a model by name,
+    `-hf/--hf-repo REPO[:QUANT]` (llama.cpp's), downloaded into the HF cache."""
     parser.add_argument(
         "path",
         nargs="?",
         metavar="PATH",
-        help="checkpoint directory, GGUF file (first part of a split) or hub id",
+        help="checkpoint directory, GGUF file (first part of a split), or REPO[:QUANT] as with -hf",
     )
     parser.add_argument("-m", "--model", dest="model_path", metavar="PATH", help="the same as PATH")
+    add_hf_argument(parser)
+
+
+def add_hf_argument(parser: Any) -> None:
+    """`-hf/--hf-repo REPO[:QUANT]` (a parser or a mutually exclusive group)."""
+    parser.add_argument(
+        "-hf",
+        "--hf-repo",
+        metavar="REPO[:QUANT]",
+        default=None,
+        help="a model on the Hugging Face hub, downloaded into its cache (HF_HOME) once: the GGUF whose "
+        "name holds QUANT (every part of a split; default Q4_K_M where there are several), or the "
+        "safetensors checkpoint of a repo without GGUF files; offline (HF_HUB_OFFLINE=1) the cache serves",
+    )
 
 
 def model_path(args: argparse.Namespace) -> str:
-    """The checkpoint the user named, once."""
-    if (args.path is None) == (args.model_path is None):
+    """The checkpoint the user named, once; a model by name (-hf) is downloaded here, where missing."""
+    given = [v for v in (args.path, args.model_path, args.hf_repo) if v is not None]
+    if len(given) != 1:
         raise MoestreamError(
-            "name the checkpoint once: as PATH or as -m PATH"
-            if args.path
-            else "no checkpoint given: pass PATH (or -m PATH)"
+            "name the checkpoint once: as PATH, -m PATH or -hf REPO[:QUANT]"
+            if given
+            else "no checkpoint given: pass PATH (or -m PATH, or -hf REPO[:QUANT])"
         )
-    return args.path or args.model_path
+    if args.hf_repo is not None:
+        from moestream.store.hub import fetch
+
+        return str(fetch(args.hf_repo))
+    return given[0]
 
 
 def add_context_arguments(parser: argparse.ArgumentParser) -> None:

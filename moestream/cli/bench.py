@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moestream.cli._engine_args import add_engine_arguments
+from moestream.cli._engine_args import add_engine_arguments, add_hf_argument
 from moestream.errors import MoestreamError
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="start `moestream serve PATH` (engine options below) and bench it",
     )
+    add_hf_argument(which)
     p.add_argument(
         "--prompts",
         default="builtin",
@@ -147,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     from moestream.bench.harness import run_bench
     from moestream.bench.report import summary_lines
 
+    if args.hf_repo:  # downloaded here, so that the server it starts loads it from the cache
+        from moestream.store.hub import fetch
+
+        args.model = str(fetch(args.hf_repo))
     if args.model and not Path(args.model).exists():
         raise MoestreamError(f"--model {args.model} does not exist")
     config = build_config(args)

@@ -7,6 +7,7 @@ import json
 import warnings
 from typing import Any
 
+from moestream.cli._engine_args import add_model_argument, model_path
 from moestream.units import MiB, format_size
 
 
@@ -14,7 +15,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info", help="describe a checkpoint: expert bytes, working set, minimum cache, routing"
     )
-    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
+    add_model_argument(p)
     p.add_argument(
         "--no-routing",
         action="store_true",
@@ -90,9 +91,10 @@ def routing(path: str, cache: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.no_routing and args.cache is not None:
         warnings.warn("--cache sizes the routing run, which --no-routing skips", stacklevel=2)
-    info = describe(args.path)
+    path = model_path(args)
+    info = describe(path)
     if not args.no_routing:
-        info["routing"] = routing(args.path, args.cache or "512MiB")
+        info["routing"] = routing(path, args.cache or "512MiB")
     if args.json:
         print(json.dumps(info))
         return 0

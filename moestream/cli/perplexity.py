@@ -8,13 +8,13 @@ import sys
 import warnings
 from pathlib import Path
 
-from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
+from moestream.cli._engine_args import add_engine_arguments, add_model_argument, engine_kwargs, model_path
 from moestream.errors import MoestreamError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity of a text file, experts streamed from disk")
-    p.add_argument("path", help="checkpoint directory, GGUF file (first part of a split) or hub id")
+    add_model_argument(p)
     p.add_argument(
         "--text", required=True, metavar="FILE", help="UTF-8 text to score (e.g. wikitext-2's test split)"
     )
@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
             stacklevel=2,
         )
     text = _read_text(args.text)
+    path = model_path(args)
     # transformers' forward over whole chunks: no ggml graphs, CUDA graphs or static cache built unused
-    with moestream.load(args.path, **{**engine_kwargs(args), "trunk": "eager"}) as engine:
+    with moestream.load(path, **{**engine_kwargs(args), "trunk": "eager"}) as engine:
         mode = engine.mode_line()
         print(mode, file=sys.stderr if args.json else sys.stdout, flush=True)
         limit = getattr(engine.config, "max_position_embeddings", None)

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model-name",
         default=None,
-        help="the model id clients use (default: the checkpoint directory's name)",
+        help="the model id clients use (default: the checkpoint directory's name, or -hf's REPO[:QUANT])",
     )
     p.add_argument(
         "--queue-size",
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         )
     _configure_logging(args.log_level)
     sock = listen(args.host, args.port)
-    model_id = args.model_name or Path(path.rstrip("/")).name or path
+    model_id = args.model_name or args.hf_repo or Path(path.rstrip("/")).name or path
     with sock, moestream.load(path, **engine_kwargs(args)) as engine:
         use_chat_template(engine, template)
         if args.trace:
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body=max_body,
             queue_size=args.queue_size,
-            aliases=[path],
+            aliases=[path, *([args.hf_repo] if args.hf_repo else [])],
             loopback_only=_is_loopback(args.host),
             request_timeout=args.request_timeout,
             max_connections=args.max_connections,
