@@ -202,6 +202,21 @@ def test_auto_is_the_default_and_accepted_explicitly(tiny_dir, capsys):
     assert "cache 108.0 KiB = 3 slots" in err and "auto cache" not in err
 
 
+def test_the_eager_trunk_keeps_a_full_context_prefill(tiny_dir):
+    """Under transformers (no ggml graphs) a prompt is prefilled whole: its activations are kept."""
+    import moestream
+
+    with moestream.load(str(tiny_dir("qwen3_moe")), trunk="eager", ctx_size=256) as engine:
+        kept = dict(engine.auto[0].kept)
+        cfg = engine.config
+        hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        assert kept["activations"] == 4 * 256 * (16 * hidden + 3 * k * inter)
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
+        element = engine.dtype.itemsize
+        assert kept["the KV cache at 256 tokens"] == cfg.num_hidden_layers * 256 * 2 * heads * dim * element
+        assert "the ggml graphs' buffers" not in kept and engine._step.runner is None
+
+
 # --- the choice as pure functions ----------------------------------------------------------------
 
 

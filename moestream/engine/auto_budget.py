@@ -6,7 +6,8 @@ MemAvailable) is measured with the trunk already in it. What the room must still
 
 - the KV cache at the full context (the ggml runner's F16 tensors, else transformers' in the model's
   dtype), allocated after the cache;
-- the ggml runner's graph buffers: laid out before they exist (`ggml_runner.planned_bytes`);
+- the ggml runner's graph buffers: laid out before they exist (`ggml_runner.planned_bytes`); under
+  transformers (the eager trunk), which prefills a prompt whole, a full-context prefill's activations;
 - the pages of the files the process has mapped and touched, its libraries (torch, ggml, the
   tokenizer's), measured as RssFile in /proc/self/status: the cgroup's usage and MemAvailable count
   them as page cache that can be given back, but the process runs from them, and reclaimed they are
@@ -212,9 +213,10 @@ def _size_cuda(
 
 
 def _runner_parts(engine: Any, kv: tuple[str, int]) -> list[tuple[str, int]]:
-    """The KV cache and, under the ggml graphs, their buffers: what the CPU trunk takes after the cache."""
+    """What the CPU trunk takes after the cache: the KV cache and the ggml graphs' buffers, or, under
+    transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations."""
     if engine._spec is None:
-        return [kv]
+        return [kv, ("activations", activation_bytes(engine.config, engine.ctx_size))]
     from moestream.engine.ggml_runner import planned_bytes as runner_bytes
     from moestream.model.arch import num_experts
 
@@ -227,9 +229,11 @@ def _runner_parts(engine: Any, kv: tuple[str, int]) -> list[tuple[str, int]]:
 
 
 def activation_bytes(config: Any, ctx_size: int) -> int:
-    """CUDA: a prefill of the whole context at once (transformers does not chunk it), f32: per token
+    """Under transformers, a prefill of the whole context at once (it does not chunk one), f32: per token
     16 hidden-size vectors (residual, norms, q/k/v/o, the experts' summed output) and, per routed expert,
-    its gate, up and product (3 intermediate-size vectors)."""
+    its gate, up and product (3 intermediate-size vectors). An upper bound: 200 KiB a token for
+    Qwen3-30B-A3B's sizes, where a 2000-token prompt through the eager CPU path peaked 110 KiB a token
+    above the loaded engine."""
     cfg = text_config(config)
     hidden = int(cfg.hidden_size)
     inter = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
