@@ -70,11 +70,12 @@ def load(
     make_reader: ReaderFactory | None = None,
     **extra: Any,
 ) -> Engine:
-    """Load a MoE checkpoint (HF directory, GGUF file or hub id) with its routed experts streamed from disk.
+    """Load a MoE checkpoint (HF directory, GGUF file, model by name), its routed experts streamed from disk.
 
     Args:
         path: checkpoint directory (config.json, *.safetensors, tokenizer files), GGUF file (the first
-            part of a split GGUF) or a directory holding one, or hub id.
+            part of a split GGUF) or a directory holding one, or a model by name, `REPO[:QUANT]` (as
+            `-hf` takes it: downloaded into the HF cache first where it is not there, `store/hub.py`).
         cache: expert cache budget in bytes, as "512MiB"/"2GiB", or "auto" (the default): the largest
             cache the machine's memory leaves after the rest of the run, every expert when they all fit
             (`engine/auto_budget.py`; `mode_line()` says what was chosen and from which limit).

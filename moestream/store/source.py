@@ -49,7 +49,7 @@ class CheckpointSource(Protocol):
 
 def open_source(path_or_id: str | Path) -> CheckpointSource:
     """Open a checkpoint: a HF directory, a GGUF file (or the first part of a split GGUF), a directory
-    holding one GGUF model, or a hub id resolved through the local HF cache.
+    holding one GGUF model, or a model by name (`REPO[:QUANT]`, fetched into the HF cache by `store.hub`).
 
     A directory with both a HF checkpoint (config.json) and GGUF files opens the HF checkpoint, with a
     warning; pass the .gguf file itself to use it.
