@@ -67,7 +67,9 @@ def warn_unused(engine: Any) -> None:
             "(cudaHostRegister) whatever it says, and the trunk lives on the GPU",
             stacklevel=3,
         )
-    holds_all = engine.device.type == "cpu" and engine.cache.capacity >= len(engine.emap.units)
+    # the tier experts are computed from: the host cache (CPU, unified memory) or the GPU slots
+    capacity = getattr(engine.runtime.tier, "capacity", engine.cache.capacity)
+    holds_all = capacity >= len(engine.emap.units)
     if holds_all and options.prefetch != "off":
         warnings.warn(
             f"--prefetch {options.prefetch}: the expert cache holds all {len(engine.emap.units)} experts, "
