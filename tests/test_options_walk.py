@@ -1253,6 +1253,17 @@ def test_python_api_arguments(models, recwarn):
         engine.start_trace(models["st"].parent / "py.parquet")
         engine.generate("Hi", max_tokens=2, request_id="walk-42")
         engine.stop_trace()
+        # arguments that would be ignored where they are given are refused
+        from moestream.engine.sampling import SamplingParams
+
+        with pytest.raises(MoestreamError, match="not both"):
+            engine.generate("Hi", SamplingParams(max_tokens=2), temperature=1.0)
+        with pytest.raises(MoestreamError, match="token ids are used as given"):
+            engine.generate([5, 6], max_tokens=2, chat=True)
+        with pytest.raises(MoestreamError, match="goes through no template"):
+            engine.generate("Hi", max_tokens=2, chat_template_kwargs={"extra": True})
+        as_chat = engine.generate("Hi", max_tokens=1, chat=True, chat_template_kwargs={"extra": True})
+        assert as_chat.prompt_tokens == with_extra.prompt_tokens
         recwarn.clear()
         engine.generate("Hi", max_tokens=2, top_k=5)
         assert any("top_k only shape sampling" in str(w.message) for w in recwarn)

@@ -501,6 +501,11 @@ class Engine:
             MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context.
         """
         self.check_usable()
+        if params is not None and sampling:
+            raise MoestreamError(
+                f"give the sampling settings as params or as keywords ({', '.join(sorted(sampling))}), not "
+                "both: the keywords would be ignored"
+            )
         try:
             given, params = params is None, params or SamplingParams(**sampling)
         except (ValueError, TypeError) as exc:
@@ -535,10 +540,22 @@ class Engine:
     ) -> list[int]:
         if (prompt is None) == (messages is None):
             raise MoestreamError("give either a prompt or messages")
+        templated = messages is not None or (chat and isinstance(prompt, str))
+        if template_kwargs and not templated:
+            raise MoestreamError(
+                "chat_template_kwargs set chat template variables, and this prompt goes through no template "
+                "(give messages, or a text prompt with chat=True)"
+            )
+        if chat and prompt is not None and not isinstance(prompt, str):
+            raise MoestreamError(
+                "chat=True renders a text prompt through the chat template; token ids are used as given"
+            )
+        if messages is None and chat:
+            messages = [{"role": "user", "content": prompt}]
         if messages is not None:
             ids = self.encode_messages(messages, template_kwargs)
         else:
-            ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise MoestreamError("the prompt is empty")
         self._check_ids(ids)
