@@ -58,7 +58,7 @@ def test_streamed_equals_stock(arch, references):
                 ("mmap", 4),
                 ("pagecache", 1),
             ):
-                engine.restream(cache=budget, io_mode=io_mode, io_threads=io_threads)
+                engine.restream(cache=budget, io_mode=io_mode, io_threads=io_threads, preload=False)
                 assert engine.cache.stats.misses == 0
                 gen = engine.generate(PROMPT, max_tokens=NEW_TOKENS, ignore_eos=True)
                 assert gen.tokens == ref_tokens, (arch, budget, io_mode, io_threads)

@@ -44,7 +44,7 @@ def test_prefetch_keeps_output_identical_to_stock(arch, policy, tiny_dir, every_
     with moestream.load(str(path), cache="64MiB", prefetch=True) as engine:
         slot = engine.cache.slot_bytes
         for budget in (6 * slot, 10 * slot, 12 * slot, 32 * slot):
-            engine.restream(cache=budget, prefetch=True, policy=policy)
+            engine.restream(cache=budget, prefetch=True, policy=policy, preload=False)
             gen = engine.generate(PROMPT, max_tokens=24, ignore_eos=True)
             assert gen.tokens == expected, (arch, budget)
             stats = engine.cache.stats

@@ -90,7 +90,8 @@ def test_the_reader_counts_its_idle_time_and_queue(tiny_dir) -> None:
 
     import moestream
 
-    with moestream.load(str(tiny_dir("qwen3_moe", experts=16, top_k=4)), cache="64MiB") as engine:
+    path = tiny_dir("qwen3_moe", experts=16, top_k=4)
+    with moestream.load(str(path), cache="64MiB", preload=False) as engine:  # read while it runs
         reader = engine.reader
         start, idle0 = time.perf_counter(), reader.idle_seconds()
         engine.generate([5, 17, 33], max_tokens=4, ignore_eos=True)

@@ -148,7 +148,7 @@ def test_gate_is_read_before_up_before_down(tmp_path):
 
 
 def test_failed_read_names_file_and_offset_and_engine_stays_usable(tiny_dir, monkeypatch):
-    engine = moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB")
+    engine = moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", preload=False)
     real = Reader._read
     fail = {"on": True}
 

@@ -140,6 +140,7 @@ class ExpertCache:
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
         self.closed = False
+        self.version = 0  # bumped whenever a key enters or leaves a slot
 
     def _check_budget(self, budget: int, top_k: int, warn_working_set: bool) -> None:
         minimum, working_set = budget_requirements(self.emap, top_k)
@@ -209,6 +210,40 @@ class ExpertCache:
             self.abandon(job)
             raise
         return job
+
+    def holds_all(self) -> bool:
+        """Whether every expert of the map has a slot of its own (nothing need ever be evicted)."""
+        counts: dict[int, int] = {}
+        for cls in self._class_of.values():
+            counts[id(cls)] = counts.get(id(cls), 0) + 1
+        return all(cls.capacity >= counts.get(id(cls), 0) for cls in self.classes)
+
+    def read_all(self) -> int:
+        """Read every expert not yet in place, layer by layer (each layer's reads in flight together),
+        when `holds_all`; the reads count as misses. Returns the bytes read. If this raises (a failed
+        read), what was read stays and the cache stays usable."""
+        if not self.holds_all():
+            raise ValueError("read_all needs a slot for every expert")
+        before = self.stats.miss_bytes
+        kinds = len(self.emap.kinds)
+        for layer in self.emap.layers:
+            experts = sorted(e for (lay, e) in self.emap.units if lay == layer)
+            job = self.open_layer(layer, experts)
+            try:
+                landed = dict.fromkeys(experts, 0)
+                left = len(experts)
+                while left:
+                    expert, _, failure = job.next_event()
+                    if failure is not None:
+                        raise failure
+                    landed[expert] += 1
+                    if landed[expert] == kinds:
+                        job.release(expert)
+                        left -= 1
+            except BaseException:
+                self.abandon(job)
+                raise
+        return self.stats.miss_bytes - before
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Read ahead experts predicted for `layer`, after every read of the last opened layer job and before
@@ -303,6 +338,26 @@ class ExpertCache:
             return None
         cls = self._class_of[keys[0]]
         return cls.buffer.address, cls.slot_bytes, cls.capacity, {kind: off for kind, off, _ in layout}
+
+    def first_slot(self, layer: int, experts: int) -> int | None:
+        """The slot of `layer`'s expert 0 when each of its `experts` is read in full, expert e in slot
+        first + e of the one size class, while the cache `holds_all` (so none is ever evicted: the slots
+        stay until a key leaves, which bumps `version`); else None."""
+        with self.lock:
+            first = None
+            for e in range(experts):
+                state = self._states.get((layer, e))
+                if state is None or self._addresses(state, 1) is None:
+                    return None
+                first = state.slot - e if first is None else first
+                if state.slot != first + e:
+                    return None
+            return first
+
+    def count_hits(self, hits: int) -> None:
+        """Hits served without `open_layer` (every expert cached: one graph computed them)."""
+        with self.lock:
+            self.stats.hits += hits
 
     def unpin_hits(self, layer: int, experts: list[int]) -> None:
         """Give back the pins `pin_all_hits` took."""
@@ -464,6 +519,7 @@ class ExpertCache:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = plan_parts(self.emap.kinds, self.emap.units[key])
+        self.version += 1
         state = SlotState(
             key,
             cls,
@@ -507,6 +563,7 @@ class ExpertCache:
         if state.pins == 0 and state.failed and all(n == 0 for n in state.remaining.values()):
             state.cls.residents.remove(state.key)  # bad bytes must not be served as a hit later
             del self._states[state.key]
+            self.version += 1
 
     # --- called on I/O threads ------------------------------------------------------------------
 

@@ -153,6 +153,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--no-mlock", action="store_true", help="do not lock the expert cache in memory")
     group.add_argument(
+        "--no-preload",
+        action="store_true",
+        help="when the cache (on CUDA: the GPU tier) holds every expert, read each on first use instead "
+        "of all at load (the default reads them at load, so that no request waits for a disk read; on "
+        "CUDA it also makes the step one graph)",
+    )
+    group.add_argument(
         "--prefetch",
         nargs="?",
         const="on",
@@ -192,6 +199,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         trunk_dtype=args.trunk_dtype,
         trunk=args.trunk,
         lock_memory=not args.no_mlock,
+        preload=not args.no_preload,
         gpu_floor=args.gpu_floor,
     )
 

@@ -89,7 +89,8 @@ def load(
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
             "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `experts_per_token`, `gpu_floor`,
             `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
-            model's maximum and 8192).
+            model's maximum and 8192), `preload` (default True: when the cache holds every expert, read
+            them all at load; False: each on first use).
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, the budget is too small, or
@@ -270,8 +271,8 @@ class Engine:
 
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
-        `lock_memory`, `policy`, `prefetch` or the CUDA tiers, keeping the loaded model: side-by-side
-        comparisons without reloading."""
+        `lock_memory`, `policy`, `prefetch`, `preload` or the CUDA tiers, keeping the loaded model:
+        side-by-side comparisons without reloading."""
         unknown = set(changes) - {
             "cache",
             "io_mode",
@@ -282,6 +283,7 @@ class Engine:
             "host_cache",
             "prefetch",
             "policy",
+            "preload",
         }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
@@ -322,8 +324,18 @@ class Engine:
                 recorder.attach(self)
 
     def _resident(self) -> str:
-        """Every expert read into the GPU tier and the step as one graph, where the tier holds them all."""
-        return resident_part(self._step, self.top_k, int(text_config(self.config).hidden_size))
+        """Every expert read at load where the cache holds them all (unless `preload` is off): into the
+        GPU tier, the step then one graph; or into the host cache that the kernels read in place (CPU,
+        unified memory), so that no request waits for a first read."""
+        if not self.options.preload:
+            return ""
+        words = resident_part(self._step, self.top_k, int(text_config(self.config).hidden_size))
+        cache = self.streaming.cache
+        if words or not self.runtime.tier.in_place or cache is None or not cache.holds_all():
+            return words
+        start = time.perf_counter()
+        read = format_size(cache.read_all())
+        return f"; every expert cached, read at load ({read} in {time.perf_counter() - start:.1f} s)"
 
     @property
     def unavailable(self) -> str | None:

@@ -52,6 +52,9 @@ class EngineOptions:
     gpu_floor: str = "auto"  # Jetson GPU clock floor while experts compute off the GPU: auto, off or MHz
     ctx_size: int | None = None  # tokens a request may use, prompt and generation (None: min(model's, 8192))
     trunk: str = "auto"  # one of TRUNK_MODES
+    # read every expert at load when the cache holds them all (CPU, unified memory; the GPU tier does so
+    # whenever it holds them all): no request then waits for a first read. False: read on first use
+    preload: bool = True
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
