@@ -68,18 +68,69 @@ def _budgets(engine) -> list[int]:
 
 
 def _streamed_equals_resident(path, fused: bool) -> None:
+    """Every expert read at load (one graph a token where their slots allow), against every budget and
+    io mode read on first use: the same bits."""
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         resident = _runner_logits(engine)
         tokens = engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens
         for budget in _budgets(engine):
             for io_mode in ("direct", "pagecache", "mmap"):
-                engine.restream(cache=budget, io_mode=io_mode)
+                engine.restream(cache=budget, io_mode=io_mode, preload=False)
                 assert torch.equal(_runner_logits(engine), resident), (budget, io_mode)
                 assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens == tokens
                 if budget < engine.cache.slot_bytes * len(engine.emap.units):
                     assert engine.cache.stats.misses > len(engine.emap.units), "small budgets re-read"
                 elif fused:  # one token's cached experts were computed inside the next layer's graph
                     assert engine.runtime.layer_calls > 0
+
+
+def _count_runs(monkeypatch) -> list[int]:
+    runs = [0]
+    run = ggml_runner.Net.run
+
+    def counted(self):
+        runs[0] += 1
+        run(self)
+
+    monkeypatch.setattr(ggml_runner.Net, "run", counted)
+    return runs
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_every_expert_cached_makes_a_token_one_graph(arch, tiny_dir, monkeypatch, tmp_path):
+    """A cache that holds every expert reads them all at load; a decode step is then one graph (the
+    routers' ids pick the slots inside it), with the bits of the per-layer graphs and of streaming."""
+    path = tiny_dir(arch)
+    runs = _count_runs(monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        units = len(engine.emap.units)
+        assert "every expert cached, read at load" in engine.mode_line()
+        assert "one graph a token while every expert is cached" in engine.mode_line()
+        assert engine.cache.stats.misses == units  # all of them, at load
+        runs[0] = 0
+        whole = _runner_logits(engine)
+        graphs = len(engine._step.runner.spec.layers) + 1
+        assert runs[0] == graphs + len(FORCED)  # the prefill's per-layer graphs, then one per token
+        assert engine.cache.stats.misses == units
+        hits = engine.cache.stats.hits
+        assert hits >= len(FORCED) * len(engine._step.runner._moe_layers) * engine.top_k
+        tokens = engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens
+        engine.restream(cache="64MiB", preload=False)  # read on first use: per-layer graphs
+        assert "read at load" not in engine.mode_line()
+        runs[0] = 0
+        assert torch.equal(_runner_logits(engine), whole)
+        assert runs[0] > graphs + len(FORCED)
+        assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens == tokens
+        minimum, _ = budget_requirements(engine.emap, engine.top_k)
+        engine.restream(cache=minimum, preload=True)  # too small to hold them all: nothing read at load
+        assert engine.cache.stats.misses == 0 and "read at load" not in engine.mode_line()
+        assert torch.equal(_runner_logits(engine), whole)
+    # a routing trace needs each layer's routing on the host: per-layer graphs, the same tokens
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        engine.start_trace(tmp_path / "t.parquet")
+        runs[0] = 0
+        assert engine.generate(PROMPT, max_tokens=12, ignore_eos=True).tokens == tokens
+        assert runs[0] > graphs + 12
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])

@@ -47,6 +47,28 @@ class ExpertTypes:
     arena: SlotArena | None  # None: the slots' layout differs between experts (no cached path)
 
 
+@dataclass(frozen=True)
+class Whole:
+    """Every routed expert cached, for good: MoE layer -> the slot of its expert 0 in its size class
+    (expert e in slot first + e), so the routers' ids address the slots inside one graph."""
+
+    first: dict[int, int]
+
+
+@dataclass
+class Carry:
+    """A layer's nodes that the rest of a graph reads (results, not yet placed)."""
+
+    writes: list[int]  # the KV-cache writes
+    resid: int  # [H, T] the residual stream after the layer (its routed experts not yet added)
+    moe_in: int = 0  # [H, T] the routed experts' input
+    order: int = 0  # [E, T] i32 experts by descending router choice
+    top: int = 0  # [K, T] i32 a view of order's first K rows
+    weights: int = 0  # [K, T] the routed experts' weights
+    picked: int = 0  # [1, K, T] the routers' probabilities of `top`
+    view: int = 0  # picked as [K, T] (weights is this view when nothing normalises or scales)
+
+
 @dataclass
 class StepBuffers:
     """Memory the graphs of one step shape (T tokens, span S) read and write between them (torch shapes)."""
@@ -91,48 +113,63 @@ class LayerGraphs:
         kv: list[tuple[torch.Tensor, torch.Tensor]],
         buf: StepBuffers,
         experts: dict[int, ExpertTypes] | None = None,
+        whole: Whole | None = None,
     ) -> None:
         self.spec, self.kv, self.buf = spec, kv, buf
         self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
+        self.whole = whole  # where each MoE layer's experts lie, for the `step` graph
         self.tokens = buf.tokens.numel()
         self.span = buf.mask.shape[1]
 
     # --- inputs: the residual stream with the previous layer's routed experts added -------------
 
-    def _stream(self, net: Net, layer: int, fused: bool = False) -> int:
+    def _stream(self, net: Net, layer: int, fused: bool = False, carry: Carry | None = None) -> int:
         """The residual stream entering `layer` (len(layers): the final norm) [H, T]. `fused` (every expert
         the previous layer routes the step to is cached): those experts are computed here, from their
-        slots, by the very kernel the expert runtime runs them with (ggml_mul_mat_id)."""
+        slots, by the very kernel the expert runtime runs them with (ggml_mul_mat_id). `carry`: the
+        previous layer's nodes in this same graph (a whole step's graph, `step`): its experts are
+        computed here from the router's ids, each expert's slot being `Whole.first[layer] + id`."""
         H, T = self.spec.hidden, self.tokens
         if layer == 0:
             ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
             return net.get_rows(net.weight(self.spec.embed.ggml, [H, self.spec.vocab]), ids)
         prev = self.spec.layers[layer - 1]
-        x = net.tensor(F32, [H, T], self.buf.resid[(layer - 1) % 2].data_ptr())
+        if carry is not None:
+            x = carry.resid
+        else:
+            x = net.tensor(F32, [H, T], self.buf.resid[(layer - 1) % 2].data_ptr())
         if prev.router is None:
             return x
         K = prev.router.top_k
-        if fused:
-            y = self._cached_experts(net, self.experts[prev.index], K)  # [H, K, T]
+        if carry is not None:
+            first = self.whole.first[prev.index] if self.whole is not None else 0
+            moe_in = net.reshape_3d(carry.moe_in, H, 1, T)
+            y = self._cached_experts(net, self.experts[prev.index], moe_in, carry.top, first)
+            w = net.reshape_3d(carry.weights, 1, K, T)
         else:
-            y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
+            if fused:
+                moe_in = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
+                ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
+                y = self._cached_experts(net, self.experts[prev.index], moe_in, ids, 0)  # [H, K, T]
+            else:
+                y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
+            w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
         # x + sum_k w_k * y_k per token: weighted, K brought to the rows, each row summed
-        w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
         summed = net.sum_rows(net.cont(net.permute(net.mul(y, w), 1, 0, 2, 3)))  # [1, H, T]
         return net.add(x, net.reshape_2d(summed, H, T))
 
-    def _cached_experts(self, net: Net, p: ExpertTypes, K: int) -> int:
-        """Each token's K experts, in slots `buf.slots` of the layer's size class, on the FFN norm's
-        output: [H, K, T]."""
-        H, T, arena = self.spec.hidden, self.tokens, p.arena
-        x = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
-        ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
+    def _cached_experts(self, net: Net, p: ExpertTypes, x: int, ids: int, first: int) -> int:
+        """Each token's experts, slots `first + ids` of the layer's size class, on the FFN norm's output
+        x [H, 1, T]: [H, K, T]."""
+        arena = p.arena
+        slots = arena.slots - first
 
         def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
-            t = net.tensor(type_id, [cols, rows, arena.slots], arena.address[kind])
+            t = net.tensor(type_id, [cols, rows, slots], arena.address[kind] + first * arena.slot_bytes)
             GgmlTensor.from_address(t).nb[2] = arena.slot_bytes  # experts a slot apart
             return t
 
+        H = self.spec.hidden
         g = net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids)  # [I, K, T]
         u = net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids)
         return net.mul_mat_id(weights("down", p.down, p.inter, H), net.swiglu_split(g, u), ids)
@@ -146,43 +183,61 @@ class LayerGraphs:
 
     def layer(self, net: Net, layer: Layer, fused: bool = False) -> list[int]:
         """The graph of `layer`; returns its outputs in execution order."""
-        spec, buf = self.spec, self.buf
-        x = self._stream(net, layer.index, fused)
+        buf = self.buf
+        c = self._layer(net, layer, self._stream(net, layer.index, fused))
+        out = layer.index % 2
+        resid = net.fix(c.resid, buf.resid[out].data_ptr())
+        if layer.router is None:
+            return [*c.writes, resid]
+        weights = net.fix(c.picked if c.weights == c.view else c.weights, buf.weights[out].data_ptr())
+        moe_in = net.fix(c.moe_in, buf.moe_in.data_ptr())
+        return [*c.writes, resid, moe_in, net.fix(c.order, buf.order.data_ptr()), weights]
+
+    def step(self, net: Net) -> list[int]:
+        """Every layer and the head as one graph (every routed expert cached, in slots `whole` names):
+        the routers' ids pick the slots in the graph, nothing returns to the host between layers."""
+        outputs: list[int] = []
+        carry = None
+        for layer in self.spec.layers:
+            carry = self._layer(net, layer, self._stream(net, layer.index, carry=carry))
+            outputs += carry.writes
+        return [*outputs, *self.head(net, carry=carry)]
+
+    def _layer(self, net: Net, layer: Layer, x: int) -> Carry:
+        """One decoder layer on the residual stream x [H, T]: its nodes the next layer or the caller
+        needs (the KV-cache writes first: the attention reads what they write)."""
+        spec = self.spec
         h = self._norm(net, x, layer.attn_norm)
         writes, attn = self._attention(net, h, layer.attention, layer.index)
         resid = net.add(x, attn)
         h2 = self._norm(net, resid, layer.ffn_norm)
-        out = layer.index % 2
         if layer.router is None:
-            resid = net.add(resid, self._mlp(net, h2, layer.mlp))
-            return [*writes, net.fix(resid, buf.resid[out].data_ptr())]
+            return Carry(writes, net.add(resid, self._mlp(net, h2, layer.mlp)))
         r = layer.router
         E = r.weight.rows
         logits = net.mul_mat(net.weight(r.weight.ggml, [spec.hidden, E]), h2)  # [E, T]
         probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
         choice = probs if r.bias is None else net.add(probs, net.weight(r.bias, [E]))
-        order = net.fix(net.argsort(choice, SORT_DESC), buf.order.data_ptr())  # [E, T] i32
-        top = net.view_2d(order, r.top_k, self.tokens, _nb1(order), 0)  # [K, T]
+        order = net.argsort(choice, SORT_DESC)  # [E, T] i32
+        top = net.view_2d(order, r.top_k, self.tokens, 4 * E, 0)  # [K, T]
         picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
         w = view = net.reshape_2d(picked, r.top_k, self.tokens)  # [K, T]
         if r.normalize:
             w = net.div(w, net.sum_rows(w))
         if r.scale != 1.0:
             w = net.scale(w, r.scale)
-        w = net.fix(picked if w == view else w, buf.weights[out].data_ptr())  # a result, not a view
         if r.shared is not None:
             shared = self._mlp(net, h2, r.shared)
             if r.shared_gate is not None:  # Qwen2-MoE: sigmoid(gate . x) * shared(x)
                 gate = net.sigmoid(net.mul_mat(net.weight(r.shared_gate.ggml, [spec.hidden, 1]), h2))
                 shared = net.mul(shared, gate)  # [H, T] * [1, T]
             resid = net.add(resid, shared)
-        moe_in = net.fix(h2, buf.moe_in.data_ptr())
-        return [*writes, net.fix(resid, buf.resid[out].data_ptr()), moe_in, order, w]
+        return Carry(writes, resid, h2, order, top, w, picked, view)
 
-    def head(self, net: Net, fused: bool = False) -> list[int]:
+    def head(self, net: Net, fused: bool = False, carry: Carry | None = None) -> list[int]:
         """Final norm and LM head on the last position -> logits [V]."""
         spec = self.spec
-        x = self._stream(net, len(spec.layers), fused)
+        x = self._stream(net, len(spec.layers), fused, carry)
         if self.tokens > 1:
             x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (self.tokens - 1))
         h = self._norm(net, x, spec.norm)
@@ -234,8 +289,3 @@ class LayerGraphs:
         out = net.flash_attn_ext(net.permute(q, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
         out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]
         return writes, self._linear(net, out, a.o, a.biases.get("o"))
-
-
-def _nb1(t: int) -> int:
-    """nb[1] of a ggml tensor (bytes between rows)."""
-    return GgmlTensor.from_address(t).nb[1]

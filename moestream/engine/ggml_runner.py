@@ -7,7 +7,10 @@ the routers' modules (the stale gate of `--prefetch`), and is the oracle of the 
 layer, one graph (attention, router, shared expert; `engine/ggml_layers.py`); the layer's routed
 experts then go either into the next graph (every one cached: mul_mat_ids over the cache's slots) or
 through the same `ExpertRuntime` as every other path (cache misses as their bytes land, prefetch,
-traces, routing replay), whose outputs the next graph sums in with the same nodes. Every compute,
+traces, routing replay), whose outputs the next graph sums in with the same nodes. When the cache
+holds every expert of the model (read at load) and nothing needs the routing on the host, a one-token
+step is one graph: the routers' ids address the slots inside it (expert e of a layer in slot first + e),
+so nothing returns to Python between layers; the same nodes, so the same bits. Every compute,
 graphs and experts alike, runs on ggml's one threadpool; torch runs single-threaded glue in between.
 
 A graph set serves one step shape: T tokens (1 when decoding, up to CHUNK per prefill piece) and an
@@ -24,7 +27,14 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import execution_order
-from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, LayerGraphs, SlotArena, StepBuffers
+from moestream.engine.ggml_layers import (
+    SPAN_STEP,
+    ExpertTypes,
+    LayerGraphs,
+    SlotArena,
+    StepBuffers,
+    Whole,
+)
 from moestream.ggml.net import Arena, Net
 from moestream.model.graph_spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
@@ -59,7 +69,8 @@ class GgmlKV:
 class GraphSet:
     """The graphs and buffers of one step shape (T tokens, span S): graph i computes layer i (i = number
     of layers: the head); `fused[i]`, where it exists, is graph i with the previous layer's experts in
-    it, computed from the cache's slots (when every one the step routes to is cached)."""
+    it, computed from the cache's slots (when every one the step routes to is cached); `whole`, built
+    when first used, is the whole step as one graph (every expert of the model cached for good)."""
 
     def __init__(
         self,
@@ -93,8 +104,34 @@ class GraphSet:
             self.close()
             raise
         self.arena = Arena([*self.graphs, *self.fused.values()])
+        self.spec, self.kv, self.types, self.threads = spec, kv, types, threads
+        self.whole: tuple[Whole, Net, Arena] | None = None  # the step as one graph, once built
+
+    def whole_graph(self, whole: Whole) -> Net:
+        """The step as one graph over the slots `whole` names (built on first use, and again when the
+        slots move)."""
+        if self.whole is None or self.whole[0] != whole:
+            self.drop_whole()
+            net = Net(ggml.library(), nodes=max(1024, 128 * (len(self.spec.layers) + 1)))
+            try:
+                net.finish(
+                    LayerGraphs(self.spec, self.kv, self.buf, self.types, whole).step(net),
+                    self.threads,
+                    self.pool,
+                )
+            except BaseException:
+                net.close()
+                raise
+            self.whole = (whole, net, Arena([net]))
+        return self.whole[1]
+
+    def drop_whole(self) -> None:
+        if self.whole is not None:
+            self.whole[1].close()
+            self.whole = None
 
     def close(self) -> None:
+        self.drop_whole()
         for net in [*self.graphs, *self.fused.values()]:
             net.close()
 
@@ -122,6 +159,7 @@ class GgmlRunner:
         self.state = GgmlKV(self.kv_bytes // self.ctx)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._cache: Any = None  # the expert cache the graph sets read slots of
+        self._whole: tuple[int, Whole | None] | None = None  # (cache version, slots) last looked up
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
 
     @property
@@ -130,7 +168,8 @@ class GgmlRunner:
 
     def describe(self) -> str:
         return (
-            f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them), "
+            f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them; "
+            "one graph a token while every expert is cached), "
             f"KV cache F16 of {self.ctx} positions"
         )
 
@@ -155,6 +194,7 @@ class GgmlRunner:
         if cache is not self._cache:  # a restream: the graphs read the old cache's slots
             self.close_sets()
             self._cache = cache
+            self._whole = None
         key = (tokens, span)
         gs = self._sets.get(key)
         if gs is not None and gs.pool != kern.pool:  # the pool was replaced (another thread count)
@@ -204,6 +244,14 @@ class GgmlRunner:
             span[None, :] <= b.rows[:, None], 0.0
         )
         kern = ggml.kernels(self.threads)
+        whole = self._resident() if T == 1 else None
+        if whole is not None:
+            with kern._lock, kern.hold():  # paused when the step ends
+                gs.whole_graph(whole).run()
+            self._cache.count_hits(len(self._moe_layers) * self.spec.top_k)
+            for layer in self._moe_layers:
+                self.runtime(layer).layer_calls += 1
+            return b.logits
         pinned: tuple[Any, int, list[int]] | None = None  # (cache, layer, experts) to unpin
         with kern._lock, kern.hold():
             try:
@@ -222,6 +270,33 @@ class GgmlRunner:
                 if pinned is not None:
                     pinned[0].unpin_hits(pinned[1], pinned[2])
         return b.logits
+
+    def _resident(self) -> Whole | None:
+        """Where every MoE layer's experts lie when the step can be one graph: every expert cached for
+        good (the cache holds them all), each layer's in slots first + id, and nothing needs the routing
+        on the host (a trace, a replay, prefetch); else None."""
+        cache = self._cache
+        for layer in self._moe_layers:
+            rt = self.runtime(layer)
+            if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
+                return None
+        if self._whole is not None and self._whole[0] == cache.version:
+            return self._whole[1]
+        whole = None
+        if cache.holds_all():
+            types = self._types()
+            first = {}
+            for layer in self._moe_layers:
+                slot = (
+                    cache.first_slot(layer, self.experts) if types.get(layer) and types[layer].arena else None
+                )
+                if slot is None:
+                    break
+                first[layer] = slot
+            else:
+                whole = Whole(first)
+        self._whole = (cache.version, whole)
+        return whole
 
     def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, int, list[int]] | None:
         """The step's experts of `layer` when the cache holds every one and nothing else needs the
