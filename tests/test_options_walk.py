@@ -1218,6 +1218,8 @@ def test_python_api_arguments(models, recwarn):
 
     with moestream.load(str(models["st"]), cache=FULL, make_reader=reader) as engine:
         assert made == [("direct", 4)]
+        with pytest.raises(MoestreamError, match="CUDA tiers"):
+            engine.restream(gpu_cache="8MiB")  # what load refuses, restream refuses too
         plain = engine.generate("Hello world", max_tokens=4, ignore_eos=True)
         assert (
             engine.generate("Hello world", max_tokens=4, ignore_eos=True, logit_bias={9: 100}).tokens

@@ -287,6 +287,8 @@ class Engine:
         }
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
+        tiers = {k: v for k, v in changes.items() if k in ("gpu_cache", "host_cache")}
+        refuse_unused(self.options.device, {**tiers, "unified": self.options.unified})  # as at load
         try:
             options = EngineOptions(**{**vars(self.options), **changes})
         except ValueError as exc:
