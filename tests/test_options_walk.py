@@ -59,7 +59,8 @@ class Run:
 
     @property
     def mode(self) -> str:
-        return next((line for line in self.err.splitlines() if line.startswith("moestream: ")), "")
+        lines = (self.err + self.out).splitlines()  # the mode line: "moestream: MODEL on DEVICE | ..."
+        return next((line for line in lines if line.startswith("moestream: ") and " | " in line), "")
 
 
 MEMO: dict[tuple[tuple[str, ...], str | None], Run] = {}
@@ -224,7 +225,7 @@ HOT = ["--temperature", "2", "--seed", "1"]
 MODE_RUN = [
     *("--io-mode", "pagecache", "--io-threads", "2", "--piece", "64KiB", "-t", "2", "--dtype", "bfloat16"),
     *("--no-mlock", "--experts-per-token", "1", "-c", "64", "--policy", "lfu", "--prefetch"),
-    *("--trunk", "static", "--gpu-floor", "off"),
+    *("--trunk", "static", "--gpu-floor", "off", "--no-preload"),
 ]  # fmt: skip
 WARN_RUN = [*("--policy", "lfu", "--prefetch", "--trunk-dtype", "bfloat16", "--seed", "1", "--top-k", "3")]
 
@@ -330,6 +331,13 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
     "--trunk": _trunk,
     "--policy": both(_in_mode(r"LFU eviction"), _warns("--policy lfu: the expert cache holds all")),
     "--no-mlock": _in_mode(r"\(unlocked\)"),
+    "--no-preload": both(
+        lambda w: assert_equal(
+            ("read at load" in ok(w.gen()).mode, "read at load" in ok(w.gen("--no-preload")).mode),
+            (True, False),
+        ),
+        lambda w: warned(ok(w.gen(*MODE_RUN, cache=SMALL)), "--no-preload: the expert cache holds 4 of 16"),
+    ),
     "--prefetch": both(_in_mode(r"next-layer prefetch"), _warns("nothing left to read ahead")),
     "--experts-per-token": _in_mode(r"LOSSY: 1 experts per token"),
     "--gpu-floor": both(
@@ -351,6 +359,7 @@ REACH: dict[str, tuple[list[str], dict[str, Any]]] = {
     "--trunk": (["--trunk", "static"], {"trunk": "static"}),
     "--policy": (["--policy", "predictive"], {"policy": "predictive"}),
     "--no-mlock": (["--no-mlock"], {"lock_memory": False}),
+    "--no-preload": (["--no-preload"], {"preload": False}),
     "--prefetch": (["--prefetch", "auto"], {"prefetch": "auto"}),
     "--experts-per-token": (["--experts-per-token", "1"], {"experts_per_token": 1}),
     "--gpu-floor": (["--gpu-floor", "off"], {"gpu_floor": "off"}),
@@ -1152,6 +1161,7 @@ PYTHON_LOAD = {
     "dtype": "generate --dtype",
     "trunk_dtype": "generate --trunk-dtype",
     "lock_memory": "generate --no-mlock",
+    "preload": "generate --no-preload",
     "gpu_cache": "generate --gpu-cache",
     "host_cache": "generate --host-cache",
     "unified": "generate --unified",

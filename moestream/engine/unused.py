@@ -70,6 +70,12 @@ def warn_unused(engine: Any) -> None:
     # the tier experts are computed from: the host cache (CPU, unified memory) or the GPU slots
     capacity = getattr(engine.runtime.tier, "capacity", engine.cache.capacity)
     holds_all = capacity >= len(engine.emap.units)
+    if not options.preload and not holds_all:
+        warnings.warn(
+            f"--no-preload: the expert cache holds {capacity} of {len(engine.emap.units)} experts, so none "
+            "is read at load anyway (only a cache that holds them all is)",
+            stacklevel=3,
+        )
     if holds_all and options.prefetch != "off":
         warnings.warn(
             f"--prefetch {options.prefetch}: the expert cache holds all {len(engine.emap.units)} experts, "
