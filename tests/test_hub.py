@@ -153,6 +153,26 @@ def test_a_corrupt_small_file_is_refused_by_its_git_blob_id(hub):
         fetch("tiny/moe")
 
 
+def test_a_large_file_huggingface_hub_downloaded_is_checked_by_sha256(tmp_path):
+    """The check of a file huggingface_hub fetched itself (a Xet file): its blob and link both go."""
+    from types import SimpleNamespace
+
+    from moestream.store.hub import _verify
+
+    blob, link = tmp_path / "blobs" / "abc", tmp_path / "snapshot" / "m-Q8_0.gguf"
+    blob.parent.mkdir()
+    link.parent.mkdir()
+    blob.write_bytes(b"what came down")
+    link.symlink_to(blob)
+    right = hashlib.sha256(b"what came down").hexdigest()
+    entry = SimpleNamespace(size=14, blob_id="0" * 40, lfs=SimpleNamespace(sha256=right, size=14))
+    _verify(parse_spec("a/b"), link, entry)  # as listed: kept
+    entry.lfs.sha256 = "f" * 64
+    with pytest.raises(CheckpointError, match=r"m-Q8_0.gguf came down corrupt \(sha256"):
+        _verify(parse_spec("a/b"), link, entry)
+    assert not blob.exists() and not link.is_symlink()
+
+
 def test_offline_the_cache_serves_and_a_missing_file_is_one_error(hub, models, capsys, monkeypatch):
     from huggingface_hub import constants
 
