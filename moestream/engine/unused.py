@@ -70,6 +70,11 @@ def warn_unused(engine: Any) -> None:
     # the tier experts are computed from: the host cache (CPU, unified memory) or the GPU slots
     capacity = getattr(engine.runtime.tier, "capacity", engine.cache.capacity)
     holds_all = capacity >= len(engine.emap.units)
+    if options.experts_per_token is not None and engine.top_k == engine.model_top_k:
+        warnings.warn(
+            f"--experts-per-token {options.experts_per_token} is the model's own top-k: nothing changes",
+            stacklevel=3,
+        )
     if not options.preload and not holds_all:
         warnings.warn(
             f"--no-preload: the expert cache holds {capacity} of {len(engine.emap.units)} experts, so none "
