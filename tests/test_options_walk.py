@@ -339,7 +339,10 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
         lambda w: warned(ok(w.gen(*MODE_RUN, cache=SMALL)), "--no-preload: the expert cache holds 4 of 16"),
     ),
     "--prefetch": both(_in_mode(r"next-layer prefetch"), _warns("nothing left to read ahead")),
-    "--experts-per-token": _in_mode(r"LOSSY: 1 experts per token"),
+    "--experts-per-token": both(
+        _in_mode(r"LOSSY: 1 experts per token"),
+        lambda w: warned(w.gen("--experts-per-token", "2"), "is the model's own top-k"),
+    ),
     "--gpu-floor": both(
         _in_mode(r"gpu floor off"),
         lambda w: refused(w.gen("--gpu-floor", "900"), "needs a Jetson GPU devfreq"),
@@ -1292,9 +1295,9 @@ USER = [{"role": "user", "content": "Hello world"}]
 
 def _post(server: Any, path: str, **body: Any) -> Any:
     base = {"prompt": "Hello world"} if path == COMPLETIONS else {"messages": USER}
-    return server.http.post(
-        path, json={"max_tokens": 6, "temperature": 0, "ignore_eos": True, **base, **body}
-    )
+    if "max_completion_tokens" not in body:
+        base["max_tokens"] = 6
+    return server.http.post(path, json={"temperature": 0, "ignore_eos": True, **base, **body})
 
 
 def _text(server: Any, path: str = COMPLETIONS, **body: Any) -> str:
@@ -1304,10 +1307,18 @@ def _text(server: Any, path: str = COMPLETIONS, **body: Any) -> str:
     return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
 
 
-def _refused_field(field: str, value: Any, path: str = COMPLETIONS) -> Callable[[Any], None]:
+def _refused_field(field: str, value: Any, path: str = COMPLETIONS, **more: Any) -> Callable[[Any], None]:
     def check(server: Any) -> None:
-        res = _post(server, path, **{field: value})
+        res = _post(server, path, **{field: value, **more})
         assert res.status_code == 400 and res.json()["error"]["param"] == field, res.text[:300]
+
+    return check
+
+
+def both_(*checks: Callable[[Any], None]) -> Callable[[Any], None]:
+    def check(server: Any) -> None:
+        for one in checks:
+            one(server)
 
     return check
 
@@ -1385,7 +1396,7 @@ SERVER_FIELDS: dict[str, Callable[[Any], None]] = {
     "seed": _field_seed,
     "stop": _field_stop,
     "stream": _field_stream,
-    "stream_options": _field_stream_options,
+    "stream_options": both_(_field_stream_options, _refused_field("stream_options", {"include_usage": True})),
     "n": _refused_field("n", 2),
     "ignore_eos": _field_ignore_eos,
     "cache_prompt": _field_cache_prompt,
@@ -1401,7 +1412,12 @@ SERVER_FIELDS: dict[str, Callable[[Any], None]] = {
         _prompt_tokens(server, CHAT_PATH),
         _prompt_tokens(server, CHAT_PATH, messages=[{"role": "user", "content": "Hi"}]),
     ),
-    "max_completion_tokens": _usage(CHAT_PATH, "max_completion_tokens"),
+    "max_completion_tokens": both_(
+        _usage(CHAT_PATH, "max_completion_tokens"),
+        lambda server: assert_equal(
+            _post(server, CHAT_PATH, max_tokens=4, max_completion_tokens=3).status_code, 400
+        ),
+    ),
     "chat_template_kwargs": _refused_field("chat_template_kwargs", {"enable_thinking": False}, CHAT_PATH),
     # what the server cannot honour: 400 naming the field
     "logprobs": _refused_field("logprobs", True),
@@ -1423,8 +1439,12 @@ SERVER_FIELDS: dict[str, Callable[[Any], None]] = {
     "parallel_tool_calls": lambda server: assert_equal(
         _text(server, parallel_tool_calls=False), _text(server)
     ),
-    "repeat_penalty": lambda server: assert_equal(
-        _text(server, repeat_penalty=1.8, max_tokens=8), _text(server, repetition_penalty=1.8, max_tokens=8)
+    "repeat_penalty": both_(
+        lambda server: assert_equal(
+            _text(server, repeat_penalty=1.8, max_tokens=8),
+            _text(server, repetition_penalty=1.8, max_tokens=8),
+        ),
+        _refused_field("repeat_penalty", 1.8, repetition_penalty=1.2),
     ),
     # and a field of another server's API is no silent no-op either
     "(unknown)": _refused_field("typical_p", 0.5),

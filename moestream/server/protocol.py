@@ -113,6 +113,13 @@ class _Sampling(BaseModel):
         unknown = next((name for name in extra if name not in UNSUPPORTED and name not in IGNORED), None)
         if unknown is not None:
             return unknown, f"'{unknown[:64]}' is not a field this server knows, so it would change nothing"
+        if "repeat_penalty" in extra and extra["repeat_penalty"] != self.repetition_penalty:
+            return "repeat_penalty", "repeat_penalty and repetition_penalty are one setting: give one value"
+        if self.stream_options is not None and self.stream_options.include_usage and not self.stream:
+            return (
+                "stream_options",
+                "stream_options apply to a stream (stream: true); a whole response has usage",
+            )
         return None
 
     def limit(self) -> int | None:
@@ -213,6 +220,12 @@ class ChatRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refusal(self) -> tuple[str, str] | None:
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            return "max_tokens", "max_tokens and max_completion_tokens are one setting: give one value"
+        return super().refusal()
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template expects them."""
