@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -1068,6 +1069,7 @@ CLI: dict[str, dict[str, Callable[[Walk], None]]] = {
 }
 
 
+@functools.cache
 def parser_options() -> dict[str, list[str]]:
     """verb -> its options as the parser has them (the longest spelling; a positional's name)."""
     parser = build_parser([])
