@@ -1235,6 +1235,13 @@ def test_python_api_arguments(models, recwarn):
         assert made == [("direct", 4)]
         with pytest.raises(MoestreamError, match="CUDA tiers"):
             engine.restream(gpu_cache="8MiB")  # what load refuses, restream refuses too
+    from moestream.engine.unused import refuse_unused
+
+    with pytest.warns(UserWarning, match="the other is unused"):  # CUDA: --cache or --gpu-cache sizes nothing
+        refuse_unused("cuda", {"cache": "64MiB", "gpu_cache": "1MiB"})
+    with pytest.raises(MoestreamError, match="--unified replaces"):
+        refuse_unused("cuda", {"unified": True, "host_cache": "1GiB"})
+    with moestream.load(str(models["st"]), cache=FULL, make_reader=reader) as engine:
         plain = engine.generate("Hello world", max_tokens=4, ignore_eos=True)
         assert (
             engine.generate("Hello world", max_tokens=4, ignore_eos=True, logit_bias={9: 100}).tokens

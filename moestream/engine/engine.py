@@ -96,7 +96,7 @@ def load(
         MoestreamError: the checkpoint is missing, malformed or unsupported, the budget is too small, or
             an option cannot take effect here (a CUDA tier size on the CPU, say: `engine/unused.py`).
     """
-    refuse_unused(device, extra)
+    refuse_unused(device, {**extra, "cache": cache})
     try:
         options = EngineOptions(
             cache=cache,

@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from moestream.errors import MoestreamError
+from moestream.units import parse_size
 
 # values of the CUDA tier sizes that mean "not given" (the CLI's defaults, and the sizing logic's "auto")
 _UNSET = (None, "auto", 0, "0")
@@ -24,6 +25,8 @@ _CUDA_ONLY = {
 
 def refuse_unused(device: str, given: dict[str, Any]) -> None:
     """Refuse `given` options (the engine options a caller passed) that `device` would ignore.
+
+    Warns about --cache beside a different --gpu-cache on CUDA (one of them sizes nothing).
 
     Raises:
         MoestreamError: a CUDA tier option on the CPU; a GPU slot size with unified memory; --dtype and
@@ -43,12 +46,27 @@ def refuse_unused(device: str, given: dict[str, Any]) -> None:
                 f"{' and '.join(tiers)} size the GPU slot tiers, which --unified replaces with one tier of "
                 "device-mapped host memory: --cache sets its size"
             )
+    sizes = [given.get(name) for name in ("cache", "gpu_cache")]
+    if cuda and all(size not in _UNSET for size in sizes) and _bytes(sizes[0]) != _bytes(sizes[1]):
+        warnings.warn(
+            f"--cache {sizes[0]} and --gpu-cache {sizes[1]} both size the expert tier on CUDA: the GPU "
+            "slots take --gpu-cache (and the pinned host tier --host-cache), unified memory takes --cache; "
+            "the other is unused",
+            stacklevel=3,
+        )
     dtype, trunk_dtype = given.get("dtype", "auto"), given.get("trunk_dtype")
     if trunk_dtype is not None and dtype not in (None, "auto", trunk_dtype):
         raise MoestreamError(
             f"--dtype {dtype} and --trunk-dtype {trunk_dtype} disagree: a dequantized trunk is computed "
             "in its own dtype; give one of them"
         )
+
+
+def _bytes(size: Any) -> Any:
+    try:
+        return parse_size(size)
+    except (TypeError, ValueError):
+        return size  # EngineOptions names the bad size
 
 
 def warn_unused(engine: Any) -> None:
