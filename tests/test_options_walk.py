@@ -1046,6 +1046,13 @@ def _plan_hf(w: Walk) -> None:
     assert asked == ["tiny/moe"]
 
 
+def _version(w: Walk) -> None:
+    w.capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and w.capsys.readouterr().out.strip() == f"moestream {moestream.__version__}"
+
+
 # --- the table ------------------------------------------------------------------------------------
 
 ENGINE_OPTIONS = [*REACH, *REFUSE]
@@ -1066,6 +1073,7 @@ CLI: dict[str, dict[str, Callable[[Walk], None]]] = {
     "trace-convert": TRACE_CONVERT,
     "gpu-floor": GPU_FLOOR,
     "plan": PLAN,
+    "moestream": {"--version": lambda w: _version(w)},
 }
 
 
@@ -1074,14 +1082,16 @@ def parser_options() -> dict[str, list[str]]:
     """verb -> its options as the parser has them (the longest spelling; a positional's name)."""
     parser = build_parser([])
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {
-        verb: [
+
+    def names(p: argparse.ArgumentParser) -> list[str]:
+        skip = (argparse._HelpAction, argparse._SubParsersAction)
+        return [
             max(a.option_strings, key=len) if a.option_strings else a.dest
             for a in p._actions
-            if not isinstance(a, argparse._HelpAction)
+            if not isinstance(a, skip)
         ]
-        for verb, p in sub.choices.items()
-    }
+
+    return {"moestream": names(parser), **{verb: names(p) for verb, p in sub.choices.items()}}
 
 
 def test_every_option_is_classified():
