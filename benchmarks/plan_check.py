@@ -1,9 +1,9 @@
 """`moestream plan` against real runs: predicted and measured decode tok/s at three cache budgets.
 
 Each round runs `moestream plan CHECKPOINT --json` (its own trace, read rate and compute cost), then one
-real run per budget, every process started after the page cache is dropped (root), the budgets' order
-rotated from round to round, so that the plan and the runs it predicts are measured close together on a
-shared, noisy machine. Two routings:
+real run per budget, each started after the page cache is dropped (root), the budgets' order rotated
+from round to round, so that the plan and the runs it predicts are measured close together on a shared,
+noisy machine. Two routings:
 
 - the checkpoint's own (default): plan records the routing of `--prompt` (`--max-tokens` tokens), and
   each real run is `moestream generate CHECKPOINT --prompt ... --ignore-eos --cache BUDGET --json`, the
@@ -138,12 +138,10 @@ def main() -> None:
     print(HEAD)
     with tempfile.TemporaryDirectory(prefix="plan-check-") as tmp:
         for round_ in range(args.rounds):
-            dropped = drop_page_cache()
             predicted = plan(args, Path(tmp) / f"trace{round_}.parquet")
             order = budgets[round_ % len(budgets) :] + budgets[: round_ % len(budgets)]
             for budget in order:
-                dropped = drop_page_cache() and dropped
-                results.append(check(args, round_, budget, predicted, dropped))
+                results.append(check(args, round_, budget, predicted))
                 print(line(results[-1]), flush=True)
     summarize(results, budgets)
     if args.json:
@@ -158,9 +156,12 @@ HEAD = (
 )
 
 
-def check(args: argparse.Namespace, round_: int, budget: str, predicted: dict, dropped: bool) -> dict:
-    """One real run at `budget`, bracketed by read-rate samples, against plan's row for it."""
+def check(args: argparse.Namespace, round_: int, budget: str, predicted: dict) -> dict:
+    """One real run at `budget`, bracketed by read-rate samples, against plan's row for it. The page
+    cache is dropped after the first sample: right after a drop the other processes on the machine read
+    their files back, and a sample then measures that contention, not the disk the run will see."""
     before = read_rate(args.checkpoint)
+    dropped = drop_page_cache()
     real = real_run(args, budget)
     adjacent = (before + read_rate(args.checkpoint)) / 2
     row = next(r for r in predicted["rows"] if r["budget_bytes"] == parse_size(budget))
