@@ -102,7 +102,13 @@ def test_given_trace_bytes_equal_the_simulator_and_time_follows_the_formula(
             "0.2",
         ],
     )
-    assert out["read_rate_measured"] is True and out["read_bytes_per_s"] > 0
+    assert (
+        out["read_rate_measured"] is True and out["read_bytes_per_s"] > 0 and out["ceiling_bytes_per_s"] > 0
+    )
+    engine = out["engine_read"]  # the rate predicted with: bytes over the time beyond compute
+    reading = engine["seconds"] - engine["tokens"] * engine["compute_ms"] / 1000
+    assert engine["compute_ms"] == out["compute_ms_per_token"] and engine["budget"] == 72 << 10
+    assert out["read_bytes_per_s"] == engine["nbytes"] / (reading if reading > 0 else engine["seconds"])
     # two built-in prompts, 2 tokens decoded on each in the timed pass
     assert out["compute_ms_per_token"] > 0 and out["compute_tokens"] == 2 * 2
     rows = {r["budget_bytes"]: r for r in out["rows"]}

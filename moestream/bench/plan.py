@@ -3,8 +3,11 @@
     MiB/token     the decode tokens of a routing trace replayed through the engine's own eviction policy
                   (`moestream.trace.simulator`, as `moestream simulate` does) at the budget, each miss
                   counted at the bytes the engine's reader asks of the disk for that expert (aligned)
-    read rate     the disk's rate for whole random experts, through the engine's reader (`ceiling.py`)
     compute       ms per decoded token with every expert the token needs already in the cache
+    read rate     the engine's own: bytes read per second of the time it spends beyond that compute, over
+                  a few tokens at the smallest budget, where nearly every expert is read again
+                  (`plan_measure.py`); the disk alone (random whole experts through the engine's reader,
+                  `ceiling.py`) is measured and shown beside it
 
     predicted ms/token  = compute + MiB/token / read rate               (SERIAL, the reported figure)
     overlapped ms/token = max(compute, MiB/token / read rate)           (a bound: all reads hidden)

@@ -1,15 +1,18 @@
-"""The parts of `moestream plan` measured on the model itself: a routing trace of a few prompts, and the
-compute cost of a decoded token with every expert it needs already in the cache.
+"""The parts of `moestream plan` measured on the model itself: a routing trace of a few prompts, the
+compute cost of a decoded token with every expert it needs already in the cache, and the rate at which
+the engine reads experts when nearly every one misses.
 
 One engine, with a cache that holds every expert (or, where memory is short, the largest of halving
 budgets that the memory check accepts), generates on the prompts twice: the first pass reads the experts
 (and records the trace), the second finds them all cached, so its decode time per token is compute only:
-what a token costs whatever the budget.
+what a token costs whatever the budget. Then the same engine, its cache rebuilt at the smallest budget
+(top-k slots: every expert of every layer is read again), decodes a few tokens of the first prompt: the
+bytes it read over the time it spent beyond that compute is its read rate.
 """
 
 from __future__ import annotations
 
-import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,8 +97,42 @@ def measure_compute(
     )
 
 
-def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """(fn's result, seconds it took)."""
-    began = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - began
+@dataclass(frozen=True)
+class EngineReadRate:
+    """What the engine read at the smallest budget: `nbytes` over `tokens` decoded tokens in `seconds`,
+    of which `compute_ms` per token is charged to compute (the measured cost with every expert cached)."""
+
+    nbytes: int
+    tokens: int
+    seconds: float
+    compute_ms: float
+    budget: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bytes over the time not spent on compute; over the whole time where compute took none of it
+        (a token faster than its compute cost: the reads then hid it)."""
+        reading = self.seconds - self.tokens * self.compute_ms / 1000.0
+        return self.nbytes / (reading if reading > 0 else self.seconds)
+
+    def line(self) -> str:
+        mib = self.nbytes / (1 << 20) / self.tokens
+        ms = 1000 * self.seconds / self.tokens
+        return (
+            f"{self.bytes_per_s / (1 << 30):.3f} GiB/s, the engine's own: {self.tokens} tokens at the "
+            f"smallest budget ({format_size(self.budget)}), {mib:.1f} MiB/token in {ms:.1f} ms/token, less "
+            f"{self.compute_ms:.1f} ms of compute"
+        )
+
+
+def measure_engine_rate(
+    engine: Any, prompt: str, max_tokens: int, budget: int, compute_ms: float
+) -> EngineReadRate:
+    """Rebuild `engine`'s cache at `budget` (the smallest) and decode `max_tokens` tokens of `prompt`."""
+    with warnings.catch_warnings():  # that the budget is below a token's working set is the point here
+        warnings.filterwarnings("ignore", message="cache budget .* smaller than one token's working set")
+        engine.restream(cache=budget)
+    decode = engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True).stats.decode
+    if decode.tokens == 0 or decode.bytes_read == 0:
+        raise ValueError("nothing was read at the smallest budget")
+    return EngineReadRate(decode.bytes_read, decode.tokens, decode.seconds, compute_ms, budget)

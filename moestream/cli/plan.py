@@ -4,6 +4,7 @@ from a routing trace, the disk's read rate and the compute cost per token (`moes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -14,7 +15,8 @@ from moestream.cli._engine_args import add_model_argument, model_path
 from moestream.errors import MoestreamError
 from moestream.units import parse_size
 
-DEFAULT_READ_SECONDS = 4.0
+DEFAULT_READ_SECONDS = 2.5
+RATE_TOKENS = 16  # tokens decoded at the smallest budget to measure the engine's read rate
 POLICIES = ("lru", "lfu", "predictive")  # the ones a live engine runs (`--policy` of generate)
 AUTO_MISSING = "the auto budget is not shown: this moestream has no automatic cache budget (`--cache auto`)"
 
@@ -26,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="predict decode tok/s and MiB read per token at several cache budgets",
         description="Predict decode speed and MiB read per token at a range of expert-cache budgets: a "
         "routing trace (recorded here on --prompt/--prompts, or --trace FILE) replayed through the engine's "
-        "eviction policy at each budget, the disk's O_DIRECT read rate measured for a few seconds with the "
-        "engine's reader, and the compute cost of a token measured with every needed expert cached. "
+        "eviction policy at each budget, the compute cost of a token measured with every needed expert "
+        "cached, and the engine's O_DIRECT read rate measured on a few tokens at the smallest budget (the "
+        "disk alone, through the engine's reader, is measured for a few seconds beside it). "
         "predicted ms/token = compute + MiB/token / read rate.",
     )
     add_model_argument(p)
@@ -77,14 +80,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     disk.add_argument(
         "--read-rate",
         metavar="SIZE",
-        help="the disk's read rate per second (e.g. 1.1GiB) instead of measuring it",
+        help="the read rate per second to predict with (e.g. 1.1GiB), instead of measuring the engine's",
     )
     disk.add_argument(
         "--read-seconds",
         type=float,
         default=None,
-        help=f"how long the read rate is measured, in two samples: before and after the compute "
-        f"(default {DEFAULT_READ_SECONDS:g} s in all)",
+        help=f"how long the disk alone is measured (random whole experts, shown beside the engine's own "
+        f"rate; default {DEFAULT_READ_SECONDS:g} s)",
     )
     disk.add_argument("--io-threads", type=int, default=4, help="I/O threads (default 4, the engine's)")
     disk.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB, the engine's)")
@@ -128,22 +131,15 @@ def run(args: argparse.Namespace) -> int:
     if given is not None:
         fit_trace(given, emap, top_k, sizes, args.trace)  # a trace of another model fails before measuring
     prompts = _prompts(args)
-    # the disk's rate is sampled before and after the compute: it drifts on a shared machine
-    rates = [_read_rate(args, emap, top_k, 1, 2)]
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         record = None if given is not None else Path(args.save_trace or Path(tmp) / "plan-trace.parquet")
-        compute = _measure_compute(path, prompts, args.max_tokens, record, sizes, options)
+        compute, engine_rate = _measure(path, prompts, args, record, sizes, options)
         trace = given if record is None else _read(record)
-    if rates[0].measured:
-        from moestream.bench.ceiling import ReadRate
-
-        rates.append(_read_rate(args, emap, top_k, 2, 2))
-        rate = ReadRate.combine(rates)
-    else:
-        rate = rates[0]
+    ceiling = None if args.read_rate else _ceiling(args, emap, top_k)
+    rate = _given_rate(args) if args.read_rate else engine_rate.bytes_per_s
     trace = fit_trace(trace, emap, top_k, sizes, args.trace or "recorded here")
-    rows, notes = plan_rows(trace, budgets, args.policy, compute.ms_per_token, rate.bytes_per_s)
-    _report(args, path, trace, rows, notes, compute, rate, prompts, given is None)
+    rows, notes = plan_rows(trace, budgets, args.policy, compute.ms_per_token, rate)
+    _report(args, path, trace, rows, notes, compute, (rate, engine_rate, ceiling), prompts, given is None)
     return 0
 
 
@@ -232,41 +228,52 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def _measure_compute(
-    path: str, prompts: list[str], max_tokens: int, record: Path | None, sizes: Any, options: dict[str, Any]
-) -> Any:
-    from moestream.bench.plan_measure import load_for_measuring, measure_compute
+def _measure(
+    path: str,
+    prompts: list[str],
+    args: argparse.Namespace,
+    record: Path | None,
+    sizes: Any,
+    options: dict[str, Any],
+) -> tuple[Any, Any]:
+    """The compute cost per token (recording the trace to `record` on the way), and the engine's read
+    rate at the smallest budget (None with --read-rate)."""
+    from moestream.bench.plan_measure import load_for_measuring, measure_compute, measure_engine_rate
 
     print(
-        f"moestream plan: generating {max_tokens} tokens on {len(prompts)} prompt(s) twice "
-        f"({'recording the routing, then ' if record else ''}timing compute with the experts cached)",
+        f"moestream plan: generating {args.max_tokens} tokens on {len(prompts)} prompt(s) twice "
+        f"({'recording the routing, then ' if record else ''}timing compute with the experts cached)"
+        + ("" if args.read_rate else ", then reading at the smallest budget"),
         file=sys.stderr,
         flush=True,
     )
     with load_for_measuring(path, sizes.all_experts, sizes.minimum, **options) as engine:
         print(engine.mode_line(), file=sys.stderr, flush=True)
-        return measure_compute(engine, prompts, max_tokens, record)
+        compute = measure_compute(engine, prompts, args.max_tokens, record)
+        if args.read_rate:
+            return compute, None
+        tokens = min(args.max_tokens, RATE_TOKENS)
+        return compute, measure_engine_rate(engine, prompts[0], tokens, sizes.minimum, compute.ms_per_token)
 
 
-def _read_rate(args: argparse.Namespace, emap: Any, top_k: int, sample: int, samples: int) -> Any:
-    """The given read rate, or sample `sample` of `samples`, each `--read-seconds` / `samples` long,
-    top-k experts in flight (a layer's misses)."""
-    from moestream.bench.ceiling import ReadRate, measure_read_rate
+def _given_rate(args: argparse.Namespace) -> float:
+    try:
+        rate = parse_size(args.read_rate.removesuffix("/s"))
+    except ValueError as exc:
+        raise MoestreamError(f"bad --read-rate {args.read_rate!r}: {exc}") from None
+    if rate < 1:
+        raise MoestreamError(f"--read-rate must be positive, got {args.read_rate}")
+    return float(rate)
 
-    if args.read_rate:
-        try:
-            rate = parse_size(args.read_rate.removesuffix("/s"))
-        except ValueError as exc:
-            raise MoestreamError(f"bad --read-rate {args.read_rate!r}: {exc}") from None
-        if rate < 1:
-            raise MoestreamError(f"--read-rate must be positive, got {args.read_rate}")
-        return ReadRate(rate, 1.0, "direct", args.io_threads, parse_size(args.piece), measured=False)
-    seconds = args.read_seconds / samples
-    print(
-        f"moestream plan: measuring the disk's read rate for {seconds:g} s ({sample} of {samples})",
-        file=sys.stderr,
+
+def _ceiling(args: argparse.Namespace, emap: Any, top_k: int) -> Any:
+    """The disk alone: random whole experts through the engine's reader, top-k in flight."""
+    from moestream.bench.ceiling import measure_read_rate
+
+    print(f"moestream plan: measuring the disk's read rate for {args.read_seconds:g} s", file=sys.stderr)
+    return measure_read_rate(
+        emap, args.read_seconds, "direct", args.io_threads, parse_size(args.piece), depth=top_k
     )
-    return measure_read_rate(emap, seconds, "direct", args.io_threads, parse_size(args.piece), depth=top_k)
 
 
 def _report(
@@ -276,50 +283,32 @@ def _report(
     rows: list[Any],
     notes: list[str],
     compute: Any,
-    rate: Any,
+    rates: tuple[float, Any, Any],
     prompts: list[str],
     recorded: bool,
 ) -> None:
-    from moestream.trace.report import SYNTHETIC_NOTE
-
+    """The inputs and notes, then the table (stdout) or JSON (stdout, the lines on stderr); the plot."""
+    rate, engine_rate, ceiling = rates
     decode = int((trace.phase == 1).sum() // max(1, len(set(trace.layer.tolist()))))
-    where = (
-        f"recorded here on {len(prompts)} prompt(s), {args.max_tokens} tokens each"
-        + (f" (kept in {args.save_trace})" if args.save_trace else "")
-        if recorded
-        else f"{args.trace} ({trace.header.source or trace.header.model_id})"
-    )
-    lines = [
-        f"model: {path}",
-        f"routing: {where}; {decode} decode tokens; policy {args.policy}",
-        f"read rate: {rate.line()}",
-        f"compute: {compute.line()}",
-        "predicted ms/token = compute + MiB/token / read rate (the disk idles while a layer's router, "
-        "attention and last miss compute); 'if overlapped' = max(compute, read), a bound",
-        *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
-        *(f"note: {n}" for n in [*trace.all_notes, *notes]),
-        AUTO_MISSING,
-    ]
+    lines = _lines(args, path, trace, notes, compute, rates, prompts, recorded, decode)
     if args.json:
         for line in lines:
             print(line, file=sys.stderr)
-        print(
-            json.dumps(
-                {
-                    "model": path,
-                    "policy": args.policy,
-                    "synthetic_routing": trace.header.synthetic,
-                    "decode_tokens": decode,
-                    "read_bytes_per_s": rate.bytes_per_s,
-                    "read_rate_measured": rate.measured,
-                    "compute_ms_per_token": compute.ms_per_token,
-                    "compute_tokens": compute.tokens,
-                    "auto": None,
-                    "rows": [r.to_dict() for r in rows],
-                },
-                indent=1,
-            )
-        )
+        out = {
+            "model": path,
+            "policy": args.policy,
+            "synthetic_routing": trace.header.synthetic,
+            "decode_tokens": decode,
+            "read_bytes_per_s": rate,
+            "read_rate_measured": engine_rate is not None,
+            "engine_read": None if engine_rate is None else dataclasses.asdict(engine_rate),
+            "ceiling_bytes_per_s": None if ceiling is None else ceiling.bytes_per_s,
+            "compute_ms_per_token": compute.ms_per_token,
+            "compute_tokens": compute.tokens,
+            "auto": None,
+            "rows": [r.to_dict() for r in rows],
+        }
+        print(json.dumps(out, indent=1))
     else:
         from moestream.bench.plan_report import print_table
 
@@ -327,7 +316,45 @@ def _report(
     if args.plot:
         from moestream.bench.plan_report import plot_plan
 
-        rate_text = f"{rate.bytes_per_s / (1 << 30):.2f} GiB/s"
-        title = f"{Path(path).name}: compute {compute.ms_per_token:.1f} ms/token, read rate {rate_text}"
-        plot_plan(rows, args.plot, title + (" (synthetic routing)" if trace.header.synthetic else ""))
+        title = (
+            f"{Path(path).name}: compute {compute.ms_per_token:.1f} ms/token, read rate "
+            f"{rate / (1 << 30):.2f} GiB/s" + (" (synthetic routing)" if trace.header.synthetic else "")
+        )
+        plot_plan(rows, args.plot, title)
         print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _lines(
+    args: argparse.Namespace,
+    path: str,
+    trace: Any,
+    notes: list[str],
+    compute: Any,
+    rates: tuple[float, Any, Any],
+    prompts: list[str],
+    recorded: bool,
+    decode: int,
+) -> list[str]:
+    """What the table was computed from, one line each, and the notes."""
+    from moestream.trace.report import SYNTHETIC_NOTE
+
+    rate, engine_rate, ceiling = rates
+    where = (
+        f"recorded here on {len(prompts)} prompt(s), {args.max_tokens} tokens each"
+        + (f" (kept in {args.save_trace})" if args.save_trace else "")
+        if recorded
+        else f"{args.trace} ({trace.header.source or trace.header.model_id})"
+    )
+    read = f"{rate / (1 << 30):.3f} GiB/s (given)" if engine_rate is None else engine_rate.line()
+    return [
+        f"model: {path}",
+        f"routing: {where}; {decode} decode tokens; policy {args.policy}",
+        f"compute: {compute.line()}",
+        f"read rate: {read}",
+        *([f"the disk alone (O_DIRECT, random whole experts): {ceiling.line()}"] if ceiling else []),
+        "predicted ms/token = compute + MiB/token / read rate (the disk idles while a layer's router, "
+        "attention and last miss compute); 'if overlapped' = max(compute, read), a bound",
+        *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
+        *(f"note: {n}" for n in [*trace.all_notes, *notes]),
+        AUTO_MISSING,
+    ]
