@@ -1024,7 +1024,7 @@ PLAN: dict[str, Callable[[Walk], None]] = {
     "--plot": lambda w: plan_given(w) and assert_equal(Path(w.m["plan_png"]).exists(), True),
     "--json": lambda w: assert_equal(plan_given(w).json["rows"][0]["budget_bytes"], 100 << 10),
     "--read-rate": lambda w: assert_equal(plan_given(w).json["read_bytes_per_s"], float(1 << 30)),
-    "--read-seconds": lambda w: assert_equal("for 0.1 s (1 of 2)" in plan_recorded(w).err, True),
+    "--read-seconds": lambda w: assert_equal("read rate for 0.2 s" in plan_recorded(w).err, True),
     "--io-threads": lambda w: assert_equal("2 io threads" in plan_given(w).err, True),
     "--piece": lambda w: assert_equal("64 KiB pieces" in plan_given(w).err, True),
     "--threads": lambda w: assert_equal("threads 2" in plan_given(w).err, True),

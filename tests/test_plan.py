@@ -113,8 +113,9 @@ def test_given_trace_bytes_equal_the_simulator_and_time_follows_the_formula(
     assert out["compute_ms_per_token"] > 0 and out["compute_tokens"] == 2 * 2
     rows = {r["budget_bytes"]: r for r in out["rows"]}
     all_experts = 16 * (36 << 10)
-    assert sorted(rows) == [*BUDGETS, all_experts] and rows[all_experts]["label"] == "all experts"
+    assert sorted(rows) == [*BUDGETS, all_experts] and rows[all_experts]["label"] == "auto = all experts"
     expected = simulated_mib_per_token(model, trace_file, [*BUDGETS, all_experts])
+    assert out["auto"] == all_experts  # the tiny model fits: the auto budget holds every expert
     assert {b: r["mib_per_token"] for b, r in rows.items()} == expected
     assert expected[BUDGETS[0]] > expected[BUDGETS[-1]]  # the budgets differ where it matters
     check_formula(out)
@@ -125,7 +126,7 @@ def test_given_trace_bytes_equal_the_simulator_and_time_follows_the_formula(
     assert (
         "MiB/token" in captured.out
         and "all experts" in captured.out
-        and "auto budget is not shown" in captured.out
+        and "auto cache: every expert" in captured.out
     )
     assert "UPPER BOUND" in captured.out  # the random trace is marked synthetic
     assert png.read_bytes()[:8] == PNG

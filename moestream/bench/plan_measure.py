@@ -2,12 +2,13 @@
 compute cost of a decoded token with every expert it needs already in the cache, and the rate at which
 the engine reads experts when nearly every one misses.
 
-One engine, with a cache that holds every expert (or, where memory is short, the largest of halving
-budgets that the memory check accepts), generates on the prompts twice: the first pass reads the experts
-(and records the trace), the second finds them all cached, so its decode time per token is compute only:
-what a token costs whatever the budget. Then the same engine, its cache rebuilt at the smallest budget
-(top-k slots: every expert of every layer is read again), decodes a few tokens of the first prompt: the
-bytes it read over the time it spent beyond that compute is its read rate.
+One engine, with the auto budget (every expert where memory allows, else the largest cache that fits,
+as `--cache auto` sizes it: that budget is a row of plan's table), generates on the prompts twice: the
+first pass reads the experts (and records the trace), the second finds them all cached, so its decode
+time per token is compute only: what a token costs whatever the budget. Then the same engine, its cache
+rebuilt at the smallest budget (top-k slots: every expert of every layer is read again), decodes a few
+tokens of the first prompt: the bytes it read over the time it spent beyond that compute is its read
+rate.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moestream.errors import MemoryBudgetError
 from moestream.units import format_size
 
 DEFAULT_PROMPTS = (
@@ -51,19 +51,18 @@ class ComputeCost:
         )
 
 
-def load_for_measuring(path: str, all_experts: int, minimum: int, **options: Any) -> Any:
-    """An engine whose cache holds every expert where memory allows, else the largest of halving budgets
-    that it does allow (down to `minimum`)."""
+def load_for_measuring(path: str, **options: Any) -> Any:
+    """An engine whose cache is the auto budget (`moestream.engine.auto_budget`): every expert where
+    memory allows, else the largest cache that fits; `engine.options.cache` is then that budget."""
     import moestream
 
-    budget = all_experts
-    while True:
-        try:
-            return moestream.load(path, cache=budget, **options)
-        except MemoryBudgetError:
-            if budget // 2 < minimum:
-                raise
-            budget //= 2
+    return moestream.load(path, cache="auto", **options)
+
+
+def auto_choice(engine: Any) -> tuple[int, str]:
+    """The auto budget the engine was sized with, and the mode line's account of it."""
+    account = next((a for a in engine.auto if a.tier == "cache"), None)
+    return engine.options.cache, account.describe() if account is not None else "auto"
 
 
 def measure_compute(

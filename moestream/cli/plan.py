@@ -18,7 +18,6 @@ from moestream.units import parse_size
 DEFAULT_READ_SECONDS = 2.5
 RATE_TOKENS = 16  # tokens decoded at the smallest budget to measure the engine's read rate
 POLICIES = ("lru", "lfu", "predictive")  # the ones a live engine runs (`--policy` of generate)
-AUTO_MISSING = "the auto budget is not shown: this moestream has no automatic cache budget (`--cache auto`)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,10 +110,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the inputs, measure, replay, print the table (or JSON), plot."""
-    path = model_path(args)
     options = _check_args(args)
+    path = model_path(args)  # after the checks: a model by name (-hf) may be downloaded here
     from moestream.bench.plan import (
         ALL_EXPERTS,
+        AUTO,
         check_budgets,
         default_budgets,
         fit_trace,
@@ -133,12 +133,14 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         record = None if given is not None else Path(args.save_trace or Path(tmp) / "plan-trace.parquet")
-        compute, engine_rate = _measure(path, prompts, args, record, sizes, options)
+        compute, engine_rate, auto = _measure(path, prompts, args, record, sizes, options)
         trace = given if record is None else _read(record)
     ceiling = None if args.read_rate else _ceiling(args, emap, top_k)
     rate = _given_rate(args) if args.read_rate else engine_rate.bytes_per_s
     trace = fit_trace(trace, emap, top_k, sizes, args.trace or "recorded here")
+    budgets[auto[0]] = AUTO if auto[0] != sizes.all_experts else f"{AUTO} = {ALL_EXPERTS}"
     rows, notes = plan_rows(trace, budgets, args.policy, compute.ms_per_token, rate)
+    notes = [f"auto budget, as sized for this process: {auto[1]}", *notes]
     _report(args, path, trace, rows, notes, compute, (rate, engine_rate, ceiling), prompts, given is None)
     return 0
 
@@ -235,10 +237,15 @@ def _measure(
     record: Path | None,
     sizes: Any,
     options: dict[str, Any],
-) -> tuple[Any, Any]:
-    """The compute cost per token (recording the trace to `record` on the way), and the engine's read
-    rate at the smallest budget (None with --read-rate)."""
-    from moestream.bench.plan_measure import load_for_measuring, measure_compute, measure_engine_rate
+) -> tuple[Any, Any, tuple[int, str]]:
+    """The compute cost per token (recording the trace to `record` on the way), the engine's read rate
+    at the smallest budget (None with --read-rate), and the auto budget (bytes, how it was chosen)."""
+    from moestream.bench.plan_measure import (
+        auto_choice,
+        load_for_measuring,
+        measure_compute,
+        measure_engine_rate,
+    )
 
     print(
         f"moestream plan: generating {args.max_tokens} tokens on {len(prompts)} prompt(s) twice "
@@ -247,13 +254,15 @@ def _measure(
         file=sys.stderr,
         flush=True,
     )
-    with load_for_measuring(path, sizes.all_experts, sizes.minimum, **options) as engine:
+    with load_for_measuring(path, **options) as engine:
         print(engine.mode_line(), file=sys.stderr, flush=True)
+        auto = auto_choice(engine)
         compute = measure_compute(engine, prompts, args.max_tokens, record)
         if args.read_rate:
-            return compute, None
+            return compute, None, auto
         tokens = min(args.max_tokens, RATE_TOKENS)
-        return compute, measure_engine_rate(engine, prompts[0], tokens, sizes.minimum, compute.ms_per_token)
+        rate = measure_engine_rate(engine, prompts[0], tokens, sizes.minimum, compute.ms_per_token)
+        return compute, rate, auto
 
 
 def _given_rate(args: argparse.Namespace) -> float:
@@ -305,7 +314,7 @@ def _report(
             "ceiling_bytes_per_s": None if ceiling is None else ceiling.bytes_per_s,
             "compute_ms_per_token": compute.ms_per_token,
             "compute_tokens": compute.tokens,
-            "auto": None,
+            "auto": next((r.budget_bytes for r in rows if r.label.startswith("auto")), None),
             "rows": [r.to_dict() for r in rows],
         }
         print(json.dumps(out, indent=1))
@@ -356,5 +365,4 @@ def _lines(
         "attention and last miss compute); 'if overlapped' = max(compute, read), a bound",
         *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
         *(f"note: {n}" for n in [*trace.all_notes, *notes]),
-        AUTO_MISSING,
     ]
