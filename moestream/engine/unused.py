@@ -43,8 +43,8 @@ def refuse_unused(device: str, given: dict[str, Any]) -> None:
         tiers = [flag for flag in named if not flag.startswith("--unified")]
         if tiers:
             raise MoestreamError(
-                f"{' and '.join(tiers)} size the GPU slot tiers, which --unified replaces with one tier of "
-                "device-mapped host memory: --cache sets its size"
+                f"{' and '.join(tiers)} {'size' if len(tiers) > 1 else 'sizes'} the GPU slot tiers, which "
+                "--unified replaces with one tier of device-mapped host memory: --cache sets its size"
             )
     sizes = [given.get(name) for name in ("cache", "gpu_cache")]
     if cuda and all(size not in _UNSET for size in sizes) and _bytes(sizes[0]) != _bytes(sizes[1]):
