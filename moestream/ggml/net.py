@@ -14,6 +14,7 @@ placement. Nothing is allocated or written per run: `run` computes.
 
 from __future__ import annotations
 
+import bisect
 import ctypes as C
 from collections.abc import Sequence
 
@@ -100,18 +101,23 @@ class Net:
         self.gf = b.ggml_new_graph_custom(self.ctx, self.nodes, False)
         for out in outputs:
             b.ggml_build_forward_expand(self.gf, out)
-        offset = 0
-        for i in range(b.ggml_graph_n_nodes(self.gf)):
-            ptr = b.ggml_graph_node(self.gf, i)
+        nodes = [b.ggml_graph_node(self.gf, i) for i in range(b.ggml_graph_n_nodes(self.gf))]
+        last = _last_uses(nodes)
+        space = _Space()
+        offsets: dict[int, int] = {}
+        for i, ptr in enumerate(nodes):
             t = GgmlTensor.from_address(ptr)
-            if ptr in self.fixed:
-                continue
-            if t.view_src:
-                self._views.append(t)  # its source may be placed only below
-                continue
-            self._layout.append((t, offset))
-            offset += (b.ggml_nbytes(ptr) + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.scratch_bytes = offset
+            if ptr not in self.fixed:
+                if t.view_src:
+                    self._views.append(t)  # its source is placed above (it comes first in the graph)
+                else:
+                    offsets[ptr] = space.take((b.ggml_nbytes(ptr) + _ALIGN - 1) // _ALIGN * _ALIGN)
+                    self._layout.append((t, offsets[ptr]))
+            # nodes run one after another: what no later node reads gives its bytes back now
+            for dead in last.pop(i, ()):
+                if dead in offsets:
+                    space.give(offsets[dead], (b.ggml_nbytes(dead) + _ALIGN - 1) // _ALIGN * _ALIGN)
+        self.scratch_bytes = space.top
         self._plan = self.lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
         if self._plan.threadpool != pool:
             raise RuntimeError("ggml_graph_plan returned a plan for another threadpool")
@@ -133,6 +139,65 @@ class Net:
 
     def close(self) -> None:
         self.ctx = free_context(self.lib, self.ctx)
+
+
+def _root(ptr: int) -> int:
+    """The tensor whose memory `ptr` uses (itself, or the source at the end of its chain of views)."""
+    t = GgmlTensor.from_address(ptr)
+    while t.view_src:
+        ptr = t.view_src
+        t = GgmlTensor.from_address(ptr)
+    return ptr
+
+
+def _last_uses(nodes: list[int]) -> dict[int, list[int]]:
+    """node index -> the tensors (by the memory they own) that no node after it reads: a tensor lives
+    until the last node that reads it, or a view of it, has run (or until it is made, if none does)."""
+    last: dict[int, int] = {}
+    for i, ptr in enumerate(nodes):
+        last[_root(ptr)] = i
+        for src in GgmlTensor.from_address(ptr).src:
+            if src:
+                last[_root(src)] = i
+    by_node: dict[int, list[int]] = {}
+    for ptr, i in last.items():
+        by_node.setdefault(i, []).append(ptr)
+    return by_node
+
+
+class _Space:
+    """Offsets in one scratch region: blocks taken and given back (best fit among the free blocks, else
+    the top grows), so tensors that never live at once share bytes, as ggml-alloc lays out a graph."""
+
+    def __init__(self) -> None:
+        self.free: list[tuple[int, int]] = []  # (offset, size), by offset, never adjacent
+        self.top = 0
+
+    def take(self, size: int) -> int:
+        fits = [(n, k) for k, (_, n) in enumerate(self.free) if n >= size]
+        if fits:
+            n, k = min(fits)
+            offset = self.free[k][0]
+            if n == size:
+                del self.free[k]
+            else:
+                self.free[k] = (offset + size, n - size)
+            return offset
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.top:  # a free block at the top
+            offset = self.free.pop()[0]
+        else:
+            offset = self.top
+        self.top = max(self.top, offset + size)
+        return offset
+
+    def give(self, offset: int, size: int) -> None:
+        k = bisect.bisect(self.free, (offset, size))
+        self.free.insert(k, (offset, size))
+        if k + 1 < len(self.free) and offset + size == self.free[k + 1][0]:  # merge with the next
+            self.free[k] = (offset, size + self.free.pop(k + 1)[1])
+        if k > 0 and self.free[k - 1][0] + self.free[k - 1][1] == offset:  # and with the previous
+            prev = self.free[k - 1][0]
+            self.free[k - 1] = (prev, self.free[k - 1][1] + self.free.pop(k)[1])
 
 
 class Arena:
