@@ -84,6 +84,7 @@ class StepBuffers:
     logits: torch.Tensor  # f32 [V]
     slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
     outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
+    routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
 
     @classmethod
     def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int) -> StepBuffers:
@@ -101,6 +102,7 @@ class StepBuffers:
             logits=torch.zeros(spec.vocab, **f32),
             slots=torch.zeros(tokens, k, dtype=torch.int32),
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
+            routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
         )
 
 
@@ -198,9 +200,13 @@ class LayerGraphs:
         the routers' ids pick the slots in the graph, nothing returns to the host between layers."""
         outputs: list[int] = []
         carry = None
+        moe = 0
         for layer in self.spec.layers:
             carry = self._layer(net, layer, self._stream(net, layer.index, carry=carry))
             outputs += carry.writes
+            if layer.router is not None:  # the routing, for the cache's counts and the tests
+                outputs.append(net.fix(net.cont(carry.top), self.buf.routed[moe].data_ptr()))
+                moe += 1
         return [*outputs, *self.head(net, carry=carry)]
 
     def _layer(self, net: Net, layer: Layer, x: int) -> Carry:

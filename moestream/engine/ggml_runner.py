@@ -8,10 +8,11 @@ layer, one graph (attention, router, shared expert; `engine/ggml_layers.py`); th
 experts then go either into the next graph (every one cached: mul_mat_ids over the cache's slots) or
 through the same `ExpertRuntime` as every other path (cache misses as their bytes land, prefetch,
 traces, routing replay), whose outputs the next graph sums in with the same nodes. When the cache
-holds every expert of the model (read at load) and nothing needs the routing on the host, a one-token
-step is one graph: the routers' ids address the slots inside it (expert e of a layer in slot first + e),
-so nothing returns to Python between layers; the same nodes, so the same bits. Every compute,
-graphs and experts alike, runs on ggml's one threadpool; torch runs single-threaded glue in between.
+holds every expert of the model (read at load) and nothing needs the routing on the host, a step
+(a decoded token, a prefill chunk) is one graph: the routers' ids address the slots inside it (expert
+e of a layer in slot first + e), so nothing returns to Python between layers; the same nodes, so the
+same bits. Every compute, graphs and experts alike, runs on ggml's one threadpool; torch runs
+single-threaded glue in between.
 
 A graph set serves one step shape: T tokens (1 when decoding, up to CHUNK per prefill piece) and an
 attention span S (positions, a multiple of 256); the few most recent sets are kept.
@@ -105,7 +106,7 @@ class GraphSet:
             raise
         self.arena = Arena([*self.graphs, *self.fused.values()])
         self.spec, self.kv, self.types, self.threads = spec, kv, types, threads
-        self.whole: tuple[Whole, Net, Arena] | None = None  # the step as one graph, once built
+        self.whole: tuple[Whole, Net] | None = None  # the step as one graph, once built
 
     def whole_graph(self, whole: Whole) -> Net:
         """The step as one graph over the slots `whole` names (built on first use, and again when the
@@ -122,7 +123,10 @@ class GraphSet:
             except BaseException:
                 net.close()
                 raise
-            self.whole = (whole, net, Arena([net]))
+            self.whole = (whole, net)
+            self.arena = Arena(
+                [*self.graphs, *self.fused.values(), net]
+            )  # one region, as large as the largest
         return self.whole[1]
 
     def drop_whole(self) -> None:
@@ -169,7 +173,7 @@ class GgmlRunner:
     def describe(self) -> str:
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them; "
-            "one graph a token while every expert is cached), "
+            "one graph a step while every expert is cached), "
             f"KV cache F16 of {self.ctx} positions"
         )
 
@@ -244,11 +248,15 @@ class GgmlRunner:
             span[None, :] <= b.rows[:, None], 0.0
         )
         kern = ggml.kernels(self.threads)
-        whole = self._resident() if T == 1 else None
+        whole = self._resident()
         if whole is not None:
             with kern._lock, kern.hold():  # paused when the step ends
                 gs.whole_graph(whole).run()
-            self._cache.count_hits(len(self._moe_layers) * self.spec.top_k)
+            if T == 1:  # K distinct experts a layer
+                hits = len(self._moe_layers) * self.spec.top_k
+            else:  # as `pin_all_hits` counts them: each layer's distinct experts
+                hits = sum(int(torch.unique(routed).numel()) for routed in b.routed)
+            self._cache.count_hits(hits)
             for layer in self._moe_layers:
                 self.runtime(layer).layer_calls += 1
             return b.logits
