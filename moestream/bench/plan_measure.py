@@ -5,10 +5,9 @@ the engine reads experts when nearly every one misses.
 One engine, with the auto budget (every expert where memory allows, else the largest cache that fits,
 as `--cache auto` sizes it: that budget is a row of plan's table), generates on the prompts twice: the
 first pass reads the experts (and records the trace), the second finds them all cached, so its decode
-time per token is compute only: what a token costs whatever the budget. Then the same engine, its cache
-rebuilt at the smallest budget (top-k slots: every expert of every layer is read again), decodes a few
-tokens of the first prompt: the bytes it read over the time it spent beyond that compute is its read
-rate.
+time per token is compute only: what a token costs whatever the budget. Before it, an engine at the
+smallest budget (top-k slots: every expert of every layer is read again) decodes a few tokens of the
+first prompt: the bytes it read over the time it spent beyond that compute is its read rate.
 """
 
 from __future__ import annotations
@@ -125,13 +124,20 @@ class EngineReadRate:
 
 
 def measure_engine_rate(
-    engine: Any, prompt: str, max_tokens: int, budget: int, compute_ms: float
+    path: str, prompt: str, max_tokens: int, budget: int, **options: Any
 ) -> EngineReadRate:
-    """Rebuild `engine`'s cache at `budget` (the smallest) and decode `max_tokens` tokens of `prompt`."""
+    """A fresh engine at `budget` (the smallest) decodes `max_tokens` tokens of `prompt`; its
+    `compute_ms` is left 0 for the caller to set (`dataclasses.replace`) once compute is measured.
+
+    A fresh process state, not the measuring engine's cache rebuilt smaller: on the 2-core VM of
+    BENCHMARKS.md an engine that had just freed a cache of every expert read 20-40% slower for a while."""
+    import moestream
+
     with warnings.catch_warnings():  # that the budget is below a token's working set is the point here
         warnings.filterwarnings("ignore", message="cache budget .* smaller than one token's working set")
-        engine.restream(cache=budget)
-    decode = engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True).stats.decode
+        engine = moestream.load(path, cache=budget, **options)
+    with engine:
+        decode = engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True).stats.decode
     if decode.tokens == 0 or decode.bytes_read == 0:
         raise ValueError("nothing was read at the smallest budget")
-    return EngineReadRate(decode.bytes_read, decode.tokens, decode.seconds, compute_ms, budget)
+    return EngineReadRate(decode.bytes_read, decode.tokens, decode.seconds, 0.0, budget)

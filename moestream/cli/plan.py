@@ -131,11 +131,11 @@ def run(args: argparse.Namespace) -> int:
     if given is not None:
         fit_trace(given, emap, top_k, sizes, args.trace)  # a trace of another model fails before measuring
     prompts = _prompts(args)
+    ceiling = None if args.read_rate else _ceiling(args, emap, top_k)  # first: before any engine runs
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         record = None if given is not None else Path(args.save_trace or Path(tmp) / "plan-trace.parquet")
         compute, engine_rate, auto = _measure(path, prompts, args, record, sizes, options)
         trace = given if record is None else _read(record)
-    ceiling = None if args.read_rate else _ceiling(args, emap, top_k)
     rate = _given_rate(args) if args.read_rate else engine_rate.bytes_per_s
     trace = fit_trace(trace, emap, top_k, sizes, args.trace or "recorded here")
     budgets[auto[0]] = AUTO if auto[0] != sizes.all_experts else f"{AUTO} = {ALL_EXPERTS}"
@@ -247,10 +247,18 @@ def _measure(
         measure_engine_rate,
     )
 
+    rate = None
+    if not args.read_rate:
+        tokens = min(args.max_tokens, RATE_TOKENS)
+        print(
+            f"moestream plan: decoding {tokens} tokens at the smallest budget (the engine's read rate)",
+            file=sys.stderr,
+            flush=True,
+        )
+        rate = measure_engine_rate(path, prompts[0], tokens, sizes.minimum, **options)
     print(
         f"moestream plan: generating {args.max_tokens} tokens on {len(prompts)} prompt(s) twice "
-        f"({'recording the routing, then ' if record else ''}timing compute with the experts cached)"
-        + ("" if args.read_rate else ", then reading at the smallest budget"),
+        f"({'recording the routing, then ' if record else ''}timing compute with the experts cached)",
         file=sys.stderr,
         flush=True,
     )
@@ -258,11 +266,9 @@ def _measure(
         print(engine.mode_line(), file=sys.stderr, flush=True)
         auto = auto_choice(engine)
         compute = measure_compute(engine, prompts, args.max_tokens, record)
-        if args.read_rate:
-            return compute, None, auto
-        tokens = min(args.max_tokens, RATE_TOKENS)
-        rate = measure_engine_rate(engine, prompts[0], tokens, sizes.minimum, compute.ms_per_token)
-        return compute, rate, auto
+    if rate is not None:
+        rate = dataclasses.replace(rate, compute_ms=compute.ms_per_token)
+    return compute, rate, auto
 
 
 def _given_rate(args: argparse.Namespace) -> float:
