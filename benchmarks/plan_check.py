@@ -103,7 +103,7 @@ def read_rate(checkpoint: str, seconds: float = 1.5) -> float:
 
 
 def serial_and_overlap(row: dict, compute_ms: float, rate: float) -> tuple[float, float]:
-    """plan's two predictions (tok/s) for `row`'s MiB/token with another read rate."""
+    """plan's two predictions (tok/s) for `row`'s MiB/token and compute with another read rate."""
     read_ms = row["mib_per_token"] * (1 << 20) / rate * 1000
     return 1000 / (compute_ms + read_ms), 1000 / max(compute_ms, read_ms)
 
@@ -165,7 +165,7 @@ def check(args: argparse.Namespace, round_: int, budget: str, predicted: dict) -
     real = real_run(args, budget)
     adjacent = (before + read_rate(args.checkpoint)) / 2
     row = next(r for r in predicted["rows"] if r["budget_bytes"] == parse_size(budget))
-    adj_serial, adj_overlap = serial_and_overlap(row, predicted["compute_ms_per_token"], adjacent)
+    adj_serial, adj_overlap = serial_and_overlap(row, row["compute_ms"], adjacent)
     return {
         "round": round_,
         "budget": budget,
@@ -189,7 +189,7 @@ def line(r: dict) -> str:
     row, real = r["predicted"], r["measured"]
     return (
         f"{r['round']:>5} {r['budget']:>8} {row['mib_per_token']:>12.1f} {real['mib_per_token']:>7.1f} "
-        f"{r['compute_ms_per_token']:>10.1f} {r['read_bytes_per_s'] / (1 << 30):>10.3f} "
+        f"{row['compute_ms']:>10.1f} {r['read_bytes_per_s'] / (1 << 30):>10.3f} "
         f"{r['adjacent_read_bytes_per_s'] / (1 << 30):>8.3f} {real['read_gib_s']:>8.3f} "
         f"{row['tok_s']:>10.2f} {row['overlap_tok_s']:>7.2f} {r['adjacent_tok_s']:>8.2f} "
         f"{r['adjacent_overlap_tok_s']:>7.2f} {real['tok_s']:>6.2f} {r['ratio']:>9.2f} "

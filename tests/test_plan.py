@@ -73,10 +73,13 @@ def plan_json(capsys: pytest.CaptureFixture, args: list[str]) -> dict:
 
 
 def check_formula(out: dict) -> None:
-    compute, rate = out["compute_ms_per_token"], out["read_bytes_per_s"]
+    cached, rate = out["compute_ms_per_token"], out["read_bytes_per_s"]
+    streaming = out["streaming_compute_ms_per_token"] or cached
     for row in out["rows"]:
+        compute = cached + (streaming - cached) * row["missing_share"]
         read_ms = row["mib_per_token"] * MiB / rate * 1000
-        assert row["compute_ms"] == compute
+        assert 0 <= row["missing_share"] <= 1
+        assert row["compute_ms"] == pytest.approx(compute, rel=1e-12)
         assert row["read_ms"] == pytest.approx(read_ms, rel=1e-12)
         assert row["ms"] == pytest.approx(compute + read_ms, rel=1e-12)
         assert row["overlap_ms"] == pytest.approx(max(compute, read_ms), rel=1e-12)
@@ -105,10 +108,13 @@ def test_given_trace_bytes_equal_the_simulator_and_time_follows_the_formula(
     assert (
         out["read_rate_measured"] is True and out["read_bytes_per_s"] > 0 and out["ceiling_bytes_per_s"] > 0
     )
-    engine = out["engine_read"]  # the rate predicted with: bytes over the time beyond compute
-    reading = engine["seconds"] - engine["tokens"] * engine["compute_ms"] / 1000
-    assert engine["compute_ms"] == out["compute_ms_per_token"] and engine["budget"] == 72 << 10
-    assert out["read_bytes_per_s"] == engine["nbytes"] / (reading if reading > 0 else engine["seconds"])
+    engine = out["engine_read"]  # the rate predicted with: bytes over the time waited for them
+    waited = engine["read_wait_s"] if engine["read_wait_s"] > 0.01 * engine["seconds"] else engine["seconds"]
+    assert engine["budget"] == 72 << 10 and out["read_bytes_per_s"] == engine["nbytes"] / waited
+    streaming = 1000 * (engine["seconds"] - engine["read_wait_s"]) / engine["tokens"]
+    assert out["streaming_compute_ms_per_token"] == pytest.approx(streaming, rel=1e-12)
+    shares = {r["budget_bytes"]: r["missing_share"] for r in out["rows"]}
+    assert shares[BUDGETS[0]] > shares[BUDGETS[-1]]
     # two built-in prompts, 2 tokens decoded on each in the timed pass
     assert out["compute_ms_per_token"] > 0 and out["compute_tokens"] == 2 * 2
     rows = {r["budget_bytes"]: r for r in out["rows"]}

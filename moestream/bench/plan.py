@@ -1,21 +1,28 @@
-"""`moestream plan`'s model: decode speed at a cache budget, from three measured parts.
+"""`moestream plan`'s model: decode speed at a cache budget, from parts measured on the model.
 
     MiB/token     the decode tokens of a routing trace replayed through the engine's own eviction policy
                   (`moestream.trace.simulator`, as `moestream simulate` does) at the budget, each miss
                   counted at the bytes the engine's reader asks of the disk for that expert (aligned)
-    compute       ms per decoded token with every expert the token needs already in the cache
-    read rate     the engine's own: bytes read per second of the time it spends beyond that compute, over
-                  a few tokens at the smallest budget, where nearly every expert is read again
+    missing share the share of the trace's decode layer forwards with at least one miss at the budget
+                  (the same policy classes, forward by forward)
+    compute       ms per decoded token with every expert cached (C), and while streaming at the smallest
+                  budget (S: the time not spent waiting for reads, every layer's experts computed one by
+                  one as they land, where a fully cached layer runs as one graph)
+    read rate     the engine's own: bytes read per second of waiting for them, at the smallest budget
                   (`plan_measure.py`); the disk alone (random whole experts through the engine's reader,
                   `ceiling.py`) is measured and shown beside it
 
-    predicted ms/token  = compute + MiB/token / read rate               (SERIAL, the reported figure)
-    overlapped ms/token = max(compute, MiB/token / read rate)           (a bound: all reads hidden)
+    compute(B)          = C + (S - C) x missing share(B)
+    predicted ms/token  = compute(B) + MiB/token(B) / read rate          (the reported figure)
+    overlapped ms/token = max(compute(B), MiB/token(B) / read rate)     (a bound: all reads hidden)
 
-Serial, because a layer's misses are only known once its router ran, and nothing is read ahead without
-`--prefetch`: the attention, router and the last miss's compute of each layer run with the disk idle,
-and the experts that miss are computed one by one as they land, more slowly than the single graph a
-fully cached layer runs as. `benchmarks/plan_check.py` compares both against real runs (BENCHMARKS.md).
+Reads are added to compute, not overlapped with it, because a layer's misses are only known once its
+router ran and nothing is read ahead without `--prefetch`: the disk idles while attention, the router
+and the last miss of each layer compute; what does overlap (hits computed while misses are read) is
+already out of the read rate, measured as waiting. Compute depends on the budget: one miss in a layer
+costs that layer its single graph. The line passes through both measured ends (every expert cached: C;
+the smallest budget: S + its waits). `benchmarks/plan_check.py` compares both models against real runs
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -123,8 +130,9 @@ class PlanRow:
     mib_per_token: float
     read_ms: float
     compute_ms: float
-    ms: float  # serial: compute + read
+    ms: float  # compute + read
     overlap_ms: float  # max(compute, read)
+    missing_share: float = 0.0  # of the decode layer forwards, those with at least one miss
 
     @property
     def tok_s(self) -> float:
@@ -139,25 +147,59 @@ class PlanRow:
 
 
 def predict(mib_per_token: float, compute_ms: float, read_bytes_per_s: float) -> tuple[float, float, float]:
-    """(read ms, serial ms, overlapped ms) per token: the formulas of this module's docstring."""
+    """(read ms, predicted ms, overlapped ms) per token from this budget's compute: the formulas of this
+    module's docstring."""
     read_ms = mib_per_token * MiB / read_bytes_per_s * 1000.0
     return read_ms, compute_ms + read_ms, max(compute_ms, read_ms)
+
+
+def compute_at(cached_ms: float, streaming_ms: float, missing_share: float) -> float:
+    """compute(B) = C + (S - C) x missing share."""
+    return cached_ms + (streaming_ms - cached_ms) * missing_share
+
+
+def missing_shares(trace: Trace, policy: str, capacities: list[int]) -> dict[int, float]:
+    """Capacity (slots) -> the share of the trace's decode layer forwards that miss at least one expert,
+    replayed forward by forward through the engine's policy classes (from the start of the trace, as the
+    simulator does)."""
+    from moestream.cache.policy import LFUPolicy, LRUPolicy, ResidentSet
+    from moestream.cache.predictive import PredictivePolicy, RoutingStats
+    from moestream.trace.replay import build_replay
+
+    replay = build_replay(trace, None, uses=policy == "predictive")
+    if policy == "predictive":
+        stats = RoutingStats(replay.layers, replay.n_experts)
+        sets = [ResidentSet(c, PredictivePolicy(replay.layers, replay.n_experts, stats)) for c in capacities]
+    else:
+        sets = [ResidentSet(c, {"lru": LRUPolicy, "lfu": LFUPolicy}[policy]()) for c in capacities]
+    missed, decode = [0] * len(sets), 0
+    for i, keys in enumerate(replay.keys):
+        args = () if replay.uses is None else replay.uses[i]
+        is_decode = replay.cell[i] % 2 == 1
+        decode += is_decode
+        for n, resident in enumerate(sets):
+            _, misses = resident.access_group(keys, *args)
+            missed[n] += bool(misses) and is_decode
+    return {c: m / max(1, decode) for c, m in zip(capacities, missed)}
 
 
 def plan_rows(
     trace: Trace,
     budgets: dict[int, str],
     policy: str,
-    compute_ms: float,
+    compute: tuple[float, float],
     read_bytes_per_s: float,
 ) -> tuple[list[PlanRow], list[str]]:
     """One row per budget (bytes -> label), from the decode part of `trace` replayed under `policy`
-    (the trace's header gives the sizes: `fit_trace`). Returns the rows and the simulator's notes."""
+    (the trace's header gives the sizes: `fit_trace`); `compute` is (C, S) of the module's docstring.
+    Returns the rows and the simulator's notes."""
     records, _, sim_sizes = simulate(trace, [policy], sorted(budgets))
+    records = [r for r in records if r["phase"] == "decode" and r["scope"] == "all"]
+    shares = missing_shares(trace, policy, sorted({r["capacity_slots"] for r in records}))
     rows = []
     for r in records:
-        if r["phase"] != "decode" or r["scope"] != "all":
-            continue
+        share = shares[r["capacity_slots"]]
+        compute_ms = compute_at(*compute, share)
         read_ms, ms, overlap_ms = predict(r["mib_per_token"], compute_ms, read_bytes_per_s)
         rows.append(
             PlanRow(
@@ -170,6 +212,7 @@ def plan_rows(
                 compute_ms,
                 ms,
                 overlap_ms,
+                share,
             )
         )
     return rows, sim_sizes.notes

@@ -5,9 +5,9 @@ the engine reads experts when nearly every one misses.
 One engine, with the auto budget (every expert where memory allows, else the largest cache that fits,
 as `--cache auto` sizes it: that budget is a row of plan's table), generates on the prompts twice: the
 first pass reads the experts (and records the trace), the second finds them all cached, so its decode
-time per token is compute only: what a token costs whatever the budget. Before it, an engine at the
-smallest budget (top-k slots: every expert of every layer is read again) decodes a few tokens of the
-first prompt: the bytes it read over the time it spent beyond that compute is its read rate.
+time per token is compute only. Before it, an engine at the smallest budget (top-k slots: every expert
+of every layer is read again) decodes a few tokens of the first prompt: the bytes it read over the time
+it waited for them is its read rate, and the time it did not wait its compute while streaming.
 """
 
 from __future__ import annotations
@@ -97,37 +97,42 @@ def measure_compute(
 
 @dataclass(frozen=True)
 class EngineReadRate:
-    """What the engine read at the smallest budget: `nbytes` over `tokens` decoded tokens in `seconds`,
-    of which `compute_ms` per token is charged to compute (the measured cost with every expert cached)."""
+    """What the engine did at the smallest budget: `nbytes` read over `tokens` decoded tokens in
+    `seconds`, `read_wait_s` of them waiting for reads (the rest computing, every layer's experts one by
+    one as they land)."""
 
     nbytes: int
     tokens: int
     seconds: float
-    compute_ms: float
+    read_wait_s: float
     budget: int
 
     @property
     def bytes_per_s(self) -> float:
-        """Bytes over the time not spent on compute; over the whole time where compute took none of it
-        (a token faster than its compute cost: the reads then hid it)."""
-        reading = self.seconds - self.tokens * self.compute_ms / 1000.0
-        return self.nbytes / (reading if reading > 0 else self.seconds)
+        """Bytes per second of waiting for them (of the whole time where the reads hid in compute)."""
+        waited = self.read_wait_s if self.read_wait_s > 0.01 * self.seconds else self.seconds
+        return self.nbytes / waited
+
+    @property
+    def streaming_ms(self) -> float:
+        """Compute per token while streaming: the time not spent waiting for reads."""
+        return 1000.0 * (self.seconds - self.read_wait_s) / self.tokens
 
     def line(self) -> str:
         mib = self.nbytes / (1 << 20) / self.tokens
         ms = 1000 * self.seconds / self.tokens
         return (
             f"{self.bytes_per_s / (1 << 30):.3f} GiB/s, the engine's own: {self.tokens} tokens at the "
-            f"smallest budget ({format_size(self.budget)}), {mib:.1f} MiB/token in {ms:.1f} ms/token, less "
-            f"{self.compute_ms:.1f} ms of compute"
+            f"smallest budget ({format_size(self.budget)}), {mib:.1f} MiB/token in {ms:.1f} ms/token, of "
+            f"which {1000 * self.read_wait_s / self.tokens:.1f} waiting for reads and "
+            f"{self.streaming_ms:.1f} computing"
         )
 
 
 def measure_engine_rate(
     path: str, prompt: str, max_tokens: int, budget: int, **options: Any
 ) -> EngineReadRate:
-    """A fresh engine at `budget` (the smallest) decodes `max_tokens` tokens of `prompt`; its
-    `compute_ms` is left 0 for the caller to set (`dataclasses.replace`) once compute is measured.
+    """A fresh engine at `budget` (the smallest) decodes `max_tokens` tokens of `prompt`.
 
     A fresh process state, not the measuring engine's cache rebuilt smaller: on the 2-core VM of
     BENCHMARKS.md an engine that had just freed a cache of every expert read 20-40% slower for a while."""
@@ -140,4 +145,4 @@ def measure_engine_rate(
         decode = engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True).stats.decode
     if decode.tokens == 0 or decode.bytes_read == 0:
         raise ValueError("nothing was read at the smallest budget")
-    return EngineReadRate(decode.bytes_read, decode.tokens, decode.seconds, 0.0, budget)
+    return EngineReadRate(decode.bytes_read, decode.tokens, decode.seconds, decode.read_wait_s, budget)

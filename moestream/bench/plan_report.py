@@ -15,7 +15,17 @@ def plan_table(rows: list[PlanRow], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for name in ("budget", "slots", "hit rate", "MiB/token", "read ms", "compute ms", "ms/token", "tok/s"):
+    for name in (
+        "budget",
+        "slots",
+        "hit rate",
+        "layers missing",
+        "MiB/token",
+        "read ms",
+        "compute ms",
+        "ms/token",
+        "tok/s",
+    ):
         table.add_column(name, justify="left" if name == "budget" else "right")
     table.add_column("tok/s if overlapped", justify="right")
     for r in rows:
@@ -24,6 +34,7 @@ def plan_table(rows: list[PlanRow], title: str) -> Any:
             budget,
             str(r.slots),
             f"{r.hit_rate:.1%}",
+            f"{r.missing_share:.0%}",
             _num(r.mib_per_token),
             _num(r.read_ms),
             _num(r.compute_ms),

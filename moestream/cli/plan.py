@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "eviction policy at each budget, the compute cost of a token measured with every needed expert "
         "cached, and the engine's O_DIRECT read rate measured on a few tokens at the smallest budget (the "
         "disk alone, through the engine's reader, is measured for a few seconds beside it). "
-        "predicted ms/token = compute + MiB/token / read rate.",
+        "predicted ms/token = compute at the budget + MiB/token / read rate.",
     )
     add_model_argument(p)
     source = p.add_argument_group("routing")
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     rate = _given_rate(args) if args.read_rate else engine_rate.bytes_per_s
     trace = fit_trace(trace, emap, top_k, sizes, args.trace or "recorded here")
     budgets[auto[0]] = AUTO if auto[0] != sizes.all_experts else f"{AUTO} = {ALL_EXPERTS}"
-    rows, notes = plan_rows(trace, budgets, args.policy, compute.ms_per_token, rate)
+    streaming = compute.ms_per_token if engine_rate is None else engine_rate.streaming_ms
+    rows, notes = plan_rows(trace, budgets, args.policy, (compute.ms_per_token, streaming), rate)
     notes = [f"auto budget, as sized for this process: {auto[1]}", *notes]
     _report(args, path, trace, rows, notes, compute, (rate, engine_rate, ceiling), prompts, given is None)
     return 0
@@ -266,8 +267,6 @@ def _measure(
         print(engine.mode_line(), file=sys.stderr, flush=True)
         auto = auto_choice(engine)
         compute = measure_compute(engine, prompts, args.max_tokens, record)
-    if rate is not None:
-        rate = dataclasses.replace(rate, compute_ms=compute.ms_per_token)
     return compute, rate, auto
 
 
@@ -319,6 +318,7 @@ def _report(
             "engine_read": None if engine_rate is None else dataclasses.asdict(engine_rate),
             "ceiling_bytes_per_s": None if ceiling is None else ceiling.bytes_per_s,
             "compute_ms_per_token": compute.ms_per_token,
+            "streaming_compute_ms_per_token": None if engine_rate is None else engine_rate.streaming_ms,
             "compute_tokens": compute.tokens,
             "auto": next((r.budget_bytes for r in rows if r.label.startswith("auto")), None),
             "rows": [r.to_dict() for r in rows],
@@ -367,8 +367,9 @@ def _lines(
         f"compute: {compute.line()}",
         f"read rate: {read}",
         *([f"the disk alone (O_DIRECT, random whole experts): {ceiling.line()}"] if ceiling else []),
-        "predicted ms/token = compute + MiB/token / read rate (the disk idles while a layer's router, "
-        "attention and last miss compute); 'if overlapped' = max(compute, read), a bound",
+        "predicted ms/token = compute + MiB/token / read rate; compute = cached + (streaming - cached) x "
+        "the share of layer forwards with a miss (such a layer loses its single graph); 'if overlapped' = "
+        "max(compute, read), a bound",
         *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
         *(f"note: {n}" for n in [*trace.all_notes, *notes]),
     ]
