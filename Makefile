@@ -17,6 +17,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moestream-installed
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# pytest-xdist workers for `make test` (whole test files to a worker, so module fixtures are built once;
+# 0 runs the suite in this process)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test setup native clean
 
@@ -45,7 +48,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check moestream tests benchmarks
 	$(VENV)/bin/ruff format --check moestream tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 native: $(STAMP)
 	$(PY) -m moestream.ggml.build
