@@ -5,9 +5,14 @@ largest logit, and its greedy tokens exactly. Not closer: the graphs keep keys a
 accumulate attention's values in F16 (llama.cpp's CPU flash attention), measured 0.2-2.1% here
 (0.0005% with an F32 cache, which ggml's CPU flash attention gets wrong on the trained fixture).
 Within the ggml path, streamed == resident bit for bit at every budget and io mode.
+
+gpt_oss: attention sinks, a sliding window on alternate layers, YaRN, a router with a bias and a softmax
+over the chosen k; its routed experts (biases, clamped SwiGLU) always go through the expert runtime.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -19,25 +24,25 @@ from moestream.cache.expert_cache import budget_requirements
 from moestream.cli import main
 from moestream.engine import ggml_layers, ggml_runner
 from moestream.errors import MoestreamError
-from moestream.model.graph_spec import GRAPH_FAMILIES
+from moestream.model.graph_spec import GRAPH_FAMILIES, ModelSpec
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 FORCED = [9, 150, 77, 31, 200, 6, 18, 42]  # teacher-forced decode steps
 TOLERANCE = 0.04  # of the largest |logit|
 
 
-def _stock_logits(path) -> torch.Tensor:
+def _stock_logits(path, prompt: list[int] = PROMPT) -> torch.Tensor:
     """Stock transformers' logits at the last prompt position and after each forced token [1+n, V]."""
     model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        logits = model(torch.tensor([PROMPT + FORCED])).logits[0]
-    return logits[len(PROMPT) - 1 :]
+        logits = model(torch.tensor([prompt + FORCED])).logits[0]
+    return logits[len(prompt) - 1 :]
 
 
-def _runner_logits(engine) -> torch.Tensor:
+def _runner_logits(engine, prompt: list[int] = PROMPT) -> torch.Tensor:
     """The runner's logits for the same positions: one prefill step, then one step per forced token."""
     step = engine._step
-    logits, kv = step(PROMPT, None)
+    logits, kv = step(prompt, None)
     out = [logits]
     for token in FORCED:
         logits, kv = step([token], kv)
@@ -45,13 +50,13 @@ def _runner_logits(engine) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", GRAPH_FAMILIES)
+@pytest.mark.parametrize("arch", [*GRAPH_FAMILIES, "gpt_oss_mxfp4"])
 def test_graphs_match_stock_transformers(arch, tiny_dir):
     path = tiny_dir(arch)
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         assert engine._step.runner is not None
-        assert f"trunk ggml graphs ({arch}" in engine.mode_line()
+        assert f"trunk ggml graphs ({arch.removesuffix('_mxfp4')}" in engine.mode_line()
         got = _runner_logits(engine)
         diff = (got - ref).abs().max().item()
         assert diff <= TOLERANCE * ref.abs().max().item(), (arch, diff)
@@ -134,22 +139,27 @@ def test_every_expert_cached_makes_a_token_one_graph(arch, tiny_dir, monkeypatch
         assert runs[0] > graphs + 12
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_streamed_equals_resident_bit_for_bit(arch, tiny_dir):
-    _streamed_equals_resident(tiny_dir(arch), fused=True)  # f32 experts: 8 KiB, slots a page apart
+    # f32 experts: 8 KiB, slots a page apart; gpt_oss's always by the expert runtime
+    _streamed_equals_resident(tiny_dir(arch), fused=arch != "gpt_oss")
 
 
-def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(tiny_gguf):
-    """Q8_0 trunk and Q4_0/Q8_0 experts: the graphs read the blocks as stored; the transformers path on
-    the same file computes the same matrices with the same ggml kernels (activations quantized to 8 bits
-    inside both), but its attention in f32 from an F32 cache and its sums in another order."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(arch, tiny_gguf):
+    """Q8_0 trunk and Q4_0/Q8_0 experts (gpt_oss: MXFP4, as its released GGUFs): the graphs read the
+    blocks as stored; the transformers path on the same file computes the same matrices with the same ggml
+    kernels (activations quantized to 8 bits inside both), but its attention in f32 from an F32 cache and
+    its sums in another order."""
     types = {"gate": Q.Q4_0, "up": Q.Q8_0, "down": Q.Q4_0}
-    _, path = tiny_gguf("qwen3_moe", ftype=Q.Q8_0, expert_type=lambda layer, kind: types[kind])
+    if arch == "gpt_oss":
+        types = dict.fromkeys(types, Q.MXFP4)
+    _, path = tiny_gguf(arch, ftype=Q.Q8_0, expert_type=lambda layer, kind: types[kind])
     _streamed_equals_resident(path, fused=False)  # Q4_0/Q8_0 experts of 1-2 KiB: no common slot layout
     with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
         eager = _runner_logits(engine)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        assert "trunk ggml graphs (qwen3_moe" in engine.mode_line()
+        assert f"trunk ggml graphs ({arch}" in engine.mode_line()
         got = _runner_logits(engine)
     diff = (got - eager).abs().max().item()
     assert diff <= 0.05 * eager.abs().max().item(), diff  # 8-bit activations, F16/F32 attention
@@ -201,10 +211,11 @@ def test_families_without_graphs_run_transformers_and_say_why(tiny_dir):
         moestream.load(str(path), cache="64MiB", trunk="ggml")
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen2_moe", "gpt_oss"])
 def test_graphs_with_the_families_vectors_random(arch, tiny_gguf):
     """Random norms, biases and GLM's score-correction bias (zeros and ones in a fresh model), and a
-    routed scaling factor: the routers' extra terms change the routing, and the graphs follow stock."""
+    routed scaling factor; gpt_oss's attention biases, sinks, router bias and experts' biases: the
+    routers' extra terms change the routing, and the graphs follow stock."""
     hf, _ = tiny_gguf(arch)
     ref = _stock_logits(hf)
     with moestream.load(str(hf), cache="64MiB", trunk="ggml") as engine:
@@ -218,3 +229,84 @@ def test_cli_runs_the_graphs(tiny_dir, capsys):
     assert main(["generate", str(path), "-p", "Hello", "-n", "4", "--trunk", "ggml", "-t", "1"]) == 0
     err = capsys.readouterr().err
     assert "trunk ggml graphs (olmoe" in err and "threads 1 (one ggml pool; torch 1)" in err
+
+
+def _spec(engine) -> ModelSpec:
+    return engine._step.runner.spec
+
+
+def _without(engine, change, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """The runner's logits with `change` made to its spec (graphs built again), then the spec restored."""
+    runner = engine._step.runner
+    saved = {id(x): dict(vars(x)) for x in [runner.spec, *(layer.attention for layer in runner.spec.layers)]}
+    change(runner.spec)
+    runner.close_sets()
+    try:
+        return _runner_logits(engine, prompt)
+    finally:
+        for x in [runner.spec, *(layer.attention for layer in runner.spec.layers)]:
+            vars(x).update(saved[id(x)])
+        runner.close_sets()
+
+
+def test_gpt_oss_sliding_window_across_chunks_and_spans(tiny_dir, monkeypatch):
+    """tiny gpt_oss attends over a 16-token window on its even layers: a 36-token prompt in chunks of 7
+    and decoding past it, over spans of 8 positions, give stock's logits; the same graphs without the
+    window (every layer seeing every position) do not, so the window is what makes them match."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 7)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
+    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    prompt = PROMPT * 3
+    path = tiny_dir("gpt_oss")
+    ref = _stock_logits(path, prompt)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert [layer.attention.window for layer in _spec(engine).layers] == [16, None]
+        got = _runner_logits(engine, prompt)
+
+        def no_window(spec: ModelSpec) -> None:
+            for layer in spec.layers:
+                layer.attention.window = None
+
+        unwindowed = _without(engine, no_window, prompt)
+        assert torch.equal(_runner_logits(engine, prompt), got)  # the window back
+    largest = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= TOLERANCE * largest
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (unwindowed - ref).abs().max().item() > 3 * TOLERANCE * largest
+
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "original_max_position_embeddings": 4096,
+}
+
+
+@pytest.mark.parametrize("arch,truncate", [("gpt_oss", False), ("qwen3_moe", True)])
+def test_yarn_rope_matches_stock(arch, truncate, tmp_path):
+    """YaRN as gpt-oss configures it (its correction range not truncated) and as Qwen3 does (truncated):
+    the graphs turn each pair by transformers' own frequencies and scale cos/sin by its attention factor;
+    with plain rope (the same base) instead, the logits are far off."""
+    from tiny_gguf import perturb_vectors
+    from tiny_models import write_tiny
+
+    rope = dict(YARN, truncate=truncate)
+    path = write_tiny(arch, tmp_path / arch, rope_parameters=rope, max_position_embeddings=131072)
+    perturb_vectors(path)
+    ref = _stock_logits(path)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", ctx_size=256) as engine:
+        spec = _spec(engine)
+        assert spec.rope_freqs is not None and spec.rope_attn == pytest.approx(1 + 0.1 * math.log(32))
+        got = _runner_logits(engine)
+
+        def plain_rope(spec: ModelSpec) -> None:
+            spec.rope_freqs, spec.rope_attn = None, 1.0
+
+        plain = _without(engine, plain_rope)
+    largest = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= TOLERANCE * largest
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (plain - ref).abs().max().item() > 3 * TOLERANCE * largest

@@ -78,16 +78,20 @@ def test_a_diverging_prompt_reuses_the_common_prefix_where_the_cache_can_be_crop
     assert again.cached_tokens == (len(FIRST) - 1 if croppable else 0)
 
 
-def test_sliding_window_beyond_its_window_only_continues(tiny_dir):
-    # tiny gpt_oss has a 16-token sliding window: past it the oldest keys are gone and cannot be cropped back
+@pytest.mark.parametrize("trunk", ["eager", "ggml"])
+def test_sliding_window_past_its_window_crops_back_only_in_the_graphs(tiny_dir, trunk):
+    # tiny gpt_oss has a 16-token sliding window: past it transformers' cache has dropped the oldest keys,
+    # which cannot be cropped back; the ggml graphs' KV cache keeps every position (the window is a mask)
     long = list(range(20, 40))
-    with moestream.load(str(tiny_dir("gpt_oss", experts=16)), cache="1MiB") as engine:
+    with moestream.load(str(tiny_dir("gpt_oss", experts=16)), cache="1MiB", trunk=trunk) as engine:
         first = engine.generate(long, max_tokens=3, ignore_eos=True, cache_prompt=True)
         follow = long + first.tokens + [5, 6]
         cont = engine.generate(follow, max_tokens=4, ignore_eos=True, cache_prompt=True)
         diverge = engine.generate(long[:10] + [7, 8], max_tokens=4, ignore_eos=True, cache_prompt=True)
-        assert cont.cached_tokens == len(long) + 2 and diverge.cached_tokens == 0
+        assert cont.cached_tokens == len(long) + 2
+        assert diverge.cached_tokens == (0 if trunk == "eager" else 10)  # the common prefix
         assert cont.tokens == engine.generate(follow, max_tokens=4, ignore_eos=True).tokens
+        assert diverge.tokens == engine.generate(long[:10] + [7, 8], max_tokens=4, ignore_eos=True).tokens
 
 
 def test_a_failed_forward_drops_the_cache_and_the_engine_stays_usable(tiny_dir, monkeypatch):

@@ -77,6 +77,7 @@ class StepBuffers:
     positions: torch.Tensor  # i32 [T]
     rows: torch.Tensor  # i64 [T]: the KV-cache rows the step writes (= positions)
     mask: torch.Tensor  # f16 [T, S]: 0 where a token may attend, -inf elsewhere
+    window: torch.Tensor  # f16 [T, S]: the sliding-window layers' mask ([0, S] when none has a window)
     resid: tuple[torch.Tensor, torch.Tensor]  # f32 [T, H] each: layer l writes resid[l % 2]
     moe_in: torch.Tensor  # f32 [T, H]: the routed experts' input (the FFN norm's output)
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
@@ -95,6 +96,7 @@ class StepBuffers:
             positions=torch.zeros(tokens, dtype=torch.int32),
             rows=torch.zeros(tokens, dtype=torch.int64),
             mask=torch.zeros(tokens, span, dtype=torch.float16),
+            window=torch.zeros(tokens if spec.window else 0, span, dtype=torch.float16),
             resid=(torch.zeros(tokens, spec.hidden, **f32), torch.zeros(tokens, spec.hidden, **f32)),
             moe_in=torch.zeros(tokens, spec.hidden, **f32),
             order=torch.zeros(tokens, experts, dtype=torch.int32),
@@ -221,13 +223,18 @@ class LayerGraphs:
             return Carry(writes, net.add(resid, self._mlp(net, h2, layer.mlp)))
         r = layer.router
         E = r.weight.rows
-        logits = net.mul_mat(net.weight(r.weight.ggml, [spec.hidden, E]), h2)  # [E, T]
-        probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
+        logits = self._linear(net, h2, r.weight, r.logit_bias)  # [E, T]
+        if r.softmax_top:  # gpt-oss: the choice by logits, a softmax over the chosen K
+            probs = logits
+        else:
+            probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
         choice = probs if r.bias is None else net.add(probs, net.weight(r.bias, [E]))
         order = net.argsort(choice, SORT_DESC)  # [E, T] i32
         top = net.view_2d(order, r.top_k, self.tokens, 4 * E, 0)  # [K, T]
         picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
         w = view = net.reshape_2d(picked, r.top_k, self.tokens)  # [K, T]
+        if r.softmax_top:
+            w = net.soft_max(w)
         if r.normalize:
             w = net.div(w, net.sum_rows(w))
         if r.scale != 1.0:
@@ -276,9 +283,11 @@ class LayerGraphs:
         if a.qk_norm == "head":  # Qwen3: over each head
             q, k = self._norm(net, q, a.q_norm), self._norm(net, k, a.k_norm)
         pos = net.tensor(I32, [T], self.buf.positions.data_ptr())
-        rope = (ROPE_NEOX, spec.context, spec.rope_base, 1.0, 0.0, 1.0, 0.0, 0.0)
-        q = net.rope_ext(q, pos, None, spec.rope_dims, *rope)
-        k = net.rope_ext(k, pos, None, spec.rope_dims, *rope)
+        # a scaled rope: transformers' frequencies as freq_factors, its attention_scaling as attn_factor
+        freqs = None if spec.rope_freqs is None else net.weight(spec.rope_freqs, [spec.rope_dims // 2])
+        rope = (ROPE_NEOX, spec.context, spec.rope_base, 1.0, 0.0, spec.rope_attn, 0.0, 0.0)
+        q = net.rope_ext(q, pos, freqs, spec.rope_dims, *rope)
+        k = net.rope_ext(k, pos, freqs, spec.rope_dims, *rope)
         kc, vc = self.kv[index]  # f16 [ctx, Nkv * D] each
         rows = net.tensor(I64, [T], self.buf.rows.data_ptr())
         ctx, size = kc.shape[0], kc.element_size()
@@ -291,7 +300,10 @@ class LayerGraphs:
         row = Nkv * D * size
         keys = net.view_3d(k_all, D, S, Nkv, row, D * size, 0)  # [D, S, Nkv]
         values = net.view_3d(v_all, D, S, Nkv, row, D * size, 0)
-        mask = net.tensor(F16, [S, T], self.buf.mask.data_ptr())
+        mask = self.buf.window if a.window else self.buf.mask  # a sliding window: its own mask
+        mask = net.tensor(F16, [S, T], mask.data_ptr())
         out = net.flash_attn_ext(net.permute(q, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
+        if a.sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
+            net.lib.base.ggml_flash_attn_ext_add_sinks(out, net.weight(a.sinks, [N]))
         out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]
         return writes, self._linear(net, out, a.o, a.biases.get("o"))

@@ -171,10 +171,13 @@ class GgmlRunner:
         return sum(k.nbytes + v.nbytes for k, v in self.kv)
 
     def describe(self) -> str:
+        if any(self.spec.layers[layer].router.in_graph for layer in self._moe_layers):
+            whole = "; one graph a step while every expert is cached"
+        else:  # gpt-oss: its experts' math (biases, clamped SwiGLU) is the expert runtime's
+            whole = ", computed by the expert runtime"
         return (
-            f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them; "
-            "one graph a step while every expert is cached), "
-            f"KV cache F16 of {self.ctx} positions"
+            f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
+            f"{whole}), KV cache F16 of {self.ctx} positions"
         )
 
     def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
@@ -220,6 +223,8 @@ class GgmlRunner:
 
         types = {}
         for layer in self._moe_layers:
+            if not self.spec.layers[layer].router.in_graph:  # the runtime computes them, always
+                continue
             rt = self.runtime(layer)
             fmts = [rt.formats.get((layer, kind)) for kind in ("gate", "up", "down")]
             if not all(isinstance(f, Ggml) and f.by_id for f in fmts):
@@ -247,6 +252,10 @@ class GgmlRunner:
         b.mask.masked_fill_(span[None, :] > b.rows[:, None], float("-inf")).masked_fill_(
             span[None, :] <= b.rows[:, None], 0.0
         )
+        if b.window.numel():  # and what lies `window` or more positions back (transformers' sliding mask)
+            b.window.copy_(b.mask).masked_fill_(
+                span[None, :] <= b.rows[:, None] - self.spec.window, float("-inf")
+            )
         kern = ggml.kernels(self.threads)
         whole = self._resident()
         if whole is not None:

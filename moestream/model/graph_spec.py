@@ -19,8 +19,9 @@ from moestream.hfconfig import text_config
 from moestream.model.quantized import QuantEmbedding, QuantLinear
 from moestream.model.streaming import StreamingExperts
 
-# families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers)
-GRAPH_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
+# families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers;
+# gpt_oss: attention sinks, sliding windows, YaRN, a router with a bias)
+GRAPH_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
 _FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
 
 
@@ -65,6 +66,8 @@ class Attention:
     kv_heads: int
     head_dim: int
     scale: float
+    sinks: torch.Tensor | None = None  # f32 [heads]: gpt-oss's learned logit per head (a value of 0)
+    window: int | None = None  # a sliding window: a token sees itself and the window - 1 before it
 
 
 @dataclass
@@ -77,6 +80,12 @@ class Router:
     sigmoid: bool = False  # scores are sigmoid(logits) (GLM-4.5), else softmax(logits)
     bias: torch.Tensor | None = None  # f32 [experts], added to the scores for the choice only
     scale: float = 1.0  # the chosen weights' factor (routed_scaling_factor)
+    logit_bias: torch.Tensor | None = None  # f32 [experts]: the router linear's bias (gpt-oss)
+    # gpt-oss: the weights are a softmax over the chosen K logits (= softmax over all, normalised over K)
+    softmax_top: bool = False
+    # whether the graphs compute the routed experts from the cache's slots (a SwiGLU without biases);
+    # False (gpt-oss's clamped SwiGLU with biases): the expert runtime always computes them
+    in_graph: bool = True
 
 
 @dataclass
@@ -102,10 +111,19 @@ class ModelSpec:
     norm: torch.Tensor
     lm_head: Matrix
     layers: list[Layer]
+    # a scaled rope (YaRN): ggml_rope_ext's freq_factors f32 [rope_dims / 2], so that each pair turns by
+    # transformers' own inv_freq, and the factor its cos and sin are multiplied by (attention_scaling)
+    rope_freqs: torch.Tensor | None = None
+    rope_attn: float = 1.0
 
     @property
     def top_k(self) -> int:
         return next(layer.router.top_k for layer in self.layers if layer.router is not None)
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of the layers that have one (one size for all), or None."""
+        return next((x.attention.window for x in self.layers if x.attention.window), None)
 
 
 def matrix(module: nn.Module) -> Matrix:
@@ -132,16 +150,38 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _rope(cfg: Any, head_dim: int) -> tuple[float, int]:
+# rope types whose frequencies are fixed at load: the graphs turn each pair by transformers' own inv_freq
+_SCALED_ROPE = ("yarn",)
+
+
+@dataclass
+class Rope:
+    base: float
+    dims: int
+    freqs: torch.Tensor | None = None  # ggml freq_factors f32 [dims / 2] (a scaled rope), else None
+    attn: float = 1.0  # cos and sin times this (YaRN's attention_scaling)
+
+
+def _rope(cfg: Any, head_dim: int, rotary: nn.Module | None) -> Rope:
     params = getattr(cfg, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
+    if rope_type != "default" and (rope_type not in _SCALED_ROPE or rotary is None):
         raise NoGraph(f"rope type {rope_type!r} is not in the graphs yet")
     base = params.get("rope_theta", getattr(cfg, "rope_theta", None))
     if base is None:
         raise NoGraph("the config names no rope_theta")
     factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
-    return float(base), int(head_dim * factor)
+    rope = Rope(float(base), int(head_dim * factor))
+    if rope_type != "default":
+        # ggml turns pair i of position p by p * base^(-2i/dims) / freq_factors[i] (ext_factor 0: no
+        # YaRN ramp of its own), so freq_factors = base^(-2i/dims) / inv_freq gives transformers' angles
+        # whatever its YaRN computed (truncated correction range or not)
+        inv = rotary.inv_freq.detach().double().cpu()
+        rope.dims = 2 * inv.numel()
+        pairs = torch.arange(inv.numel(), dtype=torch.float64)
+        rope.freqs = (rope.base ** (-2 * pairs / rope.dims) / inv).float().contiguous()
+        rope.attn = float(rotary.attention_scaling)
+    return rope
 
 
 def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
@@ -155,6 +195,8 @@ def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
     qk = None
     if q_norm is not None:
         qk = "head" if q_norm.weight.numel() == head_dim else "full"
+    sinks = getattr(module, "sinks", None)
+    window = getattr(module, "sliding_window", None) if family == "gpt_oss" else None
     return Attention(
         *(matrix(projections[n]) for n in ("q", "k", "v", "o")),
         biases=biases,
@@ -165,6 +207,8 @@ def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
         kv_heads=int(cfg.num_key_value_heads),
         head_dim=head_dim,
         scale=float(getattr(module, "scaling", head_dim**-0.5)),
+        sinks=_f32(sinks) if sinks is not None else None,
+        window=int(window) if window else None,
     )
 
 
@@ -173,6 +217,16 @@ def _mlp(module: nn.Module) -> Mlp:
 
 
 def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
+    if family == "gpt_oss":  # logits = W x + b, top-k of the logits, softmax over the chosen k
+        router = mlp.router
+        return Router(
+            matrix(router),
+            int(cfg.num_experts_per_tok),
+            normalize=False,
+            logit_bias=_f32(router.bias),
+            softmax_top=True,
+            in_graph=False,
+        )
     gate = mlp.gate
     normalize = True if family == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False))
     router = Router(matrix(gate), int(cfg.num_experts_per_tok), normalize)
@@ -198,6 +252,9 @@ def _check_config(cfg: Any, family: str) -> None:
     window = getattr(cfg, "sliding_window", None)
     if window and (family == "mixtral" or getattr(cfg, "use_sliding_window", False)):
         raise NoGraph("sliding-window attention is not in the graphs yet")
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if family == "gpt_oss" and not kinds <= {"sliding_attention", "full_attention"}:
+        raise NoGraph(f"layer types {sorted(kinds)} are not in the graphs yet")
 
 
 def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
@@ -224,19 +281,23 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
                 mlp=None if moe else _mlp(mlp),
             )
         )
+    if len({x.attention.window for x in layers} - {None}) > 1:
+        raise NoGraph("sliding windows of several sizes are not in the graphs yet")
     first = layers[0].attention
-    base, dims = _rope(cfg, first.head_dim)
+    rope = _rope(cfg, first.head_dim, getattr(inner, "rotary_emb", None))
     embed = matrix(inner.embed_tokens)
     return ModelSpec(
         family=family,
         hidden=int(cfg.hidden_size),
         vocab=embed.rows,
         eps=float(cfg.rms_norm_eps),
-        rope_base=base,
-        rope_dims=dims,
+        rope_base=rope.base,
+        rope_dims=rope.dims,
         context=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         embed=embed,
         norm=_f32(inner.norm.weight),
         lm_head=matrix(model.lm_head),
         layers=layers,
+        rope_freqs=rope.freqs,
+        rope_attn=rope.attn,
     )
