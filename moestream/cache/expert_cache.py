@@ -8,6 +8,7 @@ All bookkeeping happens here, under one lock; callbacks of other owners (`on_evi
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
 import threading
@@ -137,6 +138,7 @@ class ExpertCache:
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
+        self._moved = self._layers_to_move()
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
         self.closed = False
@@ -157,6 +159,24 @@ class ExpertCache:
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def _layers_to_move(self) -> frozenset[int]:
+        """Layers whose experts' bytes start at different places in their slots (an expert's size not a
+        multiple of 4 KiB puts each at another offset within its aligned read), each kind in one part:
+        once a kind is read, its bytes are moved to the start of its region (`_part_done`), so every
+        expert of the layer has each kind at the same offset in its slot and one ggml_mul_mat_id over
+        the slots computes any of them. The other layers need no move."""
+        heads: dict[int, set[tuple[int, ...]]] = {}
+        single: dict[int, bool] = {}
+        for (layer, _), parts in self.emap.units.items():
+            plan = plan_parts(self.emap.kinds, parts)
+            heads.setdefault(layer, set()).add(tuple(p.head for reads in plan.values() for p in reads))
+            single[layer] = single.get(layer, True) and all(len(r) == 1 for r in plan.values())
+        return frozenset(layer for layer, h in heads.items() if len(h) > 1 and single[layer])
+
+    def _head(self, state: SlotState, part: PartRead) -> int:
+        """Where `part`'s bytes start in its region once read (0 where they were moved there)."""
+        return 0 if state.key[0] in self._moved else part.head
 
     def _carve(self, budget: int, top_k: int, policy_factory: Callable[[], EvictionPolicy]):
         classes, class_of = [], {}
@@ -306,8 +326,7 @@ class ExpertCache:
             self.stats.hits += len(experts)
         return [(state.slot, state.addresses) for state in states]
 
-    @staticmethod
-    def _addresses(state: SlotState, alignment: int) -> dict[str, int] | None:
+    def _addresses(self, state: SlotState, alignment: int) -> dict[str, int] | None:
         """kind -> address of a fully read expert's one part of each kind (kept: a slot's bytes do not
         change until it is evicted), or None."""
         if state.addresses is None:
@@ -316,7 +335,9 @@ class ExpertCache:
             if any(len(parts) != 1 for parts in state.plan.values()):
                 return None
             base = state.cls.buffer.address + state.base
-            state.addresses = {k: base + p[0].region_offset + p[0].head for k, p in state.plan.items()}
+            state.addresses = {
+                k: base + p[0].region_offset + self._head(state, p[0]) for k, p in state.plan.items()
+            }
         if any(a % alignment for a in state.addresses.values()):
             return None
         return state.addresses
@@ -324,11 +345,15 @@ class ExpertCache:
     def slot_arena(self, layer: int) -> tuple[int, int, int, dict[str, int]] | None:
         """(buffer address, slot bytes, slots, kind -> offset of its bytes in a slot) when every expert
         of `layer` sits in one size class with each kind, one part, at the same offset in its slot (a
-        multiple of 4 KiB per expert keeps the file offsets' remainders equal); else None."""
+        multiple of 4 KiB per expert keeps the file offsets' remainders equal; other layers' kinds are
+        moved to their regions' starts once read, `_layers_to_move`); else None."""
         keys = [key for key in self.emap.units if key[0] == layer]
         classes = {id(self._class_of[key]) for key in keys}
+        moved = layer in self._moved
         layouts = {
-            tuple((kind, p[0].region_offset + p[0].head, len(p)) for kind, p in plan.items())
+            tuple(
+                (kind, p[0].region_offset + (0 if moved else p[0].head), len(p)) for kind, p in plan.items()
+            )
             for plan in (plan_parts(self.emap.kinds, self.emap.units[key]) for key in keys)
         }
         if len(classes) != 1 or len(layouts) != 1:
@@ -382,7 +407,10 @@ class ExpertCache:
     def tensor_parts(self, key: Key, kind: str) -> list[tuple[AlignedBuffer, int, PartRead]]:
         """(buffer, offset of the tensor's first byte in it, part) for each part of a kind in its slot."""
         state = self._states[key]
-        return [(state.cls.buffer, state.base + p.region_offset + p.head, p) for p in state.plan[kind]]
+        return [
+            (state.cls.buffer, state.base + p.region_offset + self._head(state, p), p)
+            for p in state.plan[kind]
+        ]
 
     def next_event(self, job: LayerJob) -> tuple[int, str, BaseException | None]:
         """The next (expert, kind, error-or-None) of `job` whose bytes are in place (blocks while reads
@@ -574,6 +602,10 @@ class ExpertCache:
                 state.errors[kind] = error
             state.remaining[kind] -= 1
             if state.remaining[kind] == 0:
+                if state.errors[kind] is None and state.key[0] in self._moved:
+                    base = state.cls.buffer.address + state.base
+                    for p in state.plan[kind]:  # to the region's start: the same offset in every slot
+                        ctypes.memmove(base + p.region_offset, base + p.region_offset + p.head, p.ref.nbytes)
                 for job in state.listeners:
                     job.events.put((state.key[1], kind, state.errors[kind]))
                 if state.prefetching and all(n == 0 for n in state.remaining.values()):
