@@ -3,8 +3,6 @@
     MiB/token     the decode tokens of a routing trace replayed through the engine's own eviction policy
                   (`moestream.trace.simulator`, as `moestream simulate` does) at the budget, each miss
                   counted at the bytes the engine's reader asks of the disk for that expert (aligned)
-    missing share the share of the trace's decode layer forwards with at least one miss at the budget
-                  (the same policy classes, forward by forward)
     compute       ms per decoded token with every expert cached (C), and while streaming at the smallest
                   budget (S: the time not spent waiting for reads, every layer's experts computed one by
                   one as they land, where a fully cached layer runs as one graph)
@@ -12,17 +10,20 @@
                   (`plan_measure.py`); the disk alone (random whole experts through the engine's reader,
                   `ceiling.py`) is measured and shown beside it
 
-    compute(B)          = C + (S - C) x missing share(B)
+    compute(B)          = C + (S - C) x miss rate(B)             (miss rate = 1 - hit rate)
     predicted ms/token  = compute(B) + MiB/token(B) / read rate          (the reported figure)
     overlapped ms/token = max(compute(B), MiB/token(B) / read rate)     (a bound: all reads hidden)
 
 Reads are added to compute, not overlapped with it, because a layer's misses are only known once its
 router ran and nothing is read ahead without `--prefetch`: the disk idles while attention, the router
 and the last miss of each layer compute; what does overlap (hits computed while misses are read) is
-already out of the read rate, measured as waiting. Compute depends on the budget: one miss in a layer
-costs that layer its single graph. The line passes through both measured ends (every expert cached: C;
-the smallest budget: S + its waits). `benchmarks/plan_check.py` compares both models against real runs
-(BENCHMARKS.md).
+already out of the read rate, measured as waiting. Compute depends on the budget: an expert that
+misses is computed on its own as it lands, where cached ones run as one graph, so each miss adds its
+share of S - C as well as its wait. The prediction is linear in the miss rate and passes through both
+measured ends (every expert cached: C; the smallest budget, where every expert misses: S + its waits).
+Interpolating by the share of layer forwards with any miss instead (a layer that misses once loses its
+graph) predicted 1.5x too slow at 88% hits. `benchmarks/plan_check.py` compares the predicted and the
+overlapped figures against real runs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -132,7 +133,6 @@ class PlanRow:
     compute_ms: float
     ms: float  # compute + read
     overlap_ms: float  # max(compute, read)
-    missing_share: float = 0.0  # of the decode layer forwards, those with at least one miss
 
     @property
     def tok_s(self) -> float:
@@ -153,34 +153,9 @@ def predict(mib_per_token: float, compute_ms: float, read_bytes_per_s: float) ->
     return read_ms, compute_ms + read_ms, max(compute_ms, read_ms)
 
 
-def compute_at(cached_ms: float, streaming_ms: float, missing_share: float) -> float:
-    """compute(B) = C + (S - C) x missing share."""
-    return cached_ms + (streaming_ms - cached_ms) * missing_share
-
-
-def missing_shares(trace: Trace, policy: str, capacities: list[int]) -> dict[int, float]:
-    """Capacity (slots) -> the share of the trace's decode layer forwards that miss at least one expert,
-    replayed forward by forward through the engine's policy classes (from the start of the trace, as the
-    simulator does)."""
-    from moestream.cache.policy import LFUPolicy, LRUPolicy, ResidentSet
-    from moestream.cache.predictive import PredictivePolicy, RoutingStats
-    from moestream.trace.replay import build_replay
-
-    replay = build_replay(trace, None, uses=policy == "predictive")
-    if policy == "predictive":
-        stats = RoutingStats(replay.layers, replay.n_experts)
-        sets = [ResidentSet(c, PredictivePolicy(replay.layers, replay.n_experts, stats)) for c in capacities]
-    else:
-        sets = [ResidentSet(c, {"lru": LRUPolicy, "lfu": LFUPolicy}[policy]()) for c in capacities]
-    missed, decode = [0] * len(sets), 0
-    for i, keys in enumerate(replay.keys):
-        args = () if replay.uses is None else replay.uses[i]
-        is_decode = replay.cell[i] % 2 == 1
-        decode += is_decode
-        for n, resident in enumerate(sets):
-            _, misses = resident.access_group(keys, *args)
-            missed[n] += bool(misses) and is_decode
-    return {c: m / max(1, decode) for c, m in zip(capacities, missed)}
+def compute_at(cached_ms: float, streaming_ms: float, miss_rate: float) -> float:
+    """compute(B) = C + (S - C) x miss rate."""
+    return cached_ms + (streaming_ms - cached_ms) * miss_rate
 
 
 def plan_rows(
@@ -194,12 +169,9 @@ def plan_rows(
     (the trace's header gives the sizes: `fit_trace`); `compute` is (C, S) of the module's docstring.
     Returns the rows and the simulator's notes."""
     records, _, sim_sizes = simulate(trace, [policy], sorted(budgets))
-    records = [r for r in records if r["phase"] == "decode" and r["scope"] == "all"]
-    shares = missing_shares(trace, policy, sorted({r["capacity_slots"] for r in records}))
     rows = []
-    for r in records:
-        share = shares[r["capacity_slots"]]
-        compute_ms = compute_at(*compute, share)
+    for r in (r for r in records if r["phase"] == "decode" and r["scope"] == "all"):
+        compute_ms = compute_at(*compute, 1.0 - r["hit_rate"])
         read_ms, ms, overlap_ms = predict(r["mib_per_token"], compute_ms, read_bytes_per_s)
         rows.append(
             PlanRow(
@@ -212,7 +184,6 @@ def plan_rows(
                 compute_ms,
                 ms,
                 overlap_ms,
-                share,
             )
         )
     return rows, sim_sizes.notes

@@ -368,8 +368,8 @@ def _lines(
         f"read rate: {read}",
         *([f"the disk alone (O_DIRECT, random whole experts): {ceiling.line()}"] if ceiling else []),
         "predicted ms/token = compute + MiB/token / read rate; compute = cached + (streaming - cached) x "
-        "the share of layer forwards with a miss (such a layer loses its single graph); 'if overlapped' = "
-        "max(compute, read), a bound",
+        "miss rate (a missed expert is computed on its own as it lands); 'if overlapped' = max(compute, "
+        "read), a bound",
         *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
         *(f"note: {n}" for n in [*trace.all_notes, *notes]),
     ]
