@@ -7,7 +7,8 @@ accumulate attention's values in F16 (llama.cpp's CPU flash attention), measured
 Within the ggml path, streamed == resident bit for bit at every budget and io mode.
 
 gpt_oss: attention sinks, a sliding window on alternate layers, YaRN, a router with a bias and a softmax
-over the chosen k; its routed experts (biases, clamped SwiGLU) always go through the expert runtime.
+over the chosen k; its safetensors experts go through the expert runtime (torch), its GGUF experts into
+the graphs (ggml_add_id, ggml_swiglu_oai), the runtime computing a streamed one with the same ops.
 """
 
 from __future__ import annotations
@@ -310,3 +311,23 @@ def test_yarn_rope_matches_stock(arch, truncate, tmp_path):
     assert (got - ref).abs().max().item() <= TOLERANCE * largest
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert (plain - ref).abs().max().item() > 3 * TOLERANCE * largest
+
+
+def test_gpt_oss_gguf_experts_in_the_graphs(tiny_gguf, monkeypatch):
+    """gpt-oss's F32 GGUF experts (slots a page apart) are computed inside the graphs: ggml_add_id for
+    their biases, ggml_swiglu_oai, and a decoded token is one graph while every expert is cached. The
+    expert runtime computes a streamed one with the same ops (its clamped SwiGLU by ggml's op, its
+    biases by f32 adds), so streamed == resident bit for bit; the logits follow stock transformers."""
+    hf, path = tiny_gguf("gpt_oss")
+    ref = _stock_logits(hf)
+    runs = _count_runs(monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert "(gpt_oss: one graph a layer, the routed experts between them; one graph a step" in (
+            engine.mode_line()
+        )
+        runs[0] = 0
+        got = _runner_logits(engine)
+        assert runs[0] == 1 + len(FORCED)  # the prefill, then each token: one graph each
+    assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    _streamed_equals_resident(path, fused=True)

@@ -15,7 +15,7 @@ D head dim, N / Nkv query / key-value heads, S positions the step's attention sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,10 @@ class ExpertTypes:
     down: int
     inter: int
     arena: SlotArena | None  # None: the slots' layout differs between experts (no cached path)
+    # gpt-oss: kind -> f32 [E, out] bias rows by expert id (ggml_add_id), and (alpha, limit) of
+    # ggml_swiglu_oai; else none and ggml_swiglu_split
+    biases: dict[str, torch.Tensor] | None = field(default=None, compare=False)
+    oai: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -148,13 +152,16 @@ class LayerGraphs:
         if carry is not None:
             first = self.whole.first[prev.index] if self.whole is not None else 0
             moe_in = net.reshape_3d(carry.moe_in, H, 1, T)
-            y = self._cached_experts(net, self.experts[prev.index], moe_in, carry.top, first)
+            y = self._cached_experts(net, self.experts[prev.index], moe_in, carry.top, first, carry.top)
             w = net.reshape_3d(carry.weights, 1, K, T)
         else:
             if fused:
                 moe_in = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
                 ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
-                y = self._cached_experts(net, self.experts[prev.index], moe_in, ids, 0)  # [H, K, T]
+                E = self.buf.order.shape[1]  # the expert ids (bias rows): the router's first K
+                order = net.tensor(I32, [E, T], self.buf.order.data_ptr())
+                experts = net.view_2d(order, K, T, 4 * E, 0)
+                y = self._cached_experts(net, self.experts[prev.index], moe_in, ids, 0, experts)  # [H, K, T]
             else:
                 y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
             w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
@@ -162,9 +169,9 @@ class LayerGraphs:
         summed = net.sum_rows(net.cont(net.permute(net.mul(y, w), 1, 0, 2, 3)))  # [1, H, T]
         return net.add(x, net.reshape_2d(summed, H, T))
 
-    def _cached_experts(self, net: Net, p: ExpertTypes, x: int, ids: int, first: int) -> int:
+    def _cached_experts(self, net: Net, p: ExpertTypes, x: int, ids: int, first: int, experts: int) -> int:
         """Each token's experts, slots `first + ids` of the layer's size class, on the FFN norm's output
-        x [H, 1, T]: [H, K, T]."""
+        x [H, 1, T]: [H, K, T]. `experts` [K, T]: their ids (gpt-oss's bias rows)."""
         arena = p.arena
         slots = arena.slots - first
 
@@ -173,10 +180,17 @@ class LayerGraphs:
             GgmlTensor.from_address(t).nb[2] = arena.slot_bytes  # experts a slot apart
             return t
 
+        def biased(y: int, kind: str) -> int:  # + the bias row of each token's expert (gpt-oss)
+            if p.biases is None:
+                return y
+            b = p.biases[kind]  # [E, out]
+            return net.add_id(y, net.weight(b, [b.shape[1], b.shape[0]]), experts)
+
         H = self.spec.hidden
-        g = net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids)  # [I, K, T]
-        u = net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids)
-        return net.mul_mat_id(weights("down", p.down, p.inter, H), net.swiglu_split(g, u), ids)
+        g = biased(net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids), "gate")  # [I, K, T]
+        u = biased(net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids), "up")
+        act = net.swiglu_split(g, u) if p.oai is None else net.swiglu_oai(g, u, *p.oai)
+        return biased(net.mul_mat_id(weights("down", p.down, p.inter, H), act, ids), "down")
 
     def can_fuse(self, layer: int) -> bool:
         """Whether the graph of `layer` (len(layers): the head) has a `fused` variant."""

@@ -171,9 +171,9 @@ class GgmlRunner:
         return sum(k.nbytes + v.nbytes for k, v in self.kv)
 
     def describe(self) -> str:
-        if any(self.spec.layers[layer].router.in_graph for layer in self._moe_layers):
+        if self._types():
             whole = "; one graph a step while every expert is cached"
-        else:  # gpt-oss: its experts' math (biases, clamped SwiGLU) is the expert runtime's
+        else:  # the graphs cannot compute them (gpt-oss's safetensors experts: torch's)
             whole = ", computed by the expert runtime"
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
@@ -223,12 +223,11 @@ class GgmlRunner:
 
         types = {}
         for layer in self._moe_layers:
-            if not self.spec.layers[layer].router.in_graph:  # the runtime computes them, always
-                continue
             rt = self.runtime(layer)
             fmts = [rt.formats.get((layer, kind)) for kind in ("gate", "up", "down")]
-            if not all(isinstance(f, Ggml) and f.by_id for f in fmts):
-                continue
+            terms = rt.family.graph_terms(layer)
+            if terms is None or not all(isinstance(f, Ggml) and f.by_id for f in fmts):
+                continue  # the expert runtime computes them, always
             arena = rt.cache.slot_arena(layer)
             if arena is not None:
                 base, slot_bytes, slots, offsets = arena
@@ -238,7 +237,7 @@ class GgmlRunner:
                 aligned = not any(a % align for a in address.values())
                 arena = SlotArena(address, slot_bytes, slots) if aligned else None
             ids = (f.type.id for f in fmts)
-            types[layer] = ExpertTypes(*ids, fmts[0].rows, arena)
+            types[layer] = ExpertTypes(*ids, fmts[0].rows, arena, terms.biases, terms.oai)
         return types
 
     def _step(self, ids: list[int], position: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from moestream.ggml.ops import (
     swiglu,
     swiglu_expert,
     swiglu_experts,
+    swiglu_oai,
 )
 from moestream.ggml.thresholds import dequant_threshold
 from moestream.ggml.types import GgmlType, UnsupportedTypeError, ggml_type, row_bytes, type_table
@@ -52,6 +53,7 @@ __all__ = [
     "swiglu",
     "swiglu_expert",
     "swiglu_experts",
+    "swiglu_oai",
     "type_table",
 ]
 

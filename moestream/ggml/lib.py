@@ -168,6 +168,9 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_flash_attn_ext": (_P, [_P, _P, _P, _P, _P, _F, _F, _F]),
     "ggml_flash_attn_ext_set_prec": (None, [_P, _I]),
     "ggml_flash_attn_ext_add_sinks": (None, [_P, _P]),
+    # gpt-oss's experts: a bias row per expert id, the clamped SwiGLU
+    "ggml_add_id": (_P, [_P, _P, _P, _P]),
+    "ggml_swiglu_oai": (_P, [_P, _P, _P, _F, _F]),
 }
 _CPU_API = {
     "ggml_cpu_init": (None, []),

@@ -244,6 +244,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
     return y
 
 
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU computed by ggml (ggml_swiglu_oai, the op its graphs use): gate and up
+    [M, N] f32 -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    m, n = gate.shape if gate.dim() == 2 else (0, 0)
+    ga, ua = _activations(gate, n, "gate"), _activations(up, n, "up")
+    if up.shape[0] != m:
+        raise ValueError(f"gate has {m} rows and up {up.shape[0]}")
+    y = _out(None, (m, n))
+    if m == 0:
+        return y
+
+    def build(b: Builder) -> int:
+        return b.op("swiglu_oai", b.input("g", F32, n, m), b.input("u", F32, n, m), alpha, limit)
+
+    kernels().compute(("swiglu_oai", n, m, alpha, limit), build, g=ga, u=ua, out=y.data_ptr())
+    return y
+
+
 def get_rows(
     weight: Weight, type: TypeLike, rows: int, k: int, ids: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -83,9 +83,6 @@ class Router:
     logit_bias: torch.Tensor | None = None  # f32 [experts]: the router linear's bias (gpt-oss)
     # gpt-oss: the weights are a softmax over the chosen K logits (= softmax over all, normalised over K)
     softmax_top: bool = False
-    # whether the graphs compute the routed experts from the cache's slots (a SwiGLU without biases);
-    # False (gpt-oss's clamped SwiGLU with biases): the expert runtime always computes them
-    in_graph: bool = True
 
 
 @dataclass
@@ -225,7 +222,6 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
             normalize=False,
             logit_bias=_f32(router.bias),
             softmax_top=True,
-            in_graph=False,
         )
     gate = mlp.gate
     normalize = True if family == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False))

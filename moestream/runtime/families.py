@@ -26,9 +26,23 @@ Linear = Callable[[str, torch.Tensor], torch.Tensor]
 LayerCall = Callable[[torch.Tensor, Callable[[str], list[Any]]], "torch.Tensor | None"]
 
 
+@dataclass(frozen=True)
+class GraphTerms:
+    """What a ggml graph adds to gate/up/down products (by ggml_mul_mat_id) to compute a layer's experts
+    as the family does: nothing (a SiLU SwiGLU), or gpt-oss's biases and clamped SwiGLU."""
+
+    biases: dict[str, torch.Tensor] | None = None  # "gate" | "up" | "down" -> f32 [E, out], by expert id
+    oai: tuple[float, float] | None = None  # (alpha, limit) of ggml_swiglu_oai, else ggml_swiglu_split
+
+
 class ExpertFamily(ABC):
     kinds: tuple[str, ...]
     fusions: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def graph_terms(self, layer: int) -> GraphTerms | None:
+        """How the ggml graphs compute `layer`'s experts with the bits the stages give under the graphs'
+        kernels, or None: they cannot (the expert runtime computes them always)."""
+        return None
 
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         """The kinds each stage needs, in execution order; `fused`: the tier computes `fusions` as one."""
@@ -80,6 +94,9 @@ class SwiGLU(ExpertFamily):
 
     def bind(self, formats: dict[tuple[int, str], Any]) -> None:
         self._formats = formats if self.act_name == "silu" else {}  # the formats' kernels: silu only
+
+    def graph_terms(self, layer: int) -> GraphTerms | None:
+        return GraphTerms() if self.act_name == "silu" else None
 
     def _glu(self, layer: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         fmt = self._formats.get((layer, "up"))
@@ -170,6 +187,10 @@ class GptOss(ExpertFamily):
 
     def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
         self.params, self.biases = params, biases
+        self._formats: dict[tuple[int, str], Any] = {}
+
+    def bind(self, formats: dict[tuple[int, str], Any]) -> None:
+        self._formats = formats
 
     @staticmethod
     def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -191,8 +212,14 @@ class GptOss(ExpertFamily):
             "down_bias": (experts, hidden),
         }
 
-    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """(clamp(up) + 1) * swish_alpha(clamp(gate)), as transformers' GptOssExperts._apply_gate."""
+    def glu(self, gate: torch.Tensor, up: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """(clamp(up) + 1) * swish_alpha(clamp(gate)), as transformers' GptOssExperts._apply_gate; under
+        the ggml graphs' kernels (`by_id`), by ggml's op, the one the graphs compute it with."""
+        fmt = self._formats.get((layer, "up"))
+        if getattr(fmt, "by_id", False):
+            out = fmt.glu_oai(gate, up, self.params.alpha, self.params.limit)
+            if out is not None:
+                return out
         gate = gate.clamp(max=self.params.limit)
         up = up.clamp(min=-self.params.limit, max=self.params.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.params.alpha))
@@ -223,6 +250,12 @@ class GptOssSplit(GptOss):
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
 
+    def graph_terms(self, layer: int) -> GraphTerms | None:
+        """The stages under the graphs' kernels: product + bias (an f32 add, as ggml_add_id adds), ggml's
+        swiglu_oai, product + bias: the same ops in a graph give the same bits."""
+        biases = {kind: self.biases[(layer, f"{kind}_bias")].float().contiguous() for kind in self.kinds}
+        return GraphTerms(biases, (self.params.alpha, self.params.limit))
+
     def stage(
         self,
         kinds: tuple[str, ...],
@@ -235,11 +268,12 @@ class GptOssSplit(GptOss):
         bias = self.biases
         if kinds == ("gate", "up"):  # [t,H] -> [t,2I]: gate columns, then up columns
             gate, up = linear("gate_up", x).chunk(2, dim=-1)
-            return self.glu(gate + bias[(layer, "gate_bias")][expert], up + bias[(layer, "up_bias")][expert])
+            gate, up = gate + bias[(layer, "gate_bias")][expert], up + bias[(layer, "up_bias")][expert]
+            return self.glu(gate, up, layer)
         if kinds == ("gate",):  # [t,H] -> [t,I], carried to the up stage
             return linear("gate", x) + bias[(layer, "gate_bias")][expert]
         if kinds == ("up",):
-            return self.glu(carry, linear("up", x) + bias[(layer, "up_bias")][expert])
+            return self.glu(carry, linear("up", x) + bias[(layer, "up_bias")][expert], layer)
         return linear("down", carry) + bias[(layer, "down_bias")][expert]  # [t,I] -> [t,H]
 
 

@@ -68,6 +68,14 @@ class Ggml(WeightFormat):
             return None
         return self._ggml.swiglu(gate.contiguous(), up.contiguous())
 
+    def glu_oai(
+        self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
+    ) -> torch.Tensor | None:
+        """gpt-oss's clamped SwiGLU by ggml's op (the one the ggml graphs compute it with), or None."""
+        if gate.dtype != torch.float32 or up.dtype != torch.float32:
+            return None
+        return self._ggml.swiglu_oai(gate.contiguous(), up.contiguous(), alpha, limit)
+
     def swiglu_layer(
         self,
         x: torch.Tensor,
