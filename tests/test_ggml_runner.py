@@ -331,3 +331,19 @@ def test_gpt_oss_gguf_experts_in_the_graphs(tiny_gguf, monkeypatch):
     assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     _streamed_equals_resident(path, fused=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_long_prefill_streamed_equals_resident(arch, tiny_gguf):
+    """A 200-token prompt routes 16-64+ rows to an expert, where a Q8_0 expert outside the graphs would be
+    dequantized and multiplied by torch (faster there): under the graphs a streamed expert is ggml's
+    mul_mat_id whatever its rows, as a cached one computed in the graph is, so the bits are the same."""
+    _, path = tiny_gguf(arch, ftype=Q.Q8_0, expert_type=lambda layer, kind: Q.Q8_0)
+    prompt = [(i * 37) % 300 + 5 for i in range(200)]
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        resident = _runner_logits(engine, prompt)
+        threshold = engine.runtime.formats[(0, "gate")].threshold
+        assert threshold <= 2 * len(prompt) // engine.emap.num_experts  # the dequantizing route exists
+        minimum, _ = budget_requirements(engine.emap, engine.top_k)
+        engine.restream(cache=minimum, preload=False)
+        assert torch.equal(_runner_logits(engine, prompt), resident)

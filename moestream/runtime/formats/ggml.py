@@ -57,7 +57,9 @@ class Ggml(WeightFormat):
         return raw
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.threshold:  # [t,in] @ dequantized [out,in]^T in the activations' dtype
+        # [t,in] @ dequantized [out,in]^T in the activations' dtype; never under the ggml graphs (`by_id`),
+        # whose cached experts are mul_mat_id's whatever their rows: a streamed one must give those bits
+        if x.shape[0] >= self.threshold and not self.by_id:
             return F.linear(x, self._ggml.dequantize(weight, self.type, self.rows, self.cols).to(x.dtype))
         product = self._ggml.linear_id if self.by_id else self._ggml.linear
         y = product(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
