@@ -111,6 +111,16 @@ class StepBuffers:
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
         )
 
+    def fill_masks(self, window: int | None) -> None:
+        """The step's masks for its rows (= positions): causal; and for the sliding layers, also what lies
+        `window` or more positions back (transformers' sliding mask)."""
+        span = torch.arange(self.mask.shape[1])
+        later = span[None, :] > self.rows[:, None]
+        self.mask.masked_fill_(later, float("-inf")).masked_fill_(~later, 0.0)
+        if self.window.numel():
+            far = span[None, :] <= self.rows[:, None] - window
+            self.window.copy_(self.mask).masked_fill_(far, float("-inf"))
+
 
 class LayerGraphs:
     """Builds the graphs of one step shape; the caller plans and places them (`Net.finish`, `Arena`)."""

@@ -247,14 +247,7 @@ class GgmlRunner:
         b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
         torch.arange(position, position + T, out=b.rows)
         b.positions.copy_(b.rows)
-        span = torch.arange(b.mask.shape[1])
-        b.mask.masked_fill_(span[None, :] > b.rows[:, None], float("-inf")).masked_fill_(
-            span[None, :] <= b.rows[:, None], 0.0
-        )
-        if b.window.numel():  # and what lies `window` or more positions back (transformers' sliding mask)
-            b.window.copy_(b.mask).masked_fill_(
-                span[None, :] <= b.rows[:, None] - self.spec.window, float("-inf")
-            )
+        b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
         whole = self._resident()
         if whole is not None:
