@@ -176,7 +176,9 @@ def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         got = _runner_logits(engine)
-        assert len(engine._step.runner._sets) == ggml_runner.KEEP_SETS  # sets built and dropped
+        sets = engine._step.runner._sets  # sets built and dropped: one prefill shape, two decode ones
+        assert [t > 1 for t, _ in sets].count(True) == ggml_runner.KEEP_PREFILL_SETS
+        assert [t == 1 for t, _ in sets].count(True) == ggml_runner.KEEP_DECODE_SETS
     assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
 
 

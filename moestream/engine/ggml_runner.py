@@ -41,7 +41,11 @@ from moestream.model.graph_spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
-KEEP_SETS = 3  # graph sets kept (the decode set of the current span, a prefill shape, one spare)
+# graph sets kept: prefill shapes (T > 1: the largest buffers; a long prompt's chunks each attend over
+# another span, so an older one is seldom used again) and decode sets (T = 1: the current span's and
+# the previous one's)
+KEEP_PREFILL_SETS = 1
+KEEP_DECODE_SETS = 2
 
 
 def _round_up(n: int, step: int) -> int:
@@ -210,8 +214,9 @@ class GgmlRunner:
         if gs is None:
             gs = GraphSet(self.spec, self.kv, key, self.experts, self._types(), self.threads, kern.pool)
             self._sets[key] = gs
-            while len(self._sets) > KEEP_SETS:
-                self._sets.pop(next(iter(self._sets))).close()
+            same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
+            for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
+                self._sets.pop(k).close()
         self._sets.move_to_end(key)
         return gs
 
@@ -363,19 +368,29 @@ class GgmlRunner:
 
 def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int) -> tuple[int, int]:
     """(its KV cache, its graph sets at most): the bytes a runner of `spec` takes, known before it is
-    built. The graphs of the largest step shape (a full prefill chunk attending over the whole context)
-    are laid out as `GraphSet` lays them out, over meta tensors (nothing is allocated): the largest
-    graph's scratch and work, the step's buffers, and what a fused graph adds for the routed experts
-    (`inter`: their intermediate size; gate, up and SwiGLU [I, K, T], down [H, K, T], f32), times
-    KEEP_SETS (a long prompt keeps that many prefill sets)."""
+    built: KEEP_PREFILL_SETS sets of the largest step shape (a full prefill chunk attending over the
+    whole context) and KEEP_DECODE_SETS of one token over the whole context, each as `_set_bytes`
+    lays it out."""
     ctx = _round_up(ctx_size, SPAN_STEP)
-    tokens = min(CHUNK, ctx)
     with torch.device("meta"):
         kv = [
             tuple(torch.empty(ctx, a.kv_heads * a.head_dim, dtype=torch.float16) for _ in range(2))
             for a in (layer.attention for layer in spec.layers)
         ]
-        buf = StepBuffers.make(spec, tokens, ctx, experts)
+    prefill = _set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
+    decode = _set_bytes(spec, kv, 1, ctx, experts, inter, threads)
+    return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
+
+
+def _set_bytes(
+    spec: ModelSpec, kv: list, tokens: int, span: int, experts: int, inter: int, threads: int
+) -> int:
+    """Bytes of one graph set of `tokens` x `span`, laid out as `GraphSet` lays it out over meta tensors
+    (nothing is allocated): the largest graph's scratch and work, the step's buffers, and what a fused
+    graph adds for the routed experts (`inter`: their intermediate size; gate, up and SwiGLU [I, K, T],
+    down [H, K, T], f32; the whole step's graph, its scratch shared by liveness, stays within these)."""
+    with torch.device("meta"):
+        buf = StepBuffers.make(spec, tokens, span, experts)
     build = LayerGraphs(spec, kv, buf)
     pool = ggml.kernels(threads).pool
     scratch = work = 0
@@ -391,8 +406,7 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     fused = 4 * spec.top_k * tokens * (3 * inter + spec.hidden) if moe else 0
     held = [t for t in vars(buf).values() if isinstance(t, torch.Tensor)]
     held += [t for v in vars(buf).values() if isinstance(v, tuple) for t in v]
-    buffers = sum(t.nbytes for t in held)
-    return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_SETS * (scratch + work + fused + buffers)
+    return scratch + work + fused + sum(t.nbytes for t in held)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
