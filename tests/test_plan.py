@@ -131,7 +131,7 @@ def test_given_trace_bytes_equal_the_simulator_and_time_follows_the_formula(
         and "all experts" in captured.out
         and "auto cache: every expert" in captured.out
     )
-    assert "UPPER BOUND" in captured.out  # the random trace is marked synthetic
+    assert "SYNTHETIC ROUTING" in captured.out  # the random trace is marked synthetic
     assert png.read_bytes()[:8] == PNG
 
 

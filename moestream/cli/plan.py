@@ -16,6 +16,10 @@ from moestream.errors import MoestreamError
 from moestream.units import parse_size
 
 DEFAULT_READ_SECONDS = 2.5
+SYNTHETIC_ROUTING = (
+    "SYNTHETIC ROUTING: the trace was recorded on a random-weight checkpoint, so its hit rates are that "
+    "checkpoint's, not a trained model's (record a trace on a trained model and pass it with --trace)"
+)
 RATE_TOKENS = 16  # tokens decoded at the smallest budget to measure the engine's read rate
 POLICIES = ("lru", "lfu", "predictive")  # the ones a live engine runs (`--policy` of generate)
 
@@ -351,8 +355,6 @@ def _lines(
     decode: int,
 ) -> list[str]:
     """What the table was computed from, one line each, and the notes."""
-    from moestream.trace.report import SYNTHETIC_NOTE
-
     rate, engine_rate, ceiling = rates
     where = (
         f"recorded here on {len(prompts)} prompt(s), {args.max_tokens} tokens each"
@@ -370,6 +372,6 @@ def _lines(
         "predicted ms/token = compute + MiB/token / read rate; compute = cached + (streaming - cached) x "
         "miss rate (a missed expert is computed on its own as it lands); 'if overlapped' = max(compute, "
         "read), a bound",
-        *([SYNTHETIC_NOTE] if trace.header.synthetic else []),
+        *([SYNTHETIC_ROUTING] if trace.header.synthetic else []),
         *(f"note: {n}" for n in [*trace.all_notes, *notes]),
     ]
