@@ -87,7 +87,8 @@ def plot_plan(rows: list[PlanRow], out: str | Path, title: str) -> None:
                     fontsize=8,
                 )
         ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [format_size(r.budget_bytes).replace(".0 ", " ") for r in rows], fontsize=7)
+        labels = [format_size(r.budget_bytes).replace(".0 ", " ") for r in rows]
+        ax.set_xticks(xs, labels, fontsize=7, rotation=35, ha="right")  # close budgets' labels stay apart
         ax.minorticks_off()
         ax.set_xlabel("expert cache budget (log scale)")
         ax.set_ylim(bottom=0)

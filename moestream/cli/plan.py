@@ -83,7 +83,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     disk.add_argument(
         "--read-rate",
         metavar="SIZE",
-        help="the read rate per second to predict with (e.g. 1.1GiB), instead of measuring the engine's",
+        help="the read rate per second to predict with (e.g. 1.1GiB), instead of measuring the engine's at "
+        "the smallest budget (compute is then the cached one at every budget)",
     )
     disk.add_argument(
         "--read-seconds",
