@@ -228,9 +228,13 @@ def test_an_expert_failure_in_a_continued_prompt_keeps_the_prompt_cache(engine_f
 
 
 SIGINT_CHILD = """
-    import sys, time
+    import signal, sys, time
     import moestream
     from moestream.io.reader import Reader
+
+    # as in an interactive Python: a child of a background job inherits SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler (the run that read this test's 200 tokens through a Ctrl-C)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class SlowReader(Reader):  # every piece takes 20 ms: a request runs for seconds
         def _read(self, request, start):
