@@ -252,6 +252,9 @@ def test_a_signal_during_generate_finishes_the_trace(tiny_dir, tmp_path, sig, co
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        # a foreground run's SIGINT: a child of a background job (a suite started under nohup) would
+        # inherit it ignored, and Python then never raises KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         line = child.stderr.readline()
