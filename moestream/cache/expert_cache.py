@@ -8,6 +8,7 @@ All bookkeeping happens here, under one lock; callbacks of other owners (`on_evi
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import queue
@@ -166,6 +167,8 @@ class ExpertCache:
         self.on_evict: Callable[[SlotState], None] | None = None
         self._check_budget(budget_bytes, top_k, warn_working_set)
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
+        held = collections.Counter(id(cls) for cls in self._class_of.values())
+        self._holds_all = all(cls.capacity >= held[id(cls)] for cls in self.classes)
         self._moved = self._layers_to_move()
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
@@ -260,11 +263,9 @@ class ExpertCache:
         return job
 
     def holds_all(self) -> bool:
-        """Whether every expert of the map has a slot of its own (nothing need ever be evicted)."""
-        counts: dict[int, int] = {}
-        for cls in self._class_of.values():
-            counts[id(cls)] = counts.get(id(cls), 0) + 1
-        return all(cls.capacity >= counts.get(id(cls), 0) for cls in self.classes)
+        """Whether every expert of the map has a slot of its own (nothing need ever be evicted): fixed
+        when the classes are carved (each class gets at most its experts' slots)."""
+        return self._holds_all
 
     def read_all(self) -> int:
         """Read every expert not yet in place, layer by layer (each layer's reads in flight together),
