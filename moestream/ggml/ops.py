@@ -228,6 +228,19 @@ def swiglu_experts(
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up computed by ggml (the op inside swiglu_expert): [M, N] f32 each."""
+    return _glu("swiglu_split", gate, up, out)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU computed by ggml (ggml_swiglu_oai, the op its graphs use): gate and up
+    [M, N] f32 -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    return _glu("swiglu_oai", gate, up, None, alpha, limit)
+
+
+def _glu(
+    op: str, gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None, *params: float
+) -> torch.Tensor:
+    """ggml_<op>(gate, up, *params) on [M, N] f32 each -> [M, N] f32 (into `out` when given)."""
     m, n = gate.shape if gate.dim() == 2 else (0, 0)
     ga, ua = _activations(gate, n, "gate"), _activations(up, n, "up")
     if up.shape[0] != m:
@@ -235,30 +248,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None
     y = _out(out, (m, n))
     if m == 0:
         return y
-    kern = kernels()
 
     def build(b: Builder) -> int:
-        return b.op("swiglu_split", b.input("g", F32, n, m), b.input("u", F32, n, m))
+        return b.op(op, b.input("g", F32, n, m), b.input("u", F32, n, m), *params)
 
-    kern.compute(("silu_mul", n, m), build, g=ga, u=ua, out=y.data_ptr())
-    return y
-
-
-def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU computed by ggml (ggml_swiglu_oai, the op its graphs use): gate and up
-    [M, N] f32 -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
-    m, n = gate.shape if gate.dim() == 2 else (0, 0)
-    ga, ua = _activations(gate, n, "gate"), _activations(up, n, "up")
-    if up.shape[0] != m:
-        raise ValueError(f"gate has {m} rows and up {up.shape[0]}")
-    y = _out(None, (m, n))
-    if m == 0:
-        return y
-
-    def build(b: Builder) -> int:
-        return b.op("swiglu_oai", b.input("g", F32, n, m), b.input("u", F32, n, m), alpha, limit)
-
-    kernels().compute(("swiglu_oai", n, m, alpha, limit), build, g=ga, u=ua, out=y.data_ptr())
+    kernels().compute((op, n, m, *params), build, g=ga, u=ua, out=y.data_ptr())
     return y
 
 
