@@ -15,14 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from test_ggml_runner import FORCED, _count_runs, _runner_logits
 
 import moestream
 from moestream.cache.expert_cache import budget_requirements
-from moestream.engine import ggml_runner
 from moestream.io.reader import IO_MODES
 
-PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
-FORCED = [9, 150, 77, 31, 200, 6, 18, 42]
 TYPES = {"gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.Q8_0}
 
 
@@ -30,16 +28,6 @@ TYPES = {"gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.Q8_0}
 def odd_gguf(tiny_gguf):
     _, path = tiny_gguf("qwen3_moe", ftype=Q.Q8_0, expert_type=lambda layer, kind: TYPES[kind])
     return path
-
-
-def _logits(engine) -> torch.Tensor:
-    step = engine._step
-    logits, kv = step(PROMPT, None)
-    out = [logits]
-    for token in FORCED:
-        logits, kv = step([token], kv)
-        out.append(logits)
-    return torch.stack(out)
 
 
 def _file_bytes(ref) -> bytes:
@@ -68,26 +56,19 @@ def test_odd_sized_experts_get_one_layout_and_the_file_bytes(odd_gguf):
 
 
 def test_odd_sized_experts_run_as_one_graph_with_the_streamed_bits(odd_gguf, monkeypatch):
-    runs = [0]
-    run = ggml_runner.Net.run
-
-    def counted(self):
-        runs[0] += 1
-        run(self)
-
-    monkeypatch.setattr(ggml_runner.Net, "run", counted)
+    runs = _count_runs(monkeypatch)
     with moestream.load(str(odd_gguf), cache="64MiB", trunk="ggml") as engine:
         assert "every expert cached, read at load" in engine.mode_line()
         runs[0] = 0
-        whole = _logits(engine)
+        whole = _runner_logits(engine)
         assert runs[0] == 1 + len(FORCED)  # the prefill and each token: one graph each
         minimum, _ = budget_requirements(engine.emap, engine.top_k)
         for io_mode in IO_MODES:
             engine.restream(cache=minimum, io_mode=io_mode, preload=False)  # streamed, moved as read
-            assert torch.equal(_logits(engine), whole), io_mode
+            assert torch.equal(_runner_logits(engine), whole), io_mode
             assert engine.cache.stats.misses > len(engine.emap.units)
         engine.restream(cache="64MiB", io_mode="direct", preload=False)  # cached after the first
-        _logits(engine)
+        _runner_logits(engine)
         misses, calls = engine.cache.stats.misses, engine.runtime.layer_calls
-        assert torch.equal(_logits(engine), whole)  # all hits: each layer's experts in the next graph
+        assert torch.equal(_runner_logits(engine), whole)  # all hits: each layer's experts in the next graph
         assert engine.cache.stats.misses == misses and engine.runtime.layer_calls > calls
