@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from memory_limits import v1_memory_root, write_synth96
 
 from moestream.cli import main
 from moestream.engine.auto_budget import MARGIN_SHARE, cuda_split, largest_fit
@@ -31,31 +32,8 @@ EXPERTS = 2 * 64
 
 
 @pytest.fixture(scope="module")
-def synth96(tmp_path_factory):
-    """A synthetic qwen3_moe with 96 MiB of experts (2 layers x 64 experts of 768 KiB, top-2)."""
-    out = tmp_path_factory.mktemp("auto96") / "m"
-    sizes = [
-        "--layers",
-        "2",
-        "--experts",
-        "64",
-        "--top-k",
-        "2",
-        "--hidden",
-        "256",
-        "--moe-intermediate",
-        "512",
-    ]
-    assert main(["synth", str(out), "--arch", "qwen3_moe", *sizes]) == 0
-    return out
-
-
-def _v1_memory_root() -> Path | None:
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fstype, _, options = line.split(" - ", 1)[1].split()[:3]
-        if fstype == "cgroup" and "memory" in options.split(","):
-            return Path(line.split()[4])
-    return None
+def synth96(tmp_path_factory) -> Path:
+    return write_synth96(tmp_path_factory.mktemp("auto96") / "m")
 
 
 # The child is started in its own cgroup. A first load with no limit learns what the room must keep
@@ -116,7 +94,7 @@ CHILD = """
 
 
 def _run_limited(ckpt: Path, share: float) -> dict:
-    root = _v1_memory_root()
+    root = v1_memory_root()
     if os.geteuid() != 0 or root is None:
         pytest.skip("needs root and a cgroup v1 memory hierarchy")
     group = root / f"moestream-auto-{uuid.uuid4().hex[:8]}"

@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from memory_limits import v1_memory_root, write_synth96
 
 import moestream
-from moestream.cli import main
 from moestream.engine.memory import MemoryNeed, Room, check_memory, lock_allowed, memory_rooms
 from moestream.errors import MemoryBudgetError, MoestreamError
 from moestream.units import MiB
@@ -137,30 +137,7 @@ def test_the_trunk_is_locked_with_the_cache_and_unlocked_by_close(tiny_dir):
 
 @pytest.fixture(scope="module")
 def synth96(tmp_path_factory) -> Path:
-    """A synthetic qwen3_moe with 96 MiB of experts (2 layers x 64 experts of 768 KiB)."""
-    out = tmp_path_factory.mktemp("synth96") / "m"
-    sizes = [
-        "--layers",
-        "2",
-        "--experts",
-        "64",
-        "--top-k",
-        "2",
-        "--hidden",
-        "256",
-        "--moe-intermediate",
-        "512",
-    ]
-    assert main(["synth", str(out), "--arch", "qwen3_moe", *sizes]) == 0
-    return out
-
-
-def _v1_memory_root() -> Path | None:
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fstype, _, options = line.split(" - ", 1)[1].split()[:3]
-        if fstype == "cgroup" and "memory" in options.split(","):
-            return Path(line.split()[4])
-    return None
+    return write_synth96(tmp_path_factory.mktemp("synth96") / "m")
 
 
 CGROUP = """
@@ -190,7 +167,7 @@ def test_a_cache_larger_than_the_cgroup_limit_is_refused_with_the_numbers(synth9
     """Before: in a 700 MiB cgroup, `generate --cache 960MiB` on a 960 MiB checkpoint was OOM-killed while
     mlock faulted the cache in: rc 137, no message. Here: a real cgroup v1 limit 128 MiB above what the
     child holds, and a 96 MiB cache (plus trunk, KV cache and working memory)."""
-    root = _v1_memory_root()
+    root = v1_memory_root()
     if os.geteuid() != 0 or root is None:
         pytest.skip("needs root and a cgroup v1 memory hierarchy")
     group = root / f"moestream-test-{uuid.uuid4().hex[:8]}"
