@@ -71,6 +71,16 @@ def add_context_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dtype_argument(group: Any) -> None:
+    """--dtype (the engine's options, and plan's)."""
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype (default: the checkpoint's)",
+    )
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
@@ -117,12 +127,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compute threads in total, on one pool (default: the physical cores)",
     )
-    group.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype (default: the checkpoint's)",
-    )
+    add_dtype_argument(group)
     group.add_argument(
         "--trunk-dtype",
         default=None,

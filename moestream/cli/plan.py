@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moestream.cli._engine_args import add_model_argument, model_path
+from moestream.cli._engine_args import add_dtype_argument, add_model_argument, model_path
 from moestream.errors import MoestreamError
 from moestream.units import parse_size
 
@@ -98,12 +98,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     disk.add_argument(
         "-t", "--threads", type=int, default=None, help="compute threads (default: the physical cores)"
     )
-    disk.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype (default: the checkpoint's)",
-    )
+    add_dtype_argument(disk)
     disk.add_argument(
         "--trunk",
         default="auto",
