@@ -70,7 +70,9 @@ class TraceWriter:
         self.fsync = fsync
         self.rows_written = 0
         self._schema = arrow_schema(self.header)
-        self._buffer: dict[str, list[Any]] = {name: [] for name in _COLUMNS}
+        # whole rows, each added by one list.append: a KeyboardInterrupt between two bytecodes can
+        # never leave one column a row longer than another (it did with a list per column)
+        self._rows: list[tuple[Any, ...]] = []
         self._step = -1
         self._step_key: tuple[Any, ...] | None = None
         self.failure: TraceError | None = None  # set by the first write that failed
@@ -152,9 +154,8 @@ class TraceWriter:
             _ints(pred2_experts),
             _floats(pred2_scores),
         )
-        for name, value in zip(_COLUMNS, values):
-            self._buffer[name].append(value)
-        if len(self._buffer["layer"]) >= self.flush_rows:
+        self._rows.append(values)
+        if len(self._rows) >= self.flush_rows:
             self.flush()
 
     def append_forward(
@@ -189,10 +190,11 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Write the buffered rows as one record batch and hand it to the kernel."""
-        n = len(self._buffer["layer"])
+        rows, n = self._rows, len(self._rows)
         if n == 0 or self._closed or self.failure is not None:
             return
-        arrays = [pa.array(self._buffer[f.name], f.type) for f in self._schema]
+        columns = dict(zip(_COLUMNS, zip(*rows)))
+        arrays = [pa.array(list(columns[f.name]), f.type) for f in self._schema]
         try:
             self._stream.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
             self._file.flush()
@@ -206,8 +208,7 @@ class TraceWriter:
             )
             raise self.failure from None
         finally:
-            for column in self._buffer.values():
-                column.clear()
+            del rows[:n]
         self.rows_written += n
 
     def close(self) -> None:
