@@ -85,7 +85,7 @@ def test_models_a_static_cache_cannot_serve_are_refused_or_run_eager(tiny_dir, a
     ):
         moestream.load(path, cache="1MiB", trunk="static")
     with moestream.load(path, cache="1MiB") as engine:  # auto on the CPU: no static cache tried
-        if arch in GRAPH_FAMILIES:  # gpt_oss: the ggml graphs, their own KV cache
+        if arch in GRAPH_FAMILIES:  # gpt_oss, qwen3_next: the ggml graphs, their own KV cache and states
             assert f"trunk ggml graphs ({arch}" in engine.mode_line() and engine._step.runner is not None
         else:  # eager
             assert f"trunk eager (transformers: {arch} has no ggml graph yet" in engine.mode_line()

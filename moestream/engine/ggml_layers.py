@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moestream.engine.ggml_deltanet import delta_net, output_gate
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F16, F32, I32, I64, ROPE_NEOX, SORT_DESC, Net
 from moestream.model.graph_spec import Attention, Layer, Mlp, ModelSpec
@@ -240,7 +241,10 @@ class LayerGraphs:
         needs (the KV-cache writes first: the attention reads what they write)."""
         spec = self.spec
         h = self._norm(net, x, layer.attn_norm)
-        writes, attn = self._attention(net, h, layer.attention, layer.index)
+        if layer.linear is not None:  # Gated DeltaNet (its states are this layer's cache)
+            writes, attn = delta_net(net, h, layer.linear, self.kv[layer.index], self.tokens, spec.eps)
+        else:
+            writes, attn = self._attention(net, h, layer.attention, layer.index)
         resid = net.add(x, attn)
         h2 = self._norm(net, resid, layer.ffn_norm)
         if layer.router is None:
@@ -299,6 +303,9 @@ class LayerGraphs:
         spec, T, S = self.spec, self.tokens, self.span
         D, N, Nkv = a.head_dim, a.heads, a.kv_heads
         q = self._linear(net, h, a.q, a.biases.get("q"))
+        gate = None
+        if a.gated:  # Qwen3-Next / Qwen3.5: q_proj also yields the output's gate
+            q, gate = output_gate(net, q, N, D, T)
         k = self._linear(net, h, a.k, a.biases.get("k"))
         v = self._linear(net, h, a.v, a.biases.get("v"))
         if a.qk_norm == "full":  # OLMoE: over the whole projection
@@ -330,4 +337,6 @@ class LayerGraphs:
         if a.sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
             net.lib.base.ggml_flash_attn_ext_add_sinks(out, net.weight(a.sinks, [N]))
         out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]
+        if gate is not None:
+            out = net.mul(out, net.sigmoid(gate))
         return writes, self._linear(net, out, a.o, a.biases.get("o"))

@@ -28,6 +28,7 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import execution_order
+from moestream.engine.ggml_deltanet import layer_caches, recurrent_bytes
 from moestream.engine.ggml_layers import (
     SPAN_STEP,
     ExpertTypes,
@@ -53,19 +54,29 @@ def _round_up(n: int, step: int) -> int:
 
 
 class GgmlKV:
-    """The runner's KV cache as the engine's prompt cache sees it: how many positions hold tokens."""
+    """The runner's KV cache as the engine's prompt cache sees it: how many positions hold tokens.
+    `recurrent`: bytes of linear-attention states (Qwen3-Next, Qwen3.5), which fold in every token: such
+    a cache is never cropped back (the prompt cache then starts over, as with transformers' cache)."""
 
-    def __init__(self, bytes_per_token: int) -> None:
+    def __init__(self, bytes_per_token: int, recurrent: int = 0) -> None:
         self.tokens = 0
         self.bytes_per_token = bytes_per_token
+        self.recurrent = recurrent
 
     def held_bytes(self) -> int:
-        """Bytes of keys and values the positions in use hold."""
-        return self.tokens * self.bytes_per_token
+        """Bytes of keys and values the positions in use hold (and the recurrent states, once used)."""
+        return self.tokens * self.bytes_per_token + (self.recurrent if self.tokens else 0)
 
     def crop(self, length: int) -> None:
-        """transformers' convention: a negative length removes that many tokens, else keep `length`."""
-        self.tokens = max(0, self.tokens + length if length < 0 else min(length, self.tokens))
+        """transformers' convention: a negative length removes that many tokens, else keep `length`.
+
+        Raises:
+            ValueError: tokens would be removed from recurrent states.
+        """
+        kept = max(0, self.tokens + length if length < 0 else min(length, self.tokens))
+        if self.recurrent and kept < self.tokens:
+            raise ValueError("linear-attention states cannot be cropped back")
+        self.tokens = kept
 
     def get_seq_length(self) -> int:
         return self.tokens
@@ -157,14 +168,9 @@ class GgmlRunner:
     ) -> None:
         self.spec, self.runtime, self.experts, self.threads = spec, runtime, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
-        self.kv = [
-            (
-                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=torch.float16),
-                torch.zeros(self.ctx, a.kv_heads * a.head_dim, dtype=torch.float16),
-            )
-            for a in (layer.attention for layer in spec.layers)
-        ]
-        self.state = GgmlKV(self.kv_bytes // self.ctx)
+        self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
+        recurrent = recurrent_bytes(spec, self.kv)
+        self.state = GgmlKV((self.kv_bytes - recurrent) // self.ctx, recurrent)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._cache: Any = None  # the expert cache the graph sets read slots of
         self._whole: tuple[int, Whole | None] | None = None  # (cache version, slots) last looked up
@@ -248,6 +254,11 @@ class GgmlRunner:
     def _step(self, ids: list[int], position: int) -> torch.Tensor:
         T = len(ids)
         gs = self._set(T, _round_up(position + T, SPAN_STEP))
+        if position == 0:  # a request from scratch: linear-attention states start at zero
+            for layer, (conv, state) in zip(self.spec.layers, self.kv):
+                if layer.linear is not None:
+                    conv.zero_()
+                    state.zero_()
         b = gs.buf
         b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
         torch.arange(position, position + T, out=b.rows)
@@ -372,11 +383,7 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     whole context) and KEEP_DECODE_SETS of one token over the whole context, each as `_set_bytes`
     lays it out."""
     ctx = _round_up(ctx_size, SPAN_STEP)
-    with torch.device("meta"):
-        kv = [
-            tuple(torch.empty(ctx, a.kv_heads * a.head_dim, dtype=torch.float16) for _ in range(2))
-            for a in (layer.attention for layer in spec.layers)
-        ]
+    kv = layer_caches(spec, ctx, "meta")
     prefill = _set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = _set_bytes(spec, kv, 1, ctx, experts, inter, threads)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode

@@ -172,6 +172,17 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_add_id": (_P, [_P, _P, _P, _P]),
     "ggml_swiglu_oai": (_P, [_P, _P, _P, _F, _F]),
 }
+# Qwen3-Next / Qwen3.5's Gated DeltaNet layers: declared where the library has them (an older ggml
+# loads without them; those families then run transformers' forward, and the mode line says why)
+_GATED_DELTA_NET_API = {
+    "ggml_concat": (_P, [_P, _P, _P, _I]),
+    "ggml_ssm_conv": (_P, [_P, _P, _P]),
+    "ggml_l2_norm": (_P, [_P, _P, _F]),
+    "ggml_softplus": (_P, [_P, _P]),
+    "ggml_repeat_4d": (_P, [_P, _P, _I64, _I64, _I64, _I64]),
+    "ggml_reshape_4d": (_P, [_P, _P, _I64, _I64, _I64, _I64]),
+    "ggml_gated_delta_net": (_P, [_P, _P, _P, _P, _P, _P, _P, _I64]),
+}
 _CPU_API = {
     "ggml_cpu_init": (None, []),
     "ggml_get_type_traits_cpu": (C.POINTER(TypeTraitsCpu), [_I]),
@@ -209,6 +220,7 @@ class Library:
     kind: str  # "prebuilt" | "native" | "custom"
     version: str  # ggml's own version string, e.g. "0.20.2"
     isa: tuple[str, ...]
+    gated_delta_net: bool = False  # the Gated DeltaNet ops are declared (_GATED_DELTA_NET_API)
 
     def describe(self) -> str:
         """E.g. 'ggml 0.25.3 native (AVX2, AVX512, AVX512_VNNI, ...)', or for a build that lacks what this
@@ -338,13 +350,16 @@ def load() -> Library:
     except (OSError, AttributeError) as e:
         raise GgmlUnavailableError(f"cannot load ggml from {folder}: {e}") from e
     _check_layout(base)
+    gated_delta_net = all(hasattr(base, name) for name in _GATED_DELTA_NET_API)
+    if gated_delta_net:
+        _declare(base, _GATED_DELTA_NET_API)
     cpu.ggml_cpu_init()
     isa = []
     for name in _ISA_NAMES:
         fn = getattr(cpu, f"ggml_cpu_has_{name}", None)
         if fn is not None and fn():
             isa.append(name.upper())
-    return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa))
+    return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa), gated_delta_net)
 
 
 _LIB: Library | None = None

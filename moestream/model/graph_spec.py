@@ -20,8 +20,22 @@ from moestream.model.quantized import QuantEmbedding, QuantLinear
 from moestream.model.streaming import StreamingExperts
 
 # families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers;
-# gpt_oss: attention sinks, sliding windows, YaRN, a router with a bias)
-GRAPH_FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
+# gpt_oss: attention sinks, sliding windows, YaRN, a router with a bias; qwen3_next and qwen3_5_moe:
+# Gated DeltaNet layers between gated full-attention ones, zero-centred norms)
+GRAPH_FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe",
+)
+# Qwen3-Next and Qwen3.5: their RMSNorms scale by 1 + w (the gated one in a DeltaNet layer by w), the
+# attention's q_proj also yields an output gate, and every other layer (most) is a Gated DeltaNet
+_LINEAR_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}  # a GGUF's (and a text-only checkpoint's) model_type
 _FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
 
 
@@ -68,6 +82,36 @@ class Attention:
     scale: float
     sinks: torch.Tensor | None = None  # f32 [heads]: gpt-oss's learned logit per head (a value of 0)
     window: int | None = None  # a sliding window: a token sees itself and the window - 1 before it
+    gated: bool = False  # q_proj yields [q, gate] per head; the output is sigmoid(gate) * attention
+
+
+@dataclass
+class DeltaNet:
+    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5): projections, a causal depthwise conv over
+    [q; k; v] (C = 2 Hk Dk + Hv Dv channels), L2-normalised q and k, the gated delta rule over a
+    recurrent state [Hv, Dk, Dv], a gated RMSNorm, out_proj. Qwen3.5 projects qkv, z, b, a apart;
+    Qwen3-Next projects qkvz and ba with rows grouped per key head ([q, k, v (r heads), z (r heads)]
+    and [b (r), a (r)], r = Hv / Hk), which the graph takes apart by views."""
+
+    qkv: Matrix | None  # [C, hidden] (Qwen3.5)
+    z: Matrix | None  # [Hv Dv, hidden]
+    b: Matrix | None  # [Hv, hidden]
+    a: Matrix | None
+    qkvz: Matrix | None  # [C + Hv Dv, hidden] (Qwen3-Next)
+    ba: Matrix | None  # [2 Hv, hidden]
+    conv: torch.Tensor  # f32 [C, kernel]
+    decay: torch.Tensor  # f32 [Hv]: -exp(A_log), g = decay * softplus(a + dt_bias)
+    dt_bias: torch.Tensor  # f32 [Hv]
+    norm: torch.Tensor  # f32 [Dv]: the gated RMSNorm's weight (w, not 1 + w)
+    out: Matrix  # [hidden, Hv Dv]
+    k_heads: int
+    v_heads: int
+    head_dim: int  # Dk = Dv (ggml_gated_delta_net's state is square)
+    kernel: int
+
+    @property
+    def channels(self) -> int:
+        return (2 * self.k_heads + self.v_heads) * self.head_dim
 
 
 @dataclass
@@ -90,9 +134,10 @@ class Layer:
     index: int
     attn_norm: torch.Tensor  # f32 [hidden]
     ffn_norm: torch.Tensor
-    attention: Attention
+    attention: Attention | None  # None: a linear-attention layer (`linear`)
     router: Router | None  # a MoE layer: its routed experts stream; else `mlp` is dense
     mlp: Mlp | None
+    linear: DeltaNet | None = None
 
 
 @dataclass
@@ -120,7 +165,7 @@ class ModelSpec:
     @property
     def window(self) -> int | None:
         """The sliding window of the layers that have one (one size for all), or None."""
-        return next((x.attention.window for x in self.layers if x.attention.window), None)
+        return next((x.attention.window for x in self.layers if x.attention and x.attention.window), None)
 
 
 def matrix(module: nn.Module) -> Matrix:
@@ -145,6 +190,13 @@ def _shape(module: nn.Module) -> tuple[int, int]:
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
+
+
+def _norm_weight(norm: nn.Module, family: str) -> torch.Tensor:
+    """An RMSNorm's factor: its weight, or 1 + weight (in f32, as transformers adds it) where the family's
+    norms are zero-centred."""
+    w = _f32(norm.weight)
+    return (1.0 + w).contiguous() if family in _LINEAR_FAMILIES else w
 
 
 # rope types whose frequencies are fixed at load: the graphs turn each pair by transformers' own inv_freq
@@ -197,8 +249,8 @@ def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
     return Attention(
         *(matrix(projections[n]) for n in ("q", "k", "v", "o")),
         biases=biases,
-        q_norm=_f32(q_norm.weight) if q_norm is not None else None,
-        k_norm=_f32(k_norm.weight) if k_norm is not None else None,
+        q_norm=_norm_weight(q_norm, family) if q_norm is not None else None,
+        k_norm=_norm_weight(k_norm, family) if k_norm is not None else None,
         qk_norm=qk,
         heads=heads,
         kv_heads=int(cfg.num_key_value_heads),
@@ -206,6 +258,35 @@ def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
         scale=float(getattr(module, "scaling", head_dim**-0.5)),
         sinks=_f32(sinks) if sinks is not None else None,
         window=int(window) if window else None,
+        gated=family in _LINEAR_FAMILIES,
+    )
+
+
+def _delta_net(module: nn.Module, cfg: Any) -> DeltaNet:
+    from moestream import ggml
+
+    if not ggml.library().gated_delta_net:
+        raise NoGraph(f"this ggml ({ggml.library().version}) lacks ggml_gated_delta_net")
+    k_heads, v_heads = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+    dk, dv = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
+    if dk != dv or v_heads % k_heads:
+        raise NoGraph(f"a Gated DeltaNet of key head dim {dk}, value head dim {dv} is not in the graphs")
+    split = getattr(module, "in_proj_qkv", None) is not None
+    parts = {n: matrix(getattr(module, f"in_proj_{n}")) if split else None for n in ("qkv", "z", "b", "a")}
+    conv = module.conv1d.weight.detach()
+    return DeltaNet(
+        **parts,
+        qkvz=None if split else matrix(module.in_proj_qkvz),
+        ba=None if split else matrix(module.in_proj_ba),
+        conv=_f32(conv.reshape(conv.shape[0], conv.shape[-1])),
+        decay=(-_f32(module.A_log).exp()).contiguous(),
+        dt_bias=_f32(module.dt_bias),
+        norm=_f32(module.norm.weight),
+        out=matrix(module.out_proj),
+        k_heads=k_heads,
+        v_heads=v_heads,
+        head_dim=dk,
+        kernel=int(cfg.linear_conv_kernel_dim),
     )
 
 
@@ -224,7 +305,8 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
             softmax_top=True,
         )
     gate = mlp.gate
-    normalize = True if family == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False))
+    always = family in ("mixtral", "qwen3_5_moe")  # their routers normalise whatever the config says
+    normalize = True if always else bool(getattr(cfg, "norm_topk_prob", False))
     router = Router(matrix(gate), int(cfg.num_experts_per_tok), normalize)
     if getattr(mlp, "shared_expert", None) is not None:
         router.shared = _mlp(mlp.shared_expert)
@@ -251,6 +333,8 @@ def _check_config(cfg: Any, family: str) -> None:
     kinds = set(getattr(cfg, "layer_types", None) or ())
     if family == "gpt_oss" and not kinds <= {"sliding_attention", "full_attention"}:
         raise NoGraph(f"layer types {sorted(kinds)} are not in the graphs yet")
+    if family in _LINEAR_FAMILIES and not kinds <= {"linear_attention", "full_attention"}:
+        raise NoGraph(f"layer types {sorted(kinds)} are not in the graphs yet")
 
 
 def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
@@ -260,26 +344,29 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
         NoGraph: the family, or something this checkpoint uses, is not computed by the graphs yet.
     """
     cfg = text_config(config)
-    family = str(config.model_type)
+    family = _ALIASES.get(str(config.model_type), str(config.model_type))
     _check_config(cfg, family)
     inner = model.model
     layers = []
     for i, layer in enumerate(inner.layers):
         mlp = layer.mlp
         moe = isinstance(getattr(mlp, "experts", None), StreamingExperts)
+        attention, linear = getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)
         layers.append(
             Layer(
                 index=i,
-                attn_norm=_f32(layer.input_layernorm.weight),
-                ffn_norm=_f32(layer.post_attention_layernorm.weight),
-                attention=_attention(layer.self_attn, cfg, family),
+                attn_norm=_norm_weight(layer.input_layernorm, family),
+                ffn_norm=_norm_weight(layer.post_attention_layernorm, family),
+                attention=_attention(attention, cfg, family) if attention is not None else None,
                 router=_router(mlp, cfg, family) if moe else None,
                 mlp=None if moe else _mlp(mlp),
+                linear=_delta_net(linear, cfg) if linear is not None else None,
             )
         )
-    if len({x.attention.window for x in layers} - {None}) > 1:
+    attentions = [x.attention for x in layers if x.attention is not None]
+    if len({x.window for x in attentions} - {None}) > 1:
         raise NoGraph("sliding windows of several sizes are not in the graphs yet")
-    first = layers[0].attention
+    first = attentions[0]
     rope = _rope(cfg, first.head_dim, getattr(inner, "rotary_emb", None))
     embed = matrix(inner.embed_tokens)
     return ModelSpec(
@@ -291,7 +378,7 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
         rope_dims=rope.dims,
         context=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         embed=embed,
-        norm=_f32(inner.norm.weight),
+        norm=_norm_weight(inner.norm, family),
         lm_head=matrix(model.lm_head),
         layers=layers,
         rope_freqs=rope.freqs,

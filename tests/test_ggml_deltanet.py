@@ -1,0 +1,108 @@
+"""The ggml graphs of Qwen3-Next and Qwen3.5 (qwen3_next, qwen3_5_moe): Gated DeltaNet layers (conv and
+recurrent states living with the request), gated full attention with partial rope, zero-centred norms,
+softmax routers with a sigmoid-gated shared expert.
+
+Oracle: stock transformers in fp32 (its chunked gated delta rule over a prompt, the recurrent one per
+decoded token) on checkpoints whose vectors are random (norms, A_log, dt_bias: a fresh model's zeros and
+ones would hide a 1 + w or a decay gone wrong), over a prompt of several prefill chunks and decode steps
+across attention spans. Tolerance 1% of the largest logit: the full-attention layer keeps keys and values
+in F16 (4% in test_ggml_runner, whose families have no other kind of layer); the DeltaNet layers are f32
+throughout, ggml's delta rule summing token by token where transformers' chunked one does not, and q, k
+normalised by max(|x|, eps) instead of sqrt(|x|^2 + eps). Measured 0.03% (both families).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_ggml_runner import (
+    PROMPT,
+    _runner_logits,
+    _stock_greedy,
+    _stock_logits,
+    _streamed_equals_resident,
+)
+
+import moestream
+from moestream.engine import ggml_layers, ggml_runner
+
+ARCHS = ["qwen3_next", "qwen3_5_moe"]
+TOLERANCE = 0.01  # of the largest |logit|
+LONG = PROMPT * 3  # 36 tokens: 8 prefill chunks of 5
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, tolerance: float = TOLERANCE) -> None:
+    diff = (got - ref).abs().max().item()
+    assert diff <= tolerance * ref.abs().max().item(), diff
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graphs_match_stock_over_prefill_chunks_and_decode_steps(arch, tiny_gguf, monkeypatch):
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)  # the decode steps cross spans 40 and 48
+    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    hf, _ = tiny_gguf(arch)
+    ref = _stock_logits(hf, LONG)
+    want = _stock_greedy(hf, LONG, 16)
+    with moestream.load(str(hf), cache="64MiB", trunk="ggml") as engine:
+        assert f"trunk ggml graphs ({arch}" in engine.mode_line()
+        spec = engine._step.runner.spec
+        assert [layer.linear is not None for layer in spec.layers] == [True, False]
+        assert spec.layers[1].attention.gated and spec.rope_dims == 4  # partial rotary: 16 * 0.25
+        _close(_runner_logits(engine, LONG), ref)
+        gen = engine.generate(LONG, max_tokens=16, ignore_eos=True)
+    assert gen.tokens == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_equals_resident_bit_for_bit(arch, tiny_dir):
+    _streamed_equals_resident(tiny_dir(arch), fused=True)  # f32 experts, slots a page apart
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_second_request_starts_from_zero_states(arch, tiny_dir):
+    """The conv and recurrent states are the request's: zeroed when one starts, so the same prompt after
+    another request gives the same bits and tokens."""
+    with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml") as engine:
+        first = _runner_logits(engine)
+        tokens = engine.generate(PROMPT, max_tokens=10, ignore_eos=True).tokens
+        engine.generate(LONG[5:], max_tokens=10, ignore_eos=True)
+        assert engine.generate(PROMPT, max_tokens=10, ignore_eos=True).tokens == tokens
+        assert torch.equal(_runner_logits(engine), first)
+        runner = engine._step.runner
+        conv, state = runner.kv[0]
+        assert state.abs().sum() > 0 and conv.abs().sum() > 0  # the states in use: something to reset
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_prompt_cache_continues_the_states_only_exactly(arch, tiny_dir):
+    """An exact continuation feeds only the new tokens after the held states; a prompt that drops a held
+    token starts over (recurrent states cannot be cropped), and both give the tokens of a cold run."""
+    with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml") as engine:
+        first = engine.generate(PROMPT, max_tokens=6, ignore_eos=True, cache_prompt=True)
+        longer = PROMPT + first.tokens + [11, 12, 13]
+        warm = engine.generate(longer, max_tokens=8, ignore_eos=True, cache_prompt=True)
+        assert warm.cached_tokens == len(PROMPT) + len(first.tokens) - 1
+        assert engine.prompt_cache.nbytes() > 0
+        diverging = engine.generate(PROMPT[:6] + [7, 8], max_tokens=8, ignore_eos=True, cache_prompt=True)
+        assert diverging.cached_tokens == 0
+        assert warm.tokens == engine.generate(longer, max_tokens=8, ignore_eos=True).tokens
+        assert diverging.tokens == engine.generate(PROMPT[:6] + [7, 8], max_tokens=8, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gguf_q8_0_graphs_match_the_transformers_path(arch, tiny_gguf):
+    """A Q8_0 GGUF (its projections as stored; Qwen3.5's value heads in llama.cpp's tiled order, put back
+    by the loader; A_log stored as -exp, norms as 1 + w): the graphs follow the transformers path on the
+    same file within 5% (8-bit activations in the graphs' trunk products, F16 attention) and pick the same
+    tokens; streamed == resident."""
+    _, path = tiny_gguf(arch, ftype=Q.Q8_0, expert_type=lambda layer, kind: Q.Q8_0)
+    with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
+        eager = _runner_logits(engine)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert f"trunk ggml graphs ({arch}" in engine.mode_line()
+        got = _runner_logits(engine)
+    _close(got, eager, 0.05)
+    _streamed_equals_resident(path, fused=False)
