@@ -31,8 +31,9 @@ L2_EPS = 1e-6  # transformers' l2norm of q and k (FLA's): x / sqrt(sum x^2 + eps
 
 
 def layer_caches(spec: ModelSpec, ctx: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's cache: (keys, values) f16 [ctx, Nkv * D] of an attention layer; (conv state f32
-    [C, kernel - 1], recurrent state f32 [Hv, D, D]) of a Gated DeltaNet layer."""
+    """Each layer's cache: (keys, values) f16 [ctx, Nkv * D] of an attention layer (MLA: the latent and
+    rotated key rows [ctx, L + R], no values); (conv state f32 [C, kernel - 1], recurrent state f32
+    [Hv, D, D]) of a Gated DeltaNet layer."""
     out = []
     for layer in spec.layers:
         d = layer.linear
@@ -40,9 +41,8 @@ def layer_caches(spec: ModelSpec, ctx: int, device: str = "cpu") -> list[tuple[t
             conv = torch.zeros(d.channels, d.kernel - 1, device=device)
             out.append((conv, torch.zeros(d.v_heads, d.head_dim, d.head_dim, device=device)))
         else:
-            a = layer.attention
-            shape = (ctx, a.kv_heads * a.head_dim)
-            out.append(tuple(torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(2)))
+            widths = layer.attention.cache_widths  # MLA: the latent rows, no values
+            out.append(tuple(torch.zeros(ctx, w, dtype=torch.float16, device=device) for w in widths))
     return out
 
 

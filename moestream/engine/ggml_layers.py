@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream.engine.ggml_deltanet import delta_net, output_gate
+from moestream.engine.ggml_mla import group_limit, mla_attention
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F16, F32, I32, I64, ROPE_NEOX, SORT_DESC, Net
 from moestream.model.graph_spec import Attention, Layer, Mlp, ModelSpec
+from moestream.model.mla_spec import Mla
 
 SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph set serves 256 positions
 
@@ -257,6 +259,8 @@ class LayerGraphs:
         else:
             probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
         choice = probs if r.bias is None else net.add(probs, net.weight(r.bias, [E]))
+        if r.groups is not None:  # DeepSeek: only the best groups' experts
+            choice = group_limit(net, choice, r, self.tokens)
         order = net.argsort(choice, SORT_DESC)  # [E, T] i32
         top = net.view_2d(order, r.top_k, self.tokens, 4 * E, 0)  # [K, T]
         picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
@@ -300,6 +304,8 @@ class LayerGraphs:
 
     def _attention(self, net: Net, h: int, a: Attention, index: int) -> tuple[list[int], int]:
         """Returns (the KV-cache writes, which must run first; the attention output [H, T])."""
+        if isinstance(a, Mla):  # DeepSeek's latent attention
+            return mla_attention(self, net, h, a, index)
         spec, T, S = self.spec, self.tokens, self.span
         D, N, Nkv = a.head_dim, a.heads, a.kv_heads
         q = self._linear(net, h, a.q, a.biases.get("q"))

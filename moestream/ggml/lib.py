@@ -171,11 +171,15 @@ _BASE_API = {  # name: (restype, argtypes)
     # gpt-oss's experts: a bias row per expert id, the clamped SwiGLU
     "ggml_add_id": (_P, [_P, _P, _P, _P]),
     "ggml_swiglu_oai": (_P, [_P, _P, _P, _F, _F]),
+    # DeepSeek's MLA (a query and a cache row of two parts) and group-limited routing
+    "ggml_concat": (_P, [_P, _P, _P, _I]),
+    "ggml_sub": (_P, [_P, _P, _P]),
+    "ggml_neg": (_P, [_P, _P]),
+    "ggml_step": (_P, [_P, _P]),
 }
 # Qwen3-Next / Qwen3.5's Gated DeltaNet layers: declared where the library has them (an older ggml
 # loads without them; those families then run transformers' forward, and the mode line says why)
 _GATED_DELTA_NET_API = {
-    "ggml_concat": (_P, [_P, _P, _P, _I]),
     "ggml_ssm_conv": (_P, [_P, _P, _P]),
     "ggml_l2_norm": (_P, [_P, _P, _F]),
     "ggml_softplus": (_P, [_P, _P]),

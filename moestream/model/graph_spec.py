@@ -21,7 +21,8 @@ from moestream.model.streaming import StreamingExperts
 
 # families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers;
 # gpt_oss: attention sinks, sliding windows, YaRN, a router with a bias; qwen3_next and qwen3_5_moe:
-# Gated DeltaNet layers between gated full-attention ones, zero-centred norms)
+# Gated DeltaNet layers between gated full-attention ones, zero-centred norms;
+# deepseek_v2 and deepseek_v3: Multi-head Latent Attention, `mla_spec`)
 GRAPH_FAMILIES = (
     "qwen3_moe",
     "qwen2_moe",
@@ -31,6 +32,8 @@ GRAPH_FAMILIES = (
     "gpt_oss",
     "qwen3_next",
     "qwen3_5_moe",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 # Qwen3-Next and Qwen3.5: their RMSNorms scale by 1 + w (the gated one in a DeltaNet layer by w), the
 # attention's q_proj also yields an output gate, and every other layer (most) is a Gated DeltaNet
@@ -84,6 +87,11 @@ class Attention:
     window: int | None = None  # a sliding window: a token sees itself and the window - 1 before it
     gated: bool = False  # q_proj yields [q, gate] per head; the output is sigmoid(gate) * attention
 
+    @property
+    def cache_widths(self) -> tuple[int, int]:
+        """Values a token keeps in the KV cache: (keys, values)."""
+        return self.kv_heads * self.head_dim, self.kv_heads * self.head_dim
+
 
 @dataclass
 class DeltaNet:
@@ -127,6 +135,8 @@ class Router:
     logit_bias: torch.Tensor | None = None  # f32 [experts]: the router linear's bias (gpt-oss)
     # gpt-oss: the weights are a softmax over the chosen K logits (= softmax over all, normalised over K)
     softmax_top: bool = False
+    # group-limited routing: (groups, groups kept, a group's score: the sum of its best this many scores)
+    groups: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -134,7 +144,7 @@ class Layer:
     index: int
     attn_norm: torch.Tensor  # f32 [hidden]
     ffn_norm: torch.Tensor
-    attention: Attention | None  # None: a linear-attention layer (`linear`)
+    attention: Attention | None  # None: a linear-attention layer (`linear`); deepseek: a `mla_spec.Mla`
     router: Router | None  # a MoE layer: its routed experts stream; else `mlp` is dense
     mlp: Mlp | None
     linear: DeltaNet | None = None
@@ -234,6 +244,10 @@ def _rope(cfg: Any, head_dim: int, rotary: nn.Module | None) -> Rope:
 
 
 def _attention(module: nn.Module, cfg: Any, family: str) -> Attention:
+    if family in ("deepseek_v2", "deepseek_v3"):
+        from moestream.model.mla_spec import mla_attention
+
+        return mla_attention(module, cfg)
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     if getattr(cfg, "clip_qkv", None):
@@ -304,6 +318,10 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
             logit_bias=_f32(router.bias),
             softmax_top=True,
         )
+    if family in ("deepseek_v2", "deepseek_v3"):
+        from moestream.model.mla_spec import deepseek_router
+
+        return deepseek_router(mlp, cfg, family)
     gate = mlp.gate
     always = family in ("mixtral", "qwen3_5_moe")  # their routers normalise whatever the config says
     normalize = True if always else bool(getattr(cfg, "norm_topk_prob", False))
@@ -367,7 +385,8 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
     if len({x.window for x in attentions} - {None}) > 1:
         raise NoGraph("sliding windows of several sizes are not in the graphs yet")
     first = attentions[0]
-    rope = _rope(cfg, first.head_dim, getattr(inner, "rotary_emb", None))
+    head = getattr(first, "rope", None) or first.head_dim  # MLA: only its rope part turns
+    rope = _rope(cfg, head, getattr(inner, "rotary_emb", None))
     embed = matrix(inner.embed_tokens)
     return ModelSpec(
         family=family,
