@@ -402,6 +402,8 @@ def _add(w: gguf.GGUFWriter, name: str, data: torch.Tensor, ftype: Q, expert_typ
         w.add_tensor(name, array.astype({Q.F32: np.float32, Q.F16: np.float16, Q.I32: np.int32}[qtype]))
     elif qtype in _BLOCK_SCALES:
         w.add_tensor(name, synthetic_blocks(array.shape, qtype, seed=len(w.tensors[-1])), raw_dtype=qtype)
+    elif array.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:  # the converter falls back to F16 then
+        w.add_tensor(name, array.astype(np.float16))  # (DeepSeek's attn_k_b, rows of qk_nope_head_dim)
     else:
         w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 
