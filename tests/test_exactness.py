@@ -48,7 +48,11 @@ def _budgets(engine) -> list[int]:
 def test_streamed_equals_stock(arch, references):
     """One load per architecture; `restream` gives each combination a fresh reader, cache and runtime."""
     path, ref_tokens, full_ids, ref_logits = references(arch)
-    with moestream.load(str(path), cache="64MiB") as engine:
+    # tiny deepseek_v3's greedy path has a step whose top two stock logits lie 0.005 apart, and the ggml
+    # graphs' F16 latent cache moves them by 0.003 (test_ggml_mla holds the graphs to stock within their
+    # tolerance): its streamed experts are checked on transformers' path, where they must give stock's bits
+    trunk = "eager" if arch == "deepseek_v3" else "auto"
+    with moestream.load(str(path), cache="64MiB", trunk=trunk) as engine:
         for budget in _budgets(engine):
             for io_mode, io_threads in (
                 ("direct", 1),
