@@ -106,3 +106,30 @@ def test_gguf_q8_0_graphs_match_the_transformers_path(arch, tiny_gguf):
         got = _runner_logits(engine)
     _close(got, eager, 0.05)
     _streamed_equals_resident(path, fused=False)
+
+
+def test_a_composite_qwen3_5_config_loads_and_runs_the_graphs(tmp_path):
+    """Real Qwen3.5 / 3.6 checkpoints carry the vision-language config (model_type qwen3_5_moe, the text
+    model's under text_config) over `model.language_model.*` keys: the causal LM is built from the text
+    config, as AutoModelForCausalLM.from_pretrained swaps it (a composite config failed with 'no attribute
+    vocab_size'), and its graphs follow stock transformers on the same directory."""
+    from moestream.synth.build import synthesize
+
+    path = synthesize(
+        tmp_path / "q35",
+        arch="qwen3_5_moe",
+        layers=4,
+        dtype="fp32",
+        experts=8,
+        top_k=2,
+        hidden=64,
+        moe_intermediate=32,
+    )
+    ref = _stock_logits(path)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert (
+            engine.config.model_type == "qwen3_5_moe"
+            and "trunk ggml graphs (qwen3_5_moe" in engine.mode_line()
+        )
+        assert sum(layer.linear is not None for layer in engine._step.runner.spec.layers) == 3
+        _close(_runner_logits(engine), ref)

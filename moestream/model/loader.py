@@ -59,7 +59,8 @@ def trunk_tensors(
     with _PATCH_LOCK, _quiet_transformers():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
-            return source.trunk_state_dict(emap, ExpectedKeys(_causal_lm_class(config), config), keep_blocks)
+            expected = ExpectedKeys(_causal_lm_class(config), _model_config(config))
+            return source.trunk_state_dict(emap, expected, keep_blocks)
         finally:
             unregister_patch_mapping([arch.experts_class])
 
@@ -87,7 +88,7 @@ def build_model(
             # transformers' RuntimeError pointing at a report it logged
             model, info = model_class.from_pretrained(
                 None,
-                config=config,
+                config=_model_config(config),
                 state_dict=trunk,
                 dtype=dtype,
                 output_loading_info=True,
@@ -150,6 +151,16 @@ class ExpectedKeys(Mapping):
 
     def __len__(self) -> int:
         return len(self._built())
+
+
+def _model_config(config: Any) -> Any:
+    """The config the causal LM class is built from: a composite (vision-language) config's text config
+    where transformers' causal LM class takes that (Qwen3.5's), as AutoModelForCausalLM.from_pretrained
+    swaps it; else `config`."""
+    text = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text is not None and getattr(_causal_lm_class(config), "config_class", None) is text:
+        return config.get_text_config()
+    return config
 
 
 def _causal_lm_class(config: Any) -> type:
