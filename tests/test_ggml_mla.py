@@ -21,10 +21,11 @@ import torch
 import transformers as T
 from gguf import GGMLQuantizationType as Q
 from test_ggml_runner import FORCED, PROMPT, TOLERANCE, _runner_logits, _stock_logits
-from tiny_gguf import perturb_vectors
+from tiny_gguf import perturb_vectors, write_gguf
 from tiny_models import write_tiny
 
 import moestream
+from moestream.engine import ggml_layers, ggml_runner
 from moestream.model.mla_spec import ROPE_NEOX, ROPE_NORM
 
 # DeepSeek-V2-Lite's shape: q projected directly (no q_lora_rank), a K/V per head; V2's group-limited
@@ -213,3 +214,30 @@ def test_deepseek_gguf_blocks_match_the_transformers_path(arch, tiny_gguf):
     clear = (top2[:, 0] - top2[:, 1]) > 0.01 * largest
     assert clear.sum() >= len(FORCED) - 1  # at most two near ties among the 9 steps
     assert torch.equal(got.argmax(-1)[clear], eager.argmax(-1)[clear])
+
+
+def test_deepseek_chunked_prefill_and_spans(tiny_dir, monkeypatch):
+    """A prompt in chunks of 5 and decoding across attention spans of 8 positions: each step's query rows
+    meet the cached latent rows of every earlier chunk and span, and the logits stay stock's."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
+    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    path = tiny_dir("deepseek_v3")
+    ref = _stock_logits(path)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert _within(_runner_logits(engine), ref) <= TOLERANCE
+
+
+def test_deepseek_v2_lite_gguf(tmp_path):
+    """V2-Lite's shape written as llama.cpp's converter writes it (attn_q, no q_lora_rank; kv_b split into
+    attn_k_b and attn_v_b): moestream's config reads it back as V2-Lite, and the graphs follow stock
+    transformers on the checkpoint it came from."""
+    hf = write_tiny("deepseek_v2", tmp_path / "hf", **V2_LITE)
+    perturb_vectors(hf)
+    path = write_gguf(hf, tmp_path / "v2-lite.gguf")
+    ref = _stock_logits(hf)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        spec = engine._step.runner.spec
+        assert spec.family == "deepseek_v2" and spec.layers[1].attention.q is not None
+        assert spec.layers[1].router.groups == (4, 1, 1)
+        assert _within(_runner_logits(engine), ref) <= TOLERANCE
