@@ -17,11 +17,11 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moestream.cache.admission import Unavailable, admission_blocked
 from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet, slots_for_budget
-from moestream.cache.slots import PartRead, plan_parts, slot_bytes
+from moestream.cache.slots import PartRead, Repack, plan_parts, region_bytes, slot_bytes
 from moestream.errors import CacheBudgetError, ExpertReadError, MoestreamError
 from moestream.io.memory import AlignedBuffer
 from moestream.io.reader import Reader, Request
@@ -169,6 +169,7 @@ class ExpertCache:
         self.classes, self._class_of = self._carve(budget_bytes, top_k, policy_factory)
         held = collections.Counter(id(cls) for cls in self._class_of.values())
         self._holds_all = all(cls.capacity >= held[id(cls)] for cls in self.classes)
+        self._repack: dict[tuple[int, str], Repack] = {}  # (layer, kind) -> how it is rewritten once read
         self._moved = self._layers_to_move()
         self.locked = all(c.buffer.lock() for c in self.classes) if lock_memory else False
         self.budget_bytes = budget_bytes
@@ -200,14 +201,40 @@ class ExpertCache:
         heads: dict[int, set[tuple[int, ...]]] = {}
         single: dict[int, bool] = {}
         for (layer, _), parts in self.emap.units.items():
-            plan = plan_parts(self.emap.kinds, parts)
-            heads.setdefault(layer, set()).add(tuple(p.head for reads in plan.values() for p in reads))
-            single[layer] = single.get(layer, True) and all(len(r) == 1 for r in plan.values())
+            plan = plan_parts(self.emap.kinds, parts)  # repacked kinds start at their region's start
+            kept = [reads for kind, reads in plan.items() if (layer, kind) not in self._repack]
+            heads.setdefault(layer, set()).add(tuple(p.head for reads in kept for p in reads))
+            single[layer] = single.get(layer, True) and all(len(r) == 1 for r in kept)
         return frozenset(layer for layer, h in heads.items() if len(h) > 1 and single[layer])
 
-    def _head(self, state: SlotState, part: PartRead) -> int:
+    def repack(self, repacks: dict[tuple[int, str], Repack]) -> None:
+        """Rewrite these (layer, kind)s once read, each as one part at its first region's start in the
+        layout its kernels read (`Repack`); before any read, so every consumer sees the same bytes.
+
+        Raises:
+            ValueError: an expert is already read, or a rewritten kind would not fit its regions.
+        """
+        if self._states:
+            raise ValueError("the cache's slot layout can only change before its first read")
+        for (layer, e), parts in self.emap.units.items():
+            for kind, refs in parts.items():
+                r = repacks.get((layer, kind))
+                if r is not None and r.nbytes > sum(region_bytes(ref.nbytes) for ref in refs):
+                    raise ValueError(f"layer {layer} expert {e}: {kind} repacked needs {r.nbytes} bytes")
+        self._repack = dict(repacks)
+        self._moved = self._layers_to_move()
+
+    def _start(self, layer: int, kind: str, reads: list[PartRead]) -> int | None:
+        """Where a kind's bytes start in a slot once read, when they are one part (None: several)."""
+        if (layer, kind) in self._repack:
+            return reads[0].region_offset
+        if len(reads) != 1:
+            return None
+        return reads[0].region_offset + self._head(layer, reads[0])
+
+    def _head(self, layer: int, part: PartRead) -> int:
         """Where `part`'s bytes start in its region once read (0 where they were moved there)."""
-        return 0 if state.key[0] in self._moved else part.head
+        return 0 if layer in self._moved else part.head
 
     def _carve(self, budget: int, top_k: int, policy_factory: Callable[[], EvictionPolicy]):
         classes, class_of = [], {}
@@ -361,12 +388,12 @@ class ExpertCache:
         if state.addresses is None:
             if state.failed or any(state.remaining.values()):
                 return None
-            if any(len(parts) != 1 for parts in state.plan.values()):
+            layer = state.key[0]
+            starts = {kind: self._start(layer, kind, reads) for kind, reads in state.plan.items()}
+            if None in starts.values():
                 return None
             base = state.cls.buffer.address + state.base
-            state.addresses = {
-                k: base + p[0].region_offset + self._head(state, p[0]) for k, p in state.plan.items()
-            }
+            state.addresses = {kind: base + start for kind, start in starts.items()}
         if any(a % alignment for a in state.addresses.values()):
             return None
         return state.addresses
@@ -378,20 +405,17 @@ class ExpertCache:
         moved to their regions' starts once read, `_layers_to_move`); else None."""
         keys = [key for key in self.emap.units if key[0] == layer]
         classes = {id(self._class_of[key]) for key in keys}
-        moved = layer in self._moved
         layouts = {
-            tuple(
-                (kind, p[0].region_offset + (0 if moved else p[0].head), len(p)) for kind, p in plan.items()
-            )
+            tuple((kind, self._start(layer, kind, reads)) for kind, reads in plan.items())
             for plan in (plan_parts(self.emap.kinds, self.emap.units[key]) for key in keys)
         }
         if len(classes) != 1 or len(layouts) != 1:
             return None
         layout = next(iter(layouts))
-        if any(n != 1 for _, _, n in layout):
+        if any(off is None for _, off in layout):
             return None
         cls = self._class_of[keys[0]]
-        return cls.buffer.address, cls.slot_bytes, cls.capacity, {kind: off for kind, off, _ in layout}
+        return cls.buffer.address, cls.slot_bytes, cls.capacity, dict(layout)
 
     def first_slot(self, layer: int, experts: int) -> int | None:
         """The slot of `layer`'s expert 0 when each of its `experts` is read in full, expert e in slot
@@ -436,8 +460,18 @@ class ExpertCache:
     def tensor_parts(self, key: Key, kind: str) -> list[tuple[AlignedBuffer, int, PartRead]]:
         """(buffer, offset of the tensor's first byte in it, part) for each part of a kind in its slot."""
         state = self._states[key]
+        repack = self._repack.get((key[0], kind))
+        if repack is not None:  # one part now, where the first one's region starts
+            p = state.plan[kind][0]
+            return [
+                (
+                    state.cls.buffer,
+                    state.base + p.region_offset,
+                    replace(p, ref=replace(p.ref, nbytes=repack.nbytes)),
+                )
+            ]
         return [
-            (state.cls.buffer, state.base + p.region_offset + self._head(state, p), p)
+            (state.cls.buffer, state.base + p.region_offset + self._head(key[0], p), p)
             for p in state.plan[kind]
         ]
 
@@ -625,13 +659,19 @@ class ExpertCache:
     # --- called on I/O threads ------------------------------------------------------------------
 
     def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
+        repack = self._repack.get((state.key[0], kind))
+        if repack is not None and error is None:
+            with self.lock:  # the kind's last part: every byte of it is in
+                last = state.remaining[kind] == 1 and state.errors[kind] is None
+            if last:  # outside the lock (I/O threads convert in parallel); the slot stays: a read is counted
+                error = self._convert(state, kind, repack)
         admitted = _Admitted()
         with self.lock:
             if error is not None and state.errors[kind] is None:
                 state.errors[kind] = error
             state.remaining[kind] -= 1
             if state.remaining[kind] == 0:
-                if state.errors[kind] is None and state.key[0] in self._moved:
+                if state.errors[kind] is None and repack is None and state.key[0] in self._moved:
                     base = state.cls.buffer.address + state.base
                     for p in state.plan[kind]:  # to the region's start: the same offset in every slot
                         ctypes.memmove(base + p.region_offset, base + p.region_offset + p.head, p.ref.nbytes)
@@ -645,6 +685,17 @@ class ExpertCache:
                     if open_job is not None and open_job.pending:  # its next victim may have been this one
                         admitted = self._admit_pending(open_job)
         self._submit(admitted)
+
+    def _convert(self, state: SlotState, kind: str, repack: Repack) -> BaseException | None:
+        """Rewrite a kind just read into its kernels' layout (`repack`); returns the failure, if any."""
+        view, base = state.cls.buffer.view, state.base
+        parts = [view[base + p.region_offset + p.head :][: p.ref.nbytes] for p in state.plan[kind]]
+        start = base + state.plan[kind][0].region_offset
+        try:
+            repack.convert(parts, view[start : start + repack.nbytes])
+        except Exception as exc:  # bad bytes must not be served: the waiting layer raises this
+            return ExpertReadError(f"expert {state.key} {kind} could not be repacked ({exc})")
+        return None
 
     def _submit(self, admitted: _Admitted) -> None:
         """Outside the lock: let the owner of evicted slots finish with them (CUDA: copies still reading

@@ -8,6 +8,7 @@ aligned tail can never overwrite a neighbour (the seed's gpt-oss bug came from s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moestream.store.safetensors_file import TensorRef
@@ -30,6 +31,17 @@ class PartRead:
     file_offset: int  # aligned start of the read
     length: int  # aligned length of the read
     head: int  # where the tensor's bytes start inside the region
+
+
+@dataclass(frozen=True)
+class Repack:
+    """How the cache rewrites one kind's parts in a slot once they are read: as one part of `nbytes` at
+    the start of the kind's first region, in the layout its kernels read (gpt-oss's MXFP4 blocks and
+    scales as ggml's 17-byte blocks). `convert(parts, out)` reads the parts' bytes (in order) and writes
+    `out`, which overlaps them (so it reads them all before it writes)."""
+
+    nbytes: int
+    convert: Callable[[list[memoryview], memoryview], None]
 
 
 def plan_parts(

@@ -235,10 +235,12 @@ class GgmlRunner:
         types = {}
         for layer in self._moe_layers:
             rt = self.runtime(layer)
-            fmts = [rt.formats.get((layer, kind)) for kind in ("gate", "up", "down")]
             terms = rt.family.graph_terms(layer)
+            kinds = ("gate_up", "down") if terms is not None and terms.halves else ("gate", "up", "down")
+            fmts = [rt.formats.get((layer, kind)) for kind in kinds]
             if terms is None or not all(isinstance(f, Ggml) and f.by_id for f in fmts):
                 continue  # the expert runtime computes them, always
+            inter = fmts[0].rows // 2 if terms.halves else fmts[0].rows
             arena = rt.cache.slot_arena(layer)
             if arena is not None:
                 base, slot_bytes, slots, offsets = arena
@@ -246,9 +248,13 @@ class GgmlRunner:
                 # blocks as GGUF aligns them; floats (a safetensors file's odd header) by element
                 align = max({0: 4, 1: 2, 30: 2}.get(f.type.id, ggml.WEIGHT_ALIGNMENT) for f in fmts)
                 aligned = not any(a % align for a in address.values())
+                if terms.halves:  # up's rows right after gate's (blocks, which ggml reads unaligned)
+                    gate_up = address.pop("gate_up")
+                    address.update(gate=gate_up, up=gate_up + inter * fmts[0].row_bytes)
                 arena = SlotArena(address, slot_bytes, slots) if aligned else None
-            ids = (f.type.id for f in fmts)
-            types[layer] = ExpertTypes(*ids, fmts[0].rows, arena, terms.biases, terms.oai)
+            ids = [f.type.id for f in fmts]
+            ids = [ids[0], *ids] if terms.halves else ids
+            types[layer] = ExpertTypes(*ids, inter, arena, terms.biases, terms.oai)
         return types
 
     def _step(self, ids: list[int], position: int) -> torch.Tensor:

@@ -137,6 +137,12 @@ class ExpertRuntime:
         for fmt in self.formats.values():
             if isinstance(fmt, Ggml):
                 fmt.by_id = True
+        # kinds the cache rewrites once read into the layout ggml reads (gpt-oss's MXFP4 safetensors
+        # blocks), rows in the family's order: what the graphs and the stages here both compute from
+        repacks = {
+            key: fmt.repack(self.family.row_order(*key)) for key, fmt in self.formats.items() if fmt.repacks
+        }
+        self.cache.repack({key: r for key, r in repacks.items() if r is not None})
         # no layer call: the graphs compute a layer's cached experts themselves, and the runtime's own
         # (per-expert mul_mat graphs) would give other bits; every expert here goes stage by stage
         self._layer_calls = {}

@@ -33,6 +33,8 @@ class GraphTerms:
 
     biases: dict[str, torch.Tensor] | None = None  # "gate" | "up" | "down" -> f32 [E, out], by expert id
     oai: tuple[float, float] | None = None  # (alpha, limit) of ggml_swiglu_oai, else ggml_swiglu_split
+    # gate and up are the two halves of the rows of one kind, gate_up (gate rows first), not kinds
+    halves: bool = False
 
 
 class ExpertFamily(ABC):
@@ -47,6 +49,11 @@ class ExpertFamily(ABC):
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         """The kinds each stage needs, in execution order; `fused`: the tier computes `fusions` as one."""
         return [(kind,) for kind in self.kinds]
+
+    def row_order(self, layer: int, kind: str) -> torch.Tensor | None:
+        """The stored row of each row of `kind` [R] as a format that rewrites its bytes once read (`repacks`)
+        is to lay them out for this family's stages, or None: as stored."""
+        return None
 
     @staticmethod
     @abstractmethod
@@ -188,9 +195,33 @@ class GptOss(ExpertFamily):
     def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
         self.params, self.biases = params, biases
         self._formats: dict[tuple[int, str], Any] = {}
+        self._gate_first: set[int] = set()  # layers whose gate_up rows are laid out gate rows first
 
     def bind(self, formats: dict[tuple[int, str], Any]) -> None:
         self._formats = formats
+        # a format that rewrites gate_up once read (ggml's MXFP4 blocks) takes `row_order`'s rows
+        self._gate_first = {layer for (layer, kind), f in formats.items() if kind == "gate_up" and f.repacks}
+
+    def row_order(self, layer: int, kind: str) -> torch.Tensor | None:
+        """gate_up's rows interleave gate (even) and up (odd): laid out gate rows first, as two [I, H]
+        matrices the graphs address apart (each of its rows gives the same bits as in the whole)."""
+        if kind != "gate_up":
+            return None
+        rows = self._formats[(layer, kind)].shapes[0][0]
+        return torch.cat((torch.arange(0, rows, 2), torch.arange(1, rows, 2)))
+
+    def graph_terms(self, layer: int) -> GraphTerms | None:
+        """Where gate_up is laid out gate rows first (`row_order`): the stages under the graphs' kernels,
+        the biases de-interleaved alike."""
+        if layer not in self._gate_first:
+            return None
+        gate_up = self.biases[(layer, "gate_up_proj_bias")].float()
+        biases = {
+            "gate": gate_up[:, ::2].contiguous(),
+            "up": gate_up[:, 1::2].contiguous(),
+            "down": self.biases[(layer, "down_proj_bias")].float().contiguous(),
+        }
+        return GraphTerms(biases, (self.params.alpha, self.params.limit), halves=True)
 
     @staticmethod
     def logical_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -215,7 +246,7 @@ class GptOss(ExpertFamily):
     def glu(self, gate: torch.Tensor, up: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         """(clamp(up) + 1) * swish_alpha(clamp(gate)), as transformers' GptOssExperts._apply_gate; under
         the ggml graphs' kernels (`by_id`), by ggml's op, the one the graphs compute it with."""
-        fmt = self._formats.get((layer, "up"))
+        fmt = self._formats.get((layer, "up"), self._formats.get((layer, "gate_up")))
         if getattr(fmt, "by_id", False):
             out = fmt.glu_oai(gate, up, self.params.alpha, self.params.limit)
             if out is not None:
@@ -233,6 +264,10 @@ class GptOss(ExpertFamily):
         layer: int,
         expert: int,
     ) -> torch.Tensor:
+        if kinds == ("gate_up",) and layer in self._gate_first:  # [t,H] -> [t,2I]: gate, then up columns
+            gate, up = linear("gate_up", x).chunk(2, dim=-1)
+            bias = self.biases[(layer, "gate_up_proj_bias")][expert]
+            return self.glu(gate + bias[::2], up + bias[1::2], layer)
         if kinds == ("gate_up",):  # [t,H] @ [H,2I]
             gate_up = linear("gate_up", x) + self.biases[(layer, "gate_up_proj_bias")][expert]
             return self.glu(gate_up[..., ::2], gate_up[..., 1::2])

@@ -99,7 +99,8 @@ def layer_formats(
 ) -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
     their formats and shapes, so expert 0's parts describe them all). `ggml_floats`: F32/F16/BF16
-    matrices are computed by ggml too (the ggml graphs' runner: one kernel library for every expert)."""
+    matrices and gpt-oss's MXFP4 blocks are computed by ggml too (the ggml graphs' runner: one kernel
+    library for every expert)."""
     return {
         (layer, kind): _format(stored, emap.units[(layer, 0)][kind], device, ggml_floats)
         for (layer, kind), stored in emap.formats.items()
@@ -113,6 +114,10 @@ def _format(stored: StoredFormat, parts: Parts, device: str, ggml_floats: bool) 
         from moestream.runtime.formats.ggml import Ggml
 
         return Ggml(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
+    if ggml_floats and device == "cpu" and _REGISTRY.get(stored.name) is MXFP4:  # as ggml's blocks
+        from moestream.runtime.formats.ggml import GgmlMxfp4
+
+        return GgmlMxfp4(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
     return make_format(stored, parts, device)
 
 

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from moestream.cache.slots import Repack
 from moestream.store.experts import StoredFormat
 from moestream.store.tensors import TORCH_DTYPES
 
@@ -38,6 +39,8 @@ class WeightFormat(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
     # computes several experts in one call (`swiglu_layer` or `linear_experts` may return a result)
     experts_at_once: ClassVar[bool] = False
+    # the cache rewrites its parts once read (`repack`): its kernels do not read them as stored
+    repacks: ClassVar[bool] = False
 
     def accepts(self, tokens: int) -> bool:
         """Whether `linear_experts` computes experts on `tokens` rows, from views or a `SlotTable`, with
@@ -103,6 +106,12 @@ class WeightFormat(ABC):
         call: [experts, t, H], bit for bit what `linear`, `glu`, `linear` give one by one; None (before
         `views(kind)`, which gives every expert's view of that kind, is called) when this format (as
         gate, with `up` and `down`) has no such call for x."""
+        return None
+
+    def repack(self, rows: torch.Tensor | None) -> Repack | None:
+        """How the cache is to rewrite this kind's parts once read, into the one part `view` then takes
+        (its rows in the order `rows` [R] gives, when given: a family's choice), or None: the kernels
+        read the parts as stored."""
         return None
 
     def linear_experts(self, x: torch.Tensor, weights: list[Any]) -> torch.Tensor | None:

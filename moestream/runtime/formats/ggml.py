@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moestream.cache.slots import Repack
 from moestream.runtime.formats.base import WeightFormat
 from moestream.store.experts import StoredFormat
 
@@ -37,14 +38,26 @@ class Ggml(WeightFormat):
         from moestream import ggml
 
         super().__init__(stored, shapes, part_bytes)
-        self.type = ggml.ggml_type(stored.name)  # raises for a type ggml cannot multiply
-        self.rows, self.cols = shapes[0]
+        name = self.type_name
+        self.type = ggml.ggml_type(name)  # raises for a type ggml cannot multiply
+        self.rows, self.cols = self.matrix(shapes)
         lib = ggml.library()
         self._ggml = ggml
-        self.threshold = ggml.dequant_threshold(stored.name, lib.kind, ggml.compute_threads())
+        self.threshold = ggml.dequant_threshold(name, lib.kind, ggml.compute_threads())
         # the ggml graphs' runner: every product by ggml_mul_mat_id, the kernel its graphs compute a
         # layer's cached experts with (so an expert computed alone gives their bits)
         self.by_id = False
+
+    @property
+    def type_name(self) -> str:
+        """The GGML type of the blocks the kernels read."""
+        return self.stored.name
+
+    @staticmethod
+    def matrix(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+        """(rows, cols) of the logical matrix its parts hold."""
+        rows, cols = shapes[0]
+        return rows, cols
 
     @property
     def alignment(self) -> int:
@@ -116,3 +129,70 @@ class Ggml(WeightFormat):
 
     def kernels(self) -> str | None:
         return self._ggml.describe()
+
+
+class GgmlMxfp4(Ggml):
+    """gpt-oss's MXFP4 safetensors experts under the ggml graphs: blocks [R, K/32, 16] u8 (low nibble =
+    even element) and E8M0 scales [R, K/32] u8 as stored, rewritten by the cache once read (`repack`)
+    into ggml's block_mxfp4 rows ({e, qs[16]} per 32 values: low nibbles elements 0-15, high 16-31), the
+    same 17 bytes per 32 values; then computed like a GGUF's MXFP4 (ggml_mul_mat_id, activations as Q8_0
+    blocks)."""
+
+    repacks = True
+
+    @property
+    def type_name(self) -> str:
+        return "MXFP4"
+
+    @staticmethod
+    def matrix(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+        rows, groups, _ = shapes[0]
+        return rows, 32 * groups
+
+    @property
+    def row_bytes(self) -> int:
+        return self.type.row_bytes(self.cols)
+
+    def repack(self, rows: torch.Tensor | None) -> Repack | None:
+        shape = self.shapes[0]
+
+        def convert(parts: list[memoryview], out: memoryview) -> None:
+            blocks = torch.frombuffer(parts[0], dtype=torch.uint8).view(shape)
+            scales = torch.frombuffer(parts[1], dtype=torch.uint8).view(shape[:2])
+            ggml_mxfp4(blocks, scales, rows, torch.frombuffer(out, dtype=torch.uint8))
+
+        return Repack(self.type.nbytes(self.rows, self.cols), convert)
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        return None
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [("U8", (out, inp // 32, 16)), ("U8", (out, inp // 32))]
+
+
+def ggml_mxfp4(
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HF's MXFP4 blocks [R, G, 16] u8 (byte j: elements 2j, 2j+1 in its low, high nibble) and E8M0
+    scales [R, G] u8 -> ggml's block_mxfp4 rows [R, G, 17] u8 (the scale, then byte j: elements j and
+    16 + j), into `out` when given (it may overlap the inputs: they are copied first); `rows` [R]: the
+    source row of each output row. 64-bit words of 8 bytes (little-endian), ~1 GB/s on one core."""
+    R, G, _ = blocks.shape
+    flat = blocks.reshape(R, G * 16)
+    flat = flat.index_select(0, rows) if rows is not None else flat.clone()
+    scales = scales.index_select(0, rows) if rows is not None else scales.clone()
+    words = flat.view(torch.int64).view(R * G, 2)
+    lo, hi = words[:, 0], words[:, 1]  # byte i: elements 2i, 2i+1 (lo) and 16+2i, 17+2i (hi)
+    out = torch.empty(R, G, 17, dtype=torch.uint8) if out is None else out.view(R, G, 17)
+    o = out.view(R * G, 17)
+    o[:, 0] = scales.reshape(-1)
+    o[:, 1::2] = ((lo & _LOW) | ((hi & _LOW) << 4)).view(torch.uint8).view(-1, 8)  # elements 2i, 16+2i
+    o[:, 2::2] = (((lo >> 4) & _LOW) | (hi & _HIGH)).view(torch.uint8).view(-1, 8)  # 2i+1, 17+2i
+    return out
+
+
+_LOW = 0x0F0F0F0F0F0F0F0F  # each byte's low nibble
+_HIGH = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as an int64: each byte's high nibble
