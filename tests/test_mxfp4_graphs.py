@@ -152,7 +152,8 @@ def test_mxfp4_experts_in_the_graphs_follow_stock(mxfp4_dir, monkeypatch):
     model = _stock(mxfp4_dir)
     with torch.inference_mode():
         ref = model(torch.tensor([PROMPT + FORCED])).logits[0, len(PROMPT) - 1 :]
-        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        model.generation_config.eos_token_id = None  # an ordinary token, as `ignore_eos` treats it
+        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)
     greedy = greedy[0, len(PROMPT) :].tolist()
     margins = _margins(model, PROMPT + greedy)[len(PROMPT) - 1 :]  # at the position predicting each token
     runs = _count_runs(monkeypatch)
