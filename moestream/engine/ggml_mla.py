@@ -15,13 +15,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moestream.ggml.net import F16, I32, I64, SORT_DESC, Net
+import torch
+
+from moestream.ggml.lib import GgmlTensor
+from moestream.ggml.net import BF16, F16, F32, I32, I64, SORT_DESC, Net
 from moestream.model.mla_spec import Mla
 
 if TYPE_CHECKING:
     from moestream.engine.ggml_layers import LayerGraphs
     from moestream.model.graph_spec import Router
 
+_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _DROPPED = -1e30  # added to the choice of an expert outside the kept groups: never among the top k
 
 
@@ -60,8 +64,11 @@ def mla_attention(g: LayerGraphs, net: Net, h: int, a: Mla, index: int) -> tuple
     values = net.view_3d(every, L, S, 1, (L + R) * size, (L + R) * size * S, 0)  # [L, S, 1]
     mask = net.tensor(F16, [S, T], g.buf.mask.data_ptr())
     out = net.flash_attn_ext(net.permute(query, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
-    # out [L, N, T]: each head's mix of latents -> its values through v_b [L, Dv, N]
-    v_b = net.weight(a.v_b, [L, Dv, N])
+    # out [L, N, T]: each head's mix of latents -> its values through kv_b's V rows [L, Dv, N]
+    size = a.kv_b.element_size()
+    v_b = net.tensor(_TYPES[a.kv_b.dtype], [L, Dv, N], a.kv_b.data_ptr() + Dn * L * size)
+    GgmlTensor.from_address(v_b).nb[2] = (Dn + Dv) * L * size  # head h's V rows: after its K rows
+    GgmlTensor.from_address(v_b).nb[3] = (Dn + Dv) * L * size * N
     out = net.mul_mat(v_b, net.permute(out, 0, 2, 1, 3))  # [Dv, T, N]
     out = net.reshape_2d(net.cont(net.permute(out, 0, 2, 1, 3)), Dv * N, T)
     return writes, g._linear(net, out, a.o, a.biases.get("o"))

@@ -4,8 +4,9 @@ Read from the modules transformers built, as `graph_spec` reads every other fami
 part for deepseek_v2 and deepseek_v3). MLA keeps one latent row a token: kv_a_proj_with_mqa gives the
 latent (kv_lora_rank) and one rotary key part shared by every head (qk_rope_head_dim); kv_b_proj
 expands the normed latent into each head's K_nope and V. The graphs fold kv_b_proj into the query
-and the attention's output instead (`engine/ggml_mla.py`), so `k_b` and `v_b` are its two halves per
-head, laid out for a batched ggml_mul_mat over the heads.
+and the attention's output instead (`engine/ggml_mla.py`): its V half as it lies (each head's rows, a
+stride apart), its K half copied transposed (`k_b`), each laid out for a batched ggml_mul_mat over the
+heads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Mla:
     kv_a: Matrix  # [latent + rope, H]
     kv_norm: torch.Tensor  # f32 [latent]
     k_b: torch.Tensor  # [N, latent, nope]: kv_b_proj's K rows of each head, transposed
-    v_b: torch.Tensor  # [N, v, latent]: kv_b_proj's V rows of each head
+    kv_b: torch.Tensor  # [N * (nope + v), latent]: kv_b_proj's weight, per head its K rows then V rows
     o: Matrix  # [H, N * v]
     biases: dict[str, torch.Tensor]  # "q_a", "kv_a", "o" -> f32 [rows] (attention_bias)
     heads: int
@@ -85,7 +86,7 @@ def mla_attention(module: nn.Module, cfg: Any) -> Mla:
         kv_a=matrix(module.kv_a_proj_with_mqa),
         kv_norm=_f32(module.kv_a_layernorm.weight),
         k_b=per_head[:, :nope, :].transpose(1, 2).contiguous(),
-        v_b=per_head[:, nope:, :].contiguous(),
+        kv_b=kv_b.contiguous(),
         o=matrix(module.o_proj),
         biases=biases,
         heads=heads,
