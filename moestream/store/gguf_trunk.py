@@ -128,14 +128,17 @@ class Trunk:
                 f"GGUF tensor {name} has shape {list(ref.shape)}, but {key} needs {list(shape)}"
             )
         transform = self._transform(key)
+        rows = self._moved_rows(key, shape)
         if (
-            transform is None
+            (transform is None or rows is not None)
             and self.keep_blocks
             and ref.dtype not in TORCH_DTYPES
             and len(shape) == 2
             and tuple(ref.shape) == shape
         ):
-            return QuantizedTensor(ref, shape, torch.float32, dequantize_blocks)  # computed on its blocks
+            return QuantizedTensor(
+                ref, shape, torch.float32, dequantize_blocks, rows
+            )  # computed on its blocks
         dtype = _stored_dtype(ref) if transform is None or transform[1] else torch.float32
         if transform is None:
             return GgufTensor(shape, dtype, lambda: load_tensor(ref))
@@ -159,6 +162,18 @@ class Trunk:
         if self.arch == "qwen35moe" and ".linear_attn." in key:
             return (lambda t: self._v_order(key, t)), True
         return None
+
+    def _moved_rows(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Where `_transform` only reorders whole rows (Qwen3.5's value heads in in_proj_qkv, in_proj_z,
+        in_proj_a, in_proj_b): that order (row i is stored row rows[i]), so a block type's rows move as
+        they are and stay blocks (f32 else: 3 GB more for Qwen3.5-35B-A3B's). Else None."""
+        cfg = self.config
+        moved = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight")
+        if self.arch != "qwen35moe" or not key.endswith(moved) or len(shape) != 2:
+            return None
+        if cfg.linear_num_key_heads == cfg.linear_num_value_heads:
+            return None
+        return self._v_order(key, torch.arange(shape[0]).reshape(-1, 1)).reshape(-1)
 
     def _v_order(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """Qwen3.5: value heads back from llama.cpp's tiled order to grouped by key head."""

@@ -94,9 +94,11 @@ class QuantizedTensor(LazyTensor):
         shape: tuple[int, ...],
         dtype: torch.dtype,
         dequantize: Callable[[torch.Tensor, str, tuple[int, ...]], torch.Tensor],
+        rows: torch.Tensor | None = None,
     ) -> None:
         super().__init__(ref)
         self.logical_shape, self.placeholder_dtype, self._dequantize = tuple(shape), dtype, dequantize
+        self.rows = rows  # row i is stored row rows[i] (whole rows of blocks move), or None: as stored
 
     @property
     def type_name(self) -> str:
@@ -121,8 +123,11 @@ class QuantizedTensor(LazyTensor):
         return torch.zeros((), dtype=self.placeholder_dtype).expand(self.logical_shape)
 
     def raw(self) -> torch.Tensor:
-        """The stored blocks, uint8 [nbytes], read into memory the process owns."""
-        return read_bytes(self.ref)
+        """The stored blocks, uint8 [nbytes], read into memory the process owns (rows in `rows` order)."""
+        data = read_bytes(self.ref)
+        if self.rows is None:
+            return data
+        return data.view(self.rows.numel(), -1)[self.rows].reshape(-1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._dequantize(self.raw(), self.type_name, self.logical_shape).to(dtype)
