@@ -15,6 +15,7 @@ VENV ?= .venv
 VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.moestream-installed
+SDIST_DIR := $(VENV)/ggml-sdist
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # pytest-xdist workers for `make test` (whole test files to a worker, so module fixtures are built once;
@@ -36,10 +37,13 @@ $(STAMP): pyproject.toml
 		echo "installing $(TORCH_SPEC), CPU build, from $(TORCH_INDEX)"; \
 		$(PY) -m pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"; \
 	fi
-	$(PY) -m pip install -q -e ".[test]"
+	@# the sdist that `make native` builds ggml from downloads while pip installs (a script of the standard
+	@# library: nothing of moestream can be imported yet); where it is not needed it is left unused
+	$(PY) moestream/ggml/sdist.py $(SDIST_DIR) > $(VENV)/sdist.log 2>&1 & fetch=$$!; \
+		$(PY) -m pip install -q -e ".[test]"; status=$$?; wait $$fetch; exit $$status
 	@# ggml's kernels for this CPU where the prebuilt ones leave its features unused (AVX512, VNNI, ...);
 	@# a failed build keeps the prebuilt library, which the mode line then names with what it leaves unused
-	$(PY) -m moestream.ggml.build --if-needed || echo "make setup: the native ggml build failed; using the prebuilt library"
+	$(PY) -m moestream.ggml.build --if-needed --sdist-dir $(SDIST_DIR) || echo "make setup: the native ggml build failed; using the prebuilt library"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -51,7 +55,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 native: $(STAMP)
-	$(PY) -m moestream.ggml.build
+	$(PY) -m moestream.ggml.build --sdist-dir $(SDIST_DIR)
 
 clean:
 	rm -rf $(VENV) .moestream build *.egg-info

@@ -18,15 +18,14 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 from moestream.ggml.host import cpu_flags, native_dir
+from moestream.ggml.sdist import SDIST, download
 
-SDIST = "llama-cpp-python==0.3.36"
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -52,25 +51,11 @@ def _run(cmd: list[str], log: Path) -> None:
         raise SystemExit("\n".join(tail) + f"\nmake native: {cmd[0]} failed ({done.returncode}), log {log}")
 
 
-def _fetch_source(work: Path, log: Path) -> tuple[Path, str]:
-    """Download the sdist with pip and extract its vendored llama.cpp; returns (root, ggml version).
-    Only this package is taken as source: pip prepares its metadata, and `:all:` would build its build
-    dependencies (scikit-build-core, hatchling, ...) from source too (59 s against 15 s here)."""
-    name = SDIST.split("==")[0]
-    pip = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        name,
-        SDIST,
-        "-d",
-        str(work),
-    ]
-    _run(pip, log)
-    archive = next(work.glob("llama_cpp_python-*.tar.gz"))
+def _fetch_source(work: Path, log: Path, sdist_dir: Path | None) -> tuple[Path, str]:
+    """The sdist (from `sdist_dir` when `make setup` downloaded it there already, else downloaded now)
+    with its vendored llama.cpp extracted into `work`; returns (root, ggml version)."""
+    with log.open("a") as f:
+        archive = download(sdist_dir or work, f)
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
         tar.extractall(work, members=members, filter="data")
@@ -89,9 +74,9 @@ def _local_source(root: Path) -> tuple[Path, str]:
     return root, ".".join(version)
 
 
-def build(dest: Path, jobs: int, source: Path | None = None) -> dict:
+def build(dest: Path, jobs: int, source: Path | None = None, sdist_dir: Path | None = None) -> dict:
     """Configure and build ggml-base and ggml-cpu, install the shared libs under dest/lib; `source`: a
-    llama.cpp tree to build from instead of the sdist's."""
+    llama.cpp tree to build from instead of the sdist's; `sdist_dir`: where the sdist is (or goes)."""
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise SystemExit(f"make native needs {tool} on PATH (e.g. apt-get install cmake g++)")
@@ -102,7 +87,7 @@ def build(dest: Path, jobs: int, source: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="moestream-ggml-") as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
-        root, version = _local_source(source) if source else _fetch_source(work, log)
+        root, version = _local_source(source) if source else _fetch_source(work, log, sdist_dir)
         t1 = time.perf_counter()
         _run(["cmake", "-S", str(root), "-B", str(work / "build"), *generator, *CMAKE_FLAGS], log)
         targets = ["--target", "ggml-base", "ggml-cpu"]
@@ -156,6 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs")
     p.add_argument("--source", type=Path, help="a llama.cpp source tree on disk (default: the sdist's)")
     p.add_argument(
+        "--sdist-dir",
+        type=Path,
+        help="a folder holding the sdist (downloaded there if missing; `make setup` fetches it into the "
+        "venv while pip installs)",
+    )
+    p.add_argument(
         "--if-needed",
         action="store_true",
         help="build only when the prebuilt library leaves features of this CPU unused (AVX512, VNNI, "
@@ -168,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         if reason is None:
             return
         print(f"make native: {reason}", flush=True)
-    info = build(dest, args.jobs, args.source)
+    info = build(dest, args.jobs, args.source, args.sdist_dir)
     print(
         f"ggml {info['ggml_version']} native: sdist fetched in {info['fetch_seconds']} s, built in "
         f"{info['build_seconds']} s ({info['jobs']} jobs, {info['generator']}) into {dest}"
