@@ -7,9 +7,9 @@ accumulate attention's values in F16 (llama.cpp's CPU flash attention), measured
 Within the ggml path, streamed == resident bit for bit at every budget and io mode.
 
 gpt_oss: attention sinks, a sliding window on alternate layers, YaRN, a router with a bias and a softmax
-over the chosen k; its bf16 safetensors experts go through the expert runtime (torch), its GGUF experts
-into the graphs (ggml_add_id, ggml_swiglu_oai), the runtime computing a streamed one with the same ops;
-its MXFP4 safetensors experts too, repacked as ggml's blocks (test_mxfp4_graphs.py: 8-bit activations,
+over the chosen k; its experts go into the graphs (ggml_add_id, ggml_swiglu_oai), the runtime computing
+a streamed one with the same ops: GGUF's as stored, safetensors' [in, out] floats transposed once read
+and its MXFP4 safetensors experts repacked as ggml's blocks (test_mxfp4_graphs.py: 8-bit activations,
 so their greedy tokens follow stock only up to a near tie of a router).
 """
 
@@ -151,8 +151,8 @@ def test_every_expert_cached_makes_a_token_one_graph(arch, tiny_dir, monkeypatch
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_streamed_equals_resident_bit_for_bit(arch, tiny_dir):
-    # f32 experts: 8 KiB, slots a page apart; gpt_oss's always by the expert runtime
-    _streamed_equals_resident(tiny_dir(arch), fused=arch != "gpt_oss")
+    # f32 experts: 8 KiB, slots a page apart (gpt_oss's [in, out] ones transposed once read)
+    _streamed_equals_resident(tiny_dir(arch), fused=True)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])

@@ -183,7 +183,7 @@ class GgmlRunner:
     def describe(self) -> str:
         if self._types():
             whole = "; one graph a step while every expert is cached"
-        else:  # the graphs cannot compute them (gpt-oss's safetensors experts: torch's)
+        else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"

@@ -207,7 +207,7 @@ class GptOss(ExpertFamily):
         matrices the graphs address apart (each of its rows gives the same bits as in the whole)."""
         if kind != "gate_up":
             return None
-        rows = self._formats[(layer, kind)].shapes[0][0]
+        rows = self._formats[(layer, kind)].rows  # a repacking format's logical [out, in]
         return torch.cat((torch.arange(0, rows, 2), torch.arange(1, rows, 2)))
 
     def graph_terms(self, layer: int) -> GraphTerms | None:

@@ -99,8 +99,8 @@ def layer_formats(
 ) -> dict[tuple[int, str], WeightFormat]:
     """(layer, kind) -> format, for every streamed layer of an `ExpertMap` (experts of one layer share
     their formats and shapes, so expert 0's parts describe them all). `ggml_floats`: F32/F16/BF16
-    matrices and gpt-oss's MXFP4 blocks are computed by ggml too (the ggml graphs' runner: one kernel
-    library for every expert)."""
+    matrices (gpt-oss's [in, out] ones transposed once read) and gpt-oss's MXFP4 blocks (rewritten as
+    ggml's) are computed by ggml too (the ggml graphs' runner: one kernel library for every expert)."""
     return {
         (layer, kind): _format(stored, emap.units[(layer, 0)][kind], device, ggml_floats)
         for (layer, kind), stored in emap.formats.items()
@@ -108,16 +108,15 @@ def layer_formats(
 
 
 def _format(stored: StoredFormat, parts: Parts, device: str, ggml_floats: bool) -> WeightFormat:
-    floats = stored.name in ("F32", "F16", "BF16") and not stored.transposed and len(parts) == 1
-    # a format registered for the name (a test's, a user's) wins over this choice
-    if ggml_floats and device == "cpu" and floats and _REGISTRY.get(stored.name) is Dense:
-        from moestream.runtime.formats.ggml import Ggml
+    registered = _REGISTRY.get(stored.name)  # a format registered for the name (a test's) wins
+    if ggml_floats and device == "cpu" and registered in (Dense, MXFP4):
+        from moestream.runtime.formats.ggml import Ggml, GgmlMxfp4, GgmlTransposed
 
-        return Ggml(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
-    if ggml_floats and device == "cpu" and _REGISTRY.get(stored.name) is MXFP4:  # as ggml's blocks
-        from moestream.runtime.formats.ggml import GgmlMxfp4
-
-        return GgmlMxfp4(stored, [ref.shape for ref in parts], [ref.nbytes for ref in parts])
+        shapes, nbytes = [ref.shape for ref in parts], [ref.nbytes for ref in parts]
+        if registered is MXFP4:  # rewritten as ggml's blocks once read
+            return GgmlMxfp4(stored, shapes, nbytes)
+        if stored.name in ("F32", "F16", "BF16") and len(parts) == 1:  # gpt-oss's [in, out]: transposed
+            return (GgmlTransposed if stored.transposed else Ggml)(stored, shapes, nbytes)
     return make_format(stored, parts, device)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from moestream.cache.slots import Repack
 from moestream.runtime.formats.base import WeightFormat
 from moestream.store.experts import StoredFormat
+from moestream.store.tensors import TORCH_DTYPES
 
 
 class Ggml(WeightFormat):
@@ -58,6 +59,10 @@ class Ggml(WeightFormat):
         """(rows, cols) of the logical matrix its parts hold."""
         rows, cols = shapes[0]
         return rows, cols
+
+    @property
+    def row_bytes(self) -> int:
+        return self.type.row_bytes(self.cols)  # of the matrix the kernels read
 
     @property
     def alignment(self) -> int:
@@ -149,10 +154,6 @@ class GgmlMxfp4(Ggml):
         rows, groups, _ = shapes[0]
         return rows, 32 * groups
 
-    @property
-    def row_bytes(self) -> int:
-        return self.type.row_bytes(self.cols)
-
     def repack(self, rows: torch.Tensor | None) -> Repack | None:
         shape = self.shapes[0]
 
@@ -168,6 +169,40 @@ class GgmlMxfp4(Ggml):
 
     def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
         return [("U8", (out, inp // 32, 16)), ("U8", (out, inp // 32))]
+
+
+class GgmlTransposed(Ggml):
+    """gpt-oss's bf16 (or f32) safetensors experts under the ggml graphs: stored [in, out] (x @ W), which
+    ggml's products cannot take as they are (they contract each row's contiguous elements); the cache
+    rewrites each matrix once read (`repack`) as its transpose [out, in], the same bytes reordered."""
+
+    repacks = True
+
+    @staticmethod
+    def matrix(shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+        cols, rows = shapes[0]
+        return rows, cols
+
+    def repack(self, rows: torch.Tensor | None) -> Repack | None:
+        dtype = TORCH_DTYPES[self.stored.name]
+        shape = (self.cols, self.rows)
+
+        def convert(parts: list[memoryview], out: memoryview) -> None:
+            # a copy first (`out` overlaps the part, which may start at an odd byte): [in, out] -> [out, in]
+            stored = torch.frombuffer(parts[0], dtype=torch.uint8).clone().view(dtype).view(shape)
+            laid = torch.frombuffer(out, dtype=torch.uint8).view(dtype).view(self.rows, self.cols)
+            if rows is None:
+                laid.copy_(stored.t())
+            else:  # whole rows gathered after the transpose: 6x faster than gathering strided columns
+                torch.index_select(stored.t().contiguous(), 0, rows, out=laid)
+
+        return Repack(self.part_bytes[0], convert)
+
+    def fused(self, other: WeightFormat) -> WeightFormat | None:
+        return None
+
+    def expected_parts(self, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]] | None:
+        return [(self.stored.name, (inp, out))]
 
 
 def ggml_mxfp4(
