@@ -14,6 +14,7 @@ F32/F16/BF16 tensors are read as stored; other types are dequantized on load (`l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -118,7 +119,7 @@ class Trunk:
     def tensor(self, key: str, shape: tuple[int, ...], skip: set[str]) -> GgufTensor | QuantizedTensor | None:
         composed = self._composite(key)
         if composed is not None:
-            return GgufTensor(shape, torch.float32, composed)
+            return self._joined_blocks(key, shape) or GgufTensor(shape, torch.float32, composed)
         name = gguf_name(key, self.name_map)
         if name is None or name not in self.tensors or name in skip:
             return None
@@ -200,6 +201,26 @@ class Trunk:
         if self.arch == "qwen3next" and key.endswith("linear_attn.in_proj_qkvz.weight"):
             return self._parts(key, ("attn_qkv", "attn_gate"), self._qkvz)
         return None
+
+    def _joined_blocks(self, key: str, shape: tuple[int, ...]) -> QuantizedTensor | None:
+        """Qwen3-Next's in_proj_qkvz from attn_qkv and attn_gate of one block type: their rows, one after
+        another, put in `_qkvz`'s order as whole rows, so they stay blocks (f32 else: 3.6 GB more for
+        Qwen3-Next-80B-A3B's 36 linear-attention layers). Else None."""
+        if self.arch != "qwen3next" or not key.endswith("linear_attn.in_proj_qkvz.weight"):
+            return None
+        block = re.search(r"layers\.(\d+)\.", key)
+        refs = [self.tensors.get(f"blk.{block[1]}.{leaf}.weight") for leaf in ("attn_qkv", "attn_gate")]
+        if not self.keep_blocks or any(r is None for r in refs) or len(shape) != 2:
+            return None
+        qkv, gate = refs
+        if qkv.dtype != gate.dtype or qkv.dtype in TORCH_DTYPES or qkv.shape[1:] != gate.shape[1:]:
+            return None
+        n = qkv.shape[0]
+        if (n + gate.shape[0], qkv.shape[1]) != tuple(shape):
+            return None
+        order = self._qkvz(torch.arange(n).reshape(-1, 1), torch.arange(n, shape[0]).reshape(-1, 1))
+        whole = dataclasses.replace(qkv, nbytes=qkv.nbytes + gate.nbytes, shape=tuple(shape), name=key)
+        return QuantizedTensor(whole, shape, torch.float32, dequantize_blocks, order.reshape(-1), (qkv, gate))
 
     def _parts(self, key: str, leaves: tuple[str, ...], join: Callable[..., torch.Tensor]) -> Load | None:
         block = re.search(r"layers\.(\d+)\.", key)

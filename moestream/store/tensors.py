@@ -95,10 +95,14 @@ class QuantizedTensor(LazyTensor):
         dtype: torch.dtype,
         dequantize: Callable[[torch.Tensor, str, tuple[int, ...]], torch.Tensor],
         rows: torch.Tensor | None = None,
+        parts: tuple[TensorRef, ...] = (),
     ) -> None:
         super().__init__(ref)
         self.logical_shape, self.placeholder_dtype, self._dequantize = tuple(shape), dtype, dequantize
         self.rows = rows  # row i is stored row rows[i] (whole rows of blocks move), or None: as stored
+        # stored tensors of one type and width whose rows, one after another, are this one's (then
+        # `rows`): `ref` then only describes the whole (shape, bytes), it is not read
+        self.parts = parts
 
     @property
     def type_name(self) -> str:
@@ -124,7 +128,7 @@ class QuantizedTensor(LazyTensor):
 
     def raw(self) -> torch.Tensor:
         """The stored blocks, uint8 [nbytes], read into memory the process owns (rows in `rows` order)."""
-        data = read_bytes(self.ref)
+        data = torch.cat([read_bytes(p) for p in self.parts]) if self.parts else read_bytes(self.ref)
         if self.rows is None:
             return data
         return data.view(self.rows.numel(), -1)[self.rows].reshape(-1)
