@@ -13,7 +13,7 @@ Shapes (ggml order, ne[0] first): T tokens, N heads, L latent, R rope, Dn nope, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,16 +22,16 @@ from moestream.ggml.net import BF16, F16, F32, I32, I64, SORT_DESC, Net
 from moestream.model.mla_spec import Mla
 
 if TYPE_CHECKING:
-    from moestream.engine.ggml_layers import LayerGraphs
     from moestream.model.graph_spec import Router
 
 _TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _DROPPED = -1e30  # added to the choice of an expert outside the kept groups: never among the top k
 
 
-def mla_attention(g: LayerGraphs, net: Net, h: int, a: Mla, index: int) -> tuple[list[int], int]:
-    """Layer `index`'s attention on the normed stream h [H, T]: (the KV-cache write, which must run
-    first; the attention output [H, T])."""
+def mla_attention(g: Any, net: Net, h: int, a: Mla, index: int) -> tuple[list[int], int]:
+    """Layer `index`'s attention on the normed stream h [H, T], built by `g` (the engine's LayerGraphs,
+    untyped here: its module imports this one): (the KV-cache write, which must run first; the
+    attention output [H, T])."""
     spec, T, S = g.spec, g.tokens, g.span
     N, L, R, Dn, Dv = a.heads, a.latent, a.rope, a.nope, a.v_dim
     Dk = Dn + R

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moestream.hfconfig import text_config
-from moestream.model.quantized import QuantEmbedding, QuantLinear
+from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix
 from moestream.model.streaming import StreamingExperts
 
 # families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers;
@@ -39,34 +39,6 @@ GRAPH_FAMILIES = (
 # attention's q_proj also yields an output gate, and every other layer (most) is a Gated DeltaNet
 _LINEAR_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 _ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}  # a GGUF's (and a text-only checkpoint's) model_type
-_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
-
-
-class NoGraph(Exception):
-    """This model's layers are not (yet) computed by ggml graphs; the message says why."""
-
-
-@dataclass
-class Matrix:
-    """A weight W [rows, cols] (y = x @ W^T) as ggml reads it: `address` of `type_id` data; `ref` keeps
-    that memory alive."""
-
-    ref: torch.Tensor
-    address: int
-    type_id: int
-    rows: int
-    cols: int
-
-    @property
-    def ggml(self) -> tuple[int, int]:
-        return self.address, self.type_id
-
-
-@dataclass
-class Mlp:
-    gate: Matrix
-    up: Matrix
-    down: Matrix
 
 
 @dataclass
@@ -123,23 +95,6 @@ class DeltaNet:
 
 
 @dataclass
-class Router:
-    weight: Matrix  # [experts, hidden]
-    top_k: int
-    normalize: bool  # the top-k probabilities divided by their sum
-    shared: Mlp | None = None  # a shared expert (Qwen2-MoE: gated by sigmoid(shared_gate . x))
-    shared_gate: Matrix | None = None
-    sigmoid: bool = False  # scores are sigmoid(logits) (GLM-4.5), else softmax(logits)
-    bias: torch.Tensor | None = None  # f32 [experts], added to the scores for the choice only
-    scale: float = 1.0  # the chosen weights' factor (routed_scaling_factor)
-    logit_bias: torch.Tensor | None = None  # f32 [experts]: the router linear's bias (gpt-oss)
-    # gpt-oss: the weights are a softmax over the chosen K logits (= softmax over all, normalised over K)
-    softmax_top: bool = False
-    # group-limited routing: (groups, groups kept, a group's score: the sum of its best this many scores)
-    groups: tuple[int, int, int] | None = None
-
-
-@dataclass
 class Layer:
     index: int
     attn_norm: torch.Tensor  # f32 [hidden]
@@ -176,30 +131,6 @@ class ModelSpec:
     def window(self) -> int | None:
         """The sliding window of the layers that have one (one size for all), or None."""
         return next((x.attention.window for x in self.layers if x.attention and x.attention.window), None)
-
-
-def matrix(module: nn.Module) -> Matrix:
-    """The weight of an nn.Linear / nn.Embedding (float) or a QuantLinear / QuantEmbedding (blocks)."""
-    if isinstance(module, (QuantLinear, QuantEmbedding)):
-        from moestream import ggml
-
-        return Matrix(
-            module.raw, module.raw.data_ptr(), ggml.ggml_type(module.stored.name).id, *_shape(module)
-        )
-    w = module.weight.detach()
-    if w.dtype not in _FLOAT_TYPES or w.device.type != "cpu":
-        raise NoGraph(f"a {w.dtype} weight on {w.device} is not a ggml weight")
-    if not w.is_contiguous():
-        w = w.contiguous()
-    return Matrix(w, w.data_ptr(), _FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
-
-
-def _shape(module: nn.Module) -> tuple[int, int]:
-    return module.rows, module.cols
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().float().contiguous()
 
 
 def _norm_weight(norm: nn.Module, family: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestream.model.graph_spec import Matrix, NoGraph, Router, _f32, matrix
+from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix
 from moestream.model.quantized import QuantLinear
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -130,6 +130,5 @@ def deepseek_router(mlp: nn.Module, cfg: Any, family: str) -> Router:
 
 
 def _shared(module: nn.Module):
-    from moestream.model.graph_spec import Mlp
 
     return Mlp(matrix(module.gate_proj), matrix(module.up_proj), matrix(module.down_proj))

@@ -1,0 +1,82 @@
+"""The pieces of a ggml graph's spec that every family's reader shares: a weight matrix as ggml reads it,
+an MLP, a router, and the refusal (`NoGraph`). `graph_spec` reads the common families; `mla_spec`
+DeepSeek's attention and routers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moestream.model.quantized import QuantEmbedding, QuantLinear
+
+_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
+
+
+class NoGraph(Exception):
+    """This model's layers are not (yet) computed by ggml graphs; the message says why."""
+
+
+@dataclass
+class Matrix:
+    """A weight W [rows, cols] (y = x @ W^T) as ggml reads it: `address` of `type_id` data; `ref` keeps
+    that memory alive."""
+
+    ref: torch.Tensor
+    address: int
+    type_id: int
+    rows: int
+    cols: int
+
+    @property
+    def ggml(self) -> tuple[int, int]:
+        return self.address, self.type_id
+
+
+@dataclass
+class Mlp:
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+
+
+@dataclass
+class Router:
+    weight: Matrix  # [experts, hidden]
+    top_k: int
+    normalize: bool  # the top-k probabilities divided by their sum
+    shared: Mlp | None = None  # a shared expert (Qwen2-MoE: gated by sigmoid(shared_gate . x))
+    shared_gate: Matrix | None = None
+    sigmoid: bool = False  # scores are sigmoid(logits) (GLM-4.5), else softmax(logits)
+    bias: torch.Tensor | None = None  # f32 [experts], added to the scores for the choice only
+    scale: float = 1.0  # the chosen weights' factor (routed_scaling_factor)
+    logit_bias: torch.Tensor | None = None  # f32 [experts]: the router linear's bias (gpt-oss)
+    # gpt-oss: the weights are a softmax over the chosen K logits (= softmax over all, normalised over K)
+    softmax_top: bool = False
+    # group-limited routing: (groups, groups kept, a group's score: the sum of its best this many scores)
+    groups: tuple[int, int, int] | None = None
+
+
+def matrix(module: nn.Module) -> Matrix:
+    """The weight of an nn.Linear / nn.Embedding (float) or a QuantLinear / QuantEmbedding (blocks)."""
+    if isinstance(module, (QuantLinear, QuantEmbedding)):
+        from moestream import ggml
+
+        return Matrix(
+            module.raw, module.raw.data_ptr(), ggml.ggml_type(module.stored.name).id, *_shape(module)
+        )
+    w = module.weight.detach()
+    if w.dtype not in _FLOAT_TYPES or w.device.type != "cpu":
+        raise NoGraph(f"a {w.dtype} weight on {w.device} is not a ggml weight")
+    if not w.is_contiguous():
+        w = w.contiguous()
+    return Matrix(w, w.data_ptr(), _FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    return module.rows, module.cols
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
