@@ -123,8 +123,9 @@ def _check_parts(out: dict) -> None:
     assert out["mapped_before"] <= kept["the libraries' mapped files"] <= out["mapped_after"]
     assert kept["working memory"] == 64 * MiB
     assert kept[f"a margin of 1/{MARGIN_SHARE}"] == out["room"] // MARGIN_SHARE
-    # the room when the cache was sized = the room after load + the cache allocated since (+ a little)
-    assert 0 <= out["room"] - (out["room_after"] + out["allocated"]) <= 32 * MiB
+    # the room when the cache was sized = the room after load + the cache allocated since (+ a little,
+    # or - a little: the child can give back pages between the two readings; 73 KiB seen on 4 workers)
+    assert -2 * MiB <= out["room"] - (out["room_after"] + out["allocated"]) <= 32 * MiB
     assert out["why"].startswith("cgroup memory limit ") and "moestream-auto-" in out["why"]
     assert out["every"] == EXPERTS * SLOT
     assert out["allocated"] <= out["chosen"]
