@@ -110,8 +110,10 @@ def test_gguf_q8_0_graphs_match_the_transformers_path(arch, tiny_gguf):
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         assert f"trunk ggml graphs ({arch}" in engine.mode_line()
         d = engine._step.runner.spec.layers[0].linear
-        if arch == "qwen3_5_moe":  # its value heads' rows moved as whole blocks
-            assert all(m.type_id == Q.Q8_0 for m in (d.qkv, d.z, d.b, d.a))
+        if arch == "qwen3_5_moe":  # its value heads' rows moved as whole blocks, out_proj's input permuted
+            assert all(m.type_id == Q.Q8_0 for m in (d.qkv, d.z, d.b, d.a, d.out)) and d.out_tiled
+            out_proj = engine.model.model.layers[0].linear_attn.out_proj  # the file's bytes, no f32 copy
+            assert out_proj.inputs is not None and out_proj.raw.numel() == out_proj.ref.nbytes
         got = _runner_logits(engine)
     _close(got, eager, 0.05, tie=0.05)
     _streamed_equals_resident(path, fused=False)
@@ -205,3 +207,164 @@ def test_linear_attention_rows_kept_as_blocks(arch, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tensors.QuantizedTensor, "raw", as_stored)
     assert not all(torch.equal(got, want) for got, want in trunk_weights())
+
+
+def _round_tiled_out_proj(hf) -> None:
+    """Round Qwen3.5's out_proj through Q8_0 in the order the GGUF stores its columns (value heads tiled):
+    tiny heads of 16 share a 32-block, which the reorder would otherwise regroup."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+    from tiny_gguf import _reorder_v
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf).get_text_config()
+    nk, nv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    path = hf / "model.safetensors"
+    sd = load_file(path)
+    for key, value in sd.items():
+        if key.endswith("linear_attn.out_proj.weight"):
+            tiled = _reorder_v(value.float(), 1, nk, nv // nk, dv).numpy()
+            tiled = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(tiled, Q.Q8_0), Q.Q8_0))
+            sd[key] = tiled.reshape(-1, nv // nk, nk, dv).transpose(1, 2).reshape(value.shape).contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+
+
+def _exact_in_q8(rows: int, cols: int, group: int, g: torch.Generator) -> torch.Tensor:
+    """Integer activations whose every head (`group` values) holds 127: ggml's 8-bit activations are
+    these values exactly (scale 1 in every 32-block of whole heads), so a product on them differs from
+    the f64 one by float rounding only."""
+    x = torch.randint(-127, 128, (rows, cols), generator=g).float()
+    x[:, ::group] = 127.0
+    return x
+
+
+def _graph_out_projection(d, x: torch.Tensor) -> torch.Tensor:
+    """ggml_deltanet.out_projection alone, one graph on x [T, Hv D] (ggml [D, Hv, T]) -> [T, hidden]."""
+    from moestream import ggml
+    from moestream.engine.ggml_deltanet import out_projection
+    from moestream.ggml.net import F32, Arena, Net
+
+    T = x.shape[0]
+    out = torch.empty(T, d.out.rows)
+    kern = ggml.kernels(1)
+    net = Net(ggml.library())
+    try:
+        y = out_projection(net, net.tensor(F32, [d.head_dim, d.v_heads, T], x.data_ptr()), d, T)
+        net.finish([net.fix(y, out.data_ptr())], 1, kern.pool)
+        arena = Arena([net])
+        with kern._lock:
+            net.run()
+        del arena
+    finally:
+        net.close()
+    return out
+
+
+def test_out_proj_kept_as_the_files_blocks_its_input_permuted(tiny_gguf):
+    """Qwen3.5's out_proj, whose columns llama.cpp stores with the value heads tiled: moving them back
+    would split its blocks (f32 before: ~1 GB for Qwen3.5-35B-A3B), so it stays the file's Q8_0 bytes,
+    unmoved, and its input is permuted from grouped to tiled heads instead: on transformers' path (a
+    QuantLinear's index_select; one row by ggml's 8-bit kernel, many by F.linear) and in the ggml graph
+    (a head permute before the product). Both equal the file's out_proj dequantized by `gguf`, its columns
+    moved back by this test, times the input in f64, within float rounding; without the permutation both
+    are wrong, and a graph matrix refuses a permuted QuantLinear it is not told about."""
+    import types
+
+    import gguf
+
+    from moestream.model.graph_parts import NoGraph, matrix
+    from moestream.model.quantized import QuantLinear
+    from moestream.store.gguf import GgufSource
+    from moestream.store.gguf_trunk import Trunk
+    from moestream.store.tensors import QuantizedTensor, read_bytes
+
+    _, path = tiny_gguf("qwen3_5_moe", ftype=Q.Q8_0, expert_type=lambda layer, kind: Q.Q8_0)
+    source = GgufSource(path)
+    cfg = source.config()
+    nk, nv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    r, width = nv // nk, nv * dv
+    assert r > 1
+    stored = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ssm_out.weight")
+    assert stored.tensor_type == Q.Q8_0
+    tiled = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type)).double()
+    moved = tiled.reshape(-1, r, nk, dv).transpose(1, 2).reshape(-1, width)  # tiled [r, nk] -> grouped
+
+    trunk = Trunk(source.arch.name, source.arch.tensor_arch, cfg, source.tensors)
+    value = trunk.tensor("model.layers.0.linear_attn.out_proj.weight", (cfg.hidden_size, width), set())
+    assert isinstance(value, QuantizedTensor) and value.type_name == "Q8_0" and value.rows is None
+    ref = source.tensors["blk.0.ssm_out.weight"]
+    assert torch.equal(value.raw(), read_bytes(ref)) and value.raw().numel() == ref.nbytes
+    assert torch.equal(value.dequantize(torch.float64), moved)
+
+    layer = QuantLinear(value.raw(), value, None)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, max(layer.format().threshold, 2)):
+        x = _exact_in_q8(rows, width, dv, g)
+        want = x.double() @ moved.T
+        scale = want.abs().max().item()
+        assert (layer(x).double() - want).abs().max().item() <= 1e-6 * scale, rows
+        inputs, layer.inputs = layer.inputs, None
+        assert (layer(x).double() - want).abs().max().item() > 0.1 * scale, rows  # not permuted
+        layer.inputs = inputs
+
+    with pytest.raises(NoGraph):
+        matrix(layer)
+    d = types.SimpleNamespace(
+        head_dim=dv, k_heads=nk, v_heads=nv, out=matrix(layer, permuted_inputs=True), out_tiled=True
+    )
+    x = _exact_in_q8(7, width, dv, g)
+    want = x.double() @ moved.T
+    scale = want.abs().max().item()
+    assert (_graph_out_projection(d, x).double() - want).abs().max().item() <= 1e-6 * scale
+    d.out_tiled = False
+    assert (_graph_out_projection(d, x).double() - want).abs().max().item() > 0.1 * scale  # not permuted
+
+
+def test_out_proj_as_blocks_end_to_end_against_stock(tmp_path, monkeypatch):
+    """A Qwen3.5 GGUF whose out_proj alone is Q8_0 (of weights rounded through Q8_0 with its columns in the
+    file's tiled order: what the file holds exactly): the loader's out_proj is the checkpoint's weight bit
+    for bit once dequantized; computed by F.linear on its blocks (8-bit activations off) the transformers
+    path follows stock to float rounding (measured 3e-6 of the largest logit), and not with the input left
+    unpermuted; with ggml's 8-bit activations the graphs and the transformers path are within 5% (measured
+    1.4%; 0.04% with out_proj f32 before) and pick the same tokens but at near ties."""
+    import tiny_gguf
+    from safetensors.torch import load_file
+    from tiny_models import write_tiny
+
+    from moestream import ggml
+    from moestream.store import tensors
+    from moestream.store.gguf import GgufSource
+    from moestream.store.gguf_trunk import Trunk
+
+    arch = "qwen3_5_moe"
+    hf = write_tiny(arch, tmp_path / "hf", **tiny_gguf.OVERRIDES[arch])
+    tiny_gguf.perturb_vectors(hf)
+    _round_tiled_out_proj(hf)
+    add = tiny_gguf._add
+
+    def out_proj_only(w, name, data, ftype, expert_type):
+        return add(w, name, data, ftype if ".ssm_out." in name else Q.F32, expert_type)
+
+    monkeypatch.setattr(tiny_gguf, "_add", out_proj_only)
+    path = tiny_gguf.write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q8_0)
+    source = GgufSource(path)
+    trunk = Trunk(source.arch.name, source.arch.tensor_arch, source.config(), source.tensors)
+    want = load_file(hf / "model.safetensors")["model.language_model.layers.0.linear_attn.out_proj.weight"]
+    got = trunk.tensor("model.layers.0.linear_attn.out_proj.weight", tuple(want.shape), set())
+    assert isinstance(got, tensors.QuantizedTensor) and got.type_name == "Q8_0"
+    assert torch.equal(got.dequantize(torch.float32), want)
+
+    stock = _stock_logits(hf)
+    for trunk_kind in ("ggml", "eager"):
+        with moestream.load(str(path), cache="64MiB", trunk=trunk_kind) as engine:
+            out_proj = engine.model.model.layers[0].linear_attn.out_proj
+            assert out_proj.stored.name == "Q8_0" and out_proj.inputs is not None
+            _close(_runner_logits(engine), stock, 0.05, tie=0.05)
+    monkeypatch.setattr(ggml, "dequant_threshold", lambda *args: 1)  # F.linear on the dequantized blocks
+    with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
+        exact = _runner_logits(engine)
+    assert (exact - stock).abs().max().item() <= 1e-4 * stock.abs().max().item()
+    monkeypatch.setattr(tensors.QuantizedTensor, "stored_inputs", property(lambda self: None))
+    with moestream.load(str(path), cache="64MiB", trunk="eager") as engine:
+        unpermuted = _runner_logits(engine)
+    assert (unpermuted - stock).abs().max().item() > 0.05 * stock.abs().max().item()

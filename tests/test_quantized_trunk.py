@@ -9,7 +9,7 @@ from torch import nn
 from moestream import ggml
 from moestream.model.quantized import QuantEmbedding, QuantLinear, apply_quantized_trunk
 from moestream.store.safetensors_file import TensorRef
-from moestream.store.tensors import QuantizedTensor
+from moestream.store.tensors import QuantizedTensor, read_bytes
 
 
 def _ggml_dequantize(raw, type_name, shape):
@@ -89,3 +89,46 @@ def test_dense_trunk_dequantizes_every_block_weight(tmp_path):
     assert isinstance(model.proj, nn.Linear) and model.proj.weight.dtype == torch.bfloat16
     expected = ggml.dequantize(values["proj.weight"].raw(), "Q8_0", 256, 256).to(torch.bfloat16)
     assert torch.equal(model.proj.weight, expected)
+
+
+def _exact_in_q8(rows: int, cols: int, group: int, g: torch.Generator) -> torch.Tensor:
+    """Integer activations whose every `group` (a head, and so any 32-block of whole heads) holds 127:
+    ggml's 8-bit activations (scale max|x| / 127 = 1) are then these values exactly, so a product on them
+    differs from the f64 one only by float rounding."""
+    x = torch.randint(-127, 128, (rows, cols), generator=g).float()
+    x[:, ::group] = 127.0
+    return x
+
+
+def test_a_matrix_with_moved_columns_multiplies_its_stored_blocks_by_the_input_permuted(tmp_path):
+    """A block matrix whose columns the model reads in another order (Qwen3.5's out_proj: whole value
+    heads moved) keeps its blocks as stored; QuantLinear permutes its input instead. Its products (one row:
+    ggml's 8-bit-activation kernel; many rows: the dequantized blocks by F.linear) equal the moved f32
+    matrix's within float rounding, and differ without the permutation; dense it is the moved matrix."""
+    g = torch.Generator().manual_seed(2)
+    heads, head_dim = 8, 32
+    stored = torch.randn(96, heads * head_dim, generator=g)
+    values = _write(tmp_path / "t.bin", [("proj.weight", "Q8_0", stored)])
+    value = values["proj.weight"]
+    cols = torch.randperm(heads, generator=g).repeat_interleave(head_dim) * head_dim
+    cols += torch.arange(head_dim).repeat(heads)  # column j is stored column cols[j], whole heads
+    value.cols = cols
+    blocks = ggml.dequantize(read_bytes(value.ref), "Q8_0", 96, heads * head_dim)
+    moved = blocks[:, cols]
+    assert torch.equal(value.dequantize(torch.float32), moved)
+    layer = QuantLinear(value.raw(), value, None)
+    assert torch.equal(layer.raw, read_bytes(value.ref))  # the file's bytes, nothing else
+    assert "inputs" in dict(layer.named_buffers())  # moves with the module (.to(device))
+    for rows in (1, max(layer.format().threshold, 2)):
+        x = _exact_in_q8(rows, heads * head_dim, head_dim, g)
+        ref = x.double() @ moved.double().T
+        scale = ref.abs().max().item()
+        assert (layer(x).double() - ref).abs().max().item() <= 1e-6 * scale, rows
+        inputs, layer.inputs = layer.inputs, None
+        assert (layer(x).double() - ref).abs().max().item() > 0.1 * scale, rows  # not permuted: wrong
+        layer.inputs = inputs
+    model = nn.Sequential()
+    model.proj = nn.Linear(heads * head_dim, 96, bias=False)
+    model.proj.weight = nn.Parameter(value[...], requires_grad=False)
+    apply_quantized_trunk(model, {"proj.weight": value}, dense=True, dtype=torch.float32)
+    assert torch.equal(model.proj.weight, moved)

@@ -13,9 +13,10 @@ One step of T tokens (a decoded token, a prefill chunk) is one pass: the conv ov
 inputs] (ggml_ssm_conv), its last kernel - 1 columns written back as the conv state; silu; q and k
 L2-normalised (q scaled by 1 / sqrt(Dk) inside the op); g = -exp(A_log) * softplus(a + dt_bias),
 beta = sigmoid(b); ggml_gated_delta_net over the T tokens from the recurrent state, whose final state is
-written back; RMSNorm(o) * w * silu(z) per value head; out_proj. Each key head serves Hv / Hk consecutive
-value heads (transformers' repeat_interleave), so q and k are repeated that way before the op (which
-would otherwise tile them).
+written back; RMSNorm(o) * w * silu(z) per value head; out_proj (a GGUF's as stored, its columns' value
+heads tiled: the heads reordered to match first, one permuted copy of [D Hv, T]). Each key head serves
+Hv / Hk consecutive value heads (transformers' repeat_interleave), so q and k are repeated that way
+before the op (which would otherwise tile them).
 
 Shapes as in ggml_layers (ne[0] first): T tokens, C = 2 Hk Dk + Hv Dv conv channels, D = Dk = Dv.
 """
@@ -128,5 +129,14 @@ def delta_net(
     state_write = net.cpy(final, net.tensor(F32, [D * D * Hv], state.data_ptr()))
     # the gated RMSNorm per value head: norm(o) * w * silu(z)
     normed = net.mul(net.rms_norm(net.cont(o), eps), net.weight(d.norm, [D]))
-    y = net.reshape_2d(net.mul(normed, net.silu(z)), D * Hv, T)
-    return [conv_write, state_write], _linear(net, y, d.out)
+    return [conv_write, state_write], out_projection(net, net.mul(normed, net.silu(z)), d, T)
+
+
+def out_projection(net: Net, y: int, d: DeltaNet, T: int) -> int:
+    """out_proj of the gated norm's output y [D, Hv, T] (heads grouped by key head) -> [H, T]. A GGUF's
+    out_proj kept as stored has its columns' value heads tiled (`DeltaNet.out_tiled`): y's heads are
+    reordered to match first, [D, r, Hk] -> [D, Hk, r], one copy of D Hv T floats."""
+    D, Hk, Hv = d.head_dim, d.k_heads, d.v_heads
+    if d.out_tiled:
+        y = net.cont(net.permute(net.reshape_4d(y, D, Hv // Hk, Hk, T), 0, 2, 1, 3))
+    return _linear(net, net.reshape_2d(y, D * Hv, T), d.out)

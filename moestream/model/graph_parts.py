@@ -58,8 +58,12 @@ class Router:
     groups: tuple[int, int, int] | None = None
 
 
-def matrix(module: nn.Module) -> Matrix:
-    """The weight of an nn.Linear / nn.Embedding (float) or a QuantLinear / QuantEmbedding (blocks)."""
+def matrix(module: nn.Module, permuted_inputs: bool = False) -> Matrix:
+    """The weight of an nn.Linear / nn.Embedding (float) or a QuantLinear / QuantEmbedding (blocks).
+    A QuantLinear whose input is permuted (`QuantLinear.inputs`) only where the caller says its graph
+    permutes the activation (`permuted_inputs`): its blocks are the stored matrix, not the model's."""
+    if getattr(module, "inputs", None) is not None and not permuted_inputs:
+        raise NoGraph(f"{module} multiplies a permuted input, which this graph does not make")
     if isinstance(module, (QuantLinear, QuantEmbedding)):
         from moestream import ggml
 

@@ -88,6 +88,9 @@ class DeltaNet:
     v_heads: int
     head_dim: int  # Dk = Dv (ggml_gated_delta_net's state is square)
     kernel: int
+    # out's columns hold the value heads tiled [r, Hk] (a GGUF's out_proj kept as its blocks, unmoved),
+    # so the graph reorders the heads of its input from transformers' grouped [Hk, r] (r = Hv / Hk)
+    out_tiled: bool = False
 
     @property
     def channels(self) -> int:
@@ -219,6 +222,7 @@ def _delta_net(module: nn.Module, cfg: Any) -> DeltaNet:
     split = getattr(module, "in_proj_qkv", None) is not None
     parts = {n: matrix(getattr(module, f"in_proj_{n}")) if split else None for n in ("qkv", "z", "b", "a")}
     conv = module.conv1d.weight.detach()
+    out_tiled = _tiled_inputs(module.out_proj, k_heads, v_heads, dv)
     return DeltaNet(
         **parts,
         qkvz=None if split else matrix(module.in_proj_qkvz),
@@ -227,12 +231,26 @@ def _delta_net(module: nn.Module, cfg: Any) -> DeltaNet:
         decay=(-_f32(module.A_log).exp()).contiguous(),
         dt_bias=_f32(module.dt_bias),
         norm=_f32(module.norm.weight),
-        out=matrix(module.out_proj),
+        out=matrix(module.out_proj, permuted_inputs=out_tiled),
+        out_tiled=out_tiled,
         k_heads=k_heads,
         v_heads=v_heads,
         head_dim=dk,
         kernel=int(cfg.linear_conv_kernel_dim),
     )
+
+
+def _tiled_inputs(out_proj: nn.Module, k_heads: int, v_heads: int, head_dim: int) -> bool:
+    """Whether out_proj multiplies its input's value heads reordered from grouped [Hk, r] to tiled [r, Hk]
+    (a QuantLinear of a GGUF's out_proj as stored); NoGraph for another permutation."""
+    inputs = getattr(out_proj, "inputs", None)
+    if inputs is None:
+        return False
+    r = v_heads // k_heads
+    tiled = torch.arange(v_heads * head_dim).reshape(k_heads, r, head_dim).transpose(0, 1).reshape(-1)
+    if not torch.equal(inputs.cpu(), tiled):
+        raise NoGraph("out_proj permutes its input otherwise than value heads grouped -> tiled")
+    return True
 
 
 def _mlp(module: nn.Module) -> Mlp:

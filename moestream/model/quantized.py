@@ -38,23 +38,28 @@ class _Blocks(nn.Module):
 
 
 class QuantLinear(_Blocks):
-    """y = x @ W^T (+ b) for W [out, in] in a block type."""
+    """y = x @ W^T (+ b) for W [out, in] in a block type. With `inputs` (a stored matrix whose columns
+    the model reads in another order: Qwen3.5's out_proj), the blocks are multiplied as stored by the
+    input reordered: x[..., inputs] @ stored^T."""
 
     def __init__(self, raw: torch.Tensor, value: QuantizedTensor, bias: torch.Tensor | None) -> None:
         super().__init__(raw, value)
         self.out_features, self.in_features = self.rows, self.cols
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("inputs", value.stored_inputs, persistent=False)  # int64 [in] or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.format()
+        if self.inputs is not None:
+            x = x.index_select(-1, self.inputs)
         y = fmt.linear(x.reshape(-1, self.in_features), fmt.view([self.raw]))  # [M, out], x's dtype
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        bias = self.bias is not None
-        return f"in={self.in_features}, out={self.out_features}, {self.stored.name}, bias={bias}"
+        bias, moved = self.bias is not None, ", inputs permuted" if self.inputs is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, {self.stored.name}, bias={bias}{moved}"
 
 
 class QuantEmbedding(_Blocks):

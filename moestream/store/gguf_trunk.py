@@ -6,7 +6,8 @@ Values: what llama.cpp's converter changed is undone here, per architecture:
   * llama (Mixtral): Q and K rows permuted for llama.cpp's rope -> permuted back;
   * qwen3next, qwen35moe: norms stored as w + 1 (except the gated delta-net norm), A_log stored as
     -exp(A_log), conv1d squeezed; Qwen3-Next's in_proj_qkvz split into attn_qkv + attn_gate;
-    Qwen3.5's value heads reordered from grouped (by key head) to tiled;
+    Qwen3.5's value heads reordered from grouped (by key head) to tiled (rows moved back as whole rows;
+    out_proj's columns not moved: its input is permuted instead, `_moved_cols`);
   * deepseek2: kv_b_proj split into attn_k_b (transposed per head) and attn_v_b;
   * any: a tensor llama.cpp stores with other singleton dimensions (shared-expert gate [H] for [1, H]).
 F32/F16/BF16 tensors are read as stored; other types are dequantized on load (`load_tensor`).
@@ -129,16 +130,16 @@ class Trunk:
                 f"GGUF tensor {name} has shape {list(ref.shape)}, but {key} needs {list(shape)}"
             )
         transform = self._transform(key)
-        rows = self._moved_rows(key, shape)
+        rows, cols = self._moved_rows(key, shape), self._moved_cols(key, shape)
         if (
-            (transform is None or rows is not None)
+            (transform is None or rows is not None or cols is not None)
             and self.keep_blocks
             and ref.dtype not in TORCH_DTYPES
             and len(shape) == 2
             and tuple(ref.shape) == shape
         ):
             return QuantizedTensor(
-                ref, shape, torch.float32, dequantize_blocks, rows
+                ref, shape, torch.float32, dequantize_blocks, rows, cols=cols
             )  # computed on its blocks
         dtype = _stored_dtype(ref) if transform is None or transform[1] else torch.float32
         if transform is None:
@@ -175,6 +176,18 @@ class Trunk:
         if cfg.linear_num_key_heads == cfg.linear_num_value_heads:
             return None
         return self._v_order(key, torch.arange(shape[0]).reshape(-1, 1)).reshape(-1)
+
+    def _moved_cols(self, key: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Qwen3.5's out_proj, whose columns (inputs) `_transform` reorders by whole value heads: that
+        order (column j is stored column cols[j]), so its blocks stay as stored (a moved column would
+        split them: f32 else, ~1 GB more for Qwen3.5-35B-A3B's) and its products permute their input
+        (`QuantizedTensor.stored_inputs`). Else None."""
+        cfg = self.config
+        if self.arch != "qwen35moe" or not key.endswith("linear_attn.out_proj.weight") or len(shape) != 2:
+            return None
+        if cfg.linear_num_key_heads == cfg.linear_num_value_heads:
+            return None
+        return self._v_order(key, torch.arange(shape[1]).reshape(1, -1)).reshape(-1)
 
     def _v_order(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """Qwen3.5: value heads back from llama.cpp's tiled order to grouped by key head."""

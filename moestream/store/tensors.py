@@ -96,6 +96,7 @@ class QuantizedTensor(LazyTensor):
         dequantize: Callable[[torch.Tensor, str, tuple[int, ...]], torch.Tensor],
         rows: torch.Tensor | None = None,
         parts: tuple[TensorRef, ...] = (),
+        cols: torch.Tensor | None = None,
     ) -> None:
         super().__init__(ref)
         self.logical_shape, self.placeholder_dtype, self._dequantize = tuple(shape), dtype, dequantize
@@ -103,6 +104,10 @@ class QuantizedTensor(LazyTensor):
         # stored tensors of one type and width whose rows, one after another, are this one's (then
         # `rows`): `ref` then only describes the whole (shape, bytes), it is not read
         self.parts = parts
+        # column j is stored column cols[j] (Qwen3.5's out_proj: whole heads of inputs moved, which would
+        # split blocks): the blocks stay as stored and a product permutes its input instead
+        # (`stored_inputs`); `dequantize` gives the moved matrix
+        self.cols = cols
 
     @property
     def type_name(self) -> str:
@@ -133,5 +138,12 @@ class QuantizedTensor(LazyTensor):
             return data
         return data.view(self.rows.numel(), -1)[self.rows].reshape(-1)
 
+    @property
+    def stored_inputs(self) -> torch.Tensor | None:
+        """With `cols`: the order x[..., stored_inputs] of an input x (in the logical order) that the
+        stored blocks multiply (x @ W^T = x[..., stored_inputs] @ stored^T); else None."""
+        return None if self.cols is None else torch.argsort(self.cols)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._dequantize(self.raw(), self.type_name, self.logical_shape).to(dtype)
+        w = self._dequantize(self.raw(), self.type_name, self.logical_shape)
+        return (w if self.cols is None else w[:, self.cols]).to(dtype)
