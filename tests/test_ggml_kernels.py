@@ -274,9 +274,9 @@ def test_threadpool_sleeps_between_computes_unless_held():
     assert _cpu_seconds_while_sleeping() < 0.03  # paused: the worker waits on a condition variable
     with k.hold():
         k.compute(("probe-linear",), build, **addresses)
-        spinning = _cpu_seconds_while_sleeping()
+        spinning = _cpu_seconds_while_sleeping(1.0)  # 1 s: a loaded machine gives the poller less
     assert _cpu_seconds_while_sleeping() < 0.03  # paused again on leaving hold()
-    assert spinning > 0.03  # control: a held pool polls for work, which is what pausing avoids
+    assert spinning > 0.06  # control: a held pool polls for work, which is what pausing avoids
     torch.testing.assert_close(out, ggml.linear(x, data, "Q4_K", N), rtol=0, atol=0)
 
 

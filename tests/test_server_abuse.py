@@ -1,6 +1,6 @@
 """The server under abuse, over real sockets on 127.0.0.1: megabyte prompts beside small requests,
 half-open and idle connections, a connection flood, slow bodies, form posts, foreign Host headers, and
-/health of an engine that cannot serve. Every wait is bounded (the server's request timeout is 1 s)."""
+/health of an engine that cannot serve. Every wait is bounded (the server's request timeout is 3 s)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from moestream.server.guard import LoopbackHost, is_loopback_host
 from moestream.server.prompts import LONG, Prompts
 
 ARGS = ["--cache", "1MiB", "--api-key", KEY, "--queue-size", "4", "--max-body", "5MiB", "--threads", "1"]
-LIMITS = ["--request-timeout", "1", "--max-connections", "8"]
+# 3 s: four 4 MiB bodies at once must arrive within it on a loaded 2-core machine (1 s did not, on four
+# test workers beside other work)
+LIMITS = ["--request-timeout", "3", "--max-connections", "8"]
 JSON = {"content-type": "application/json"}
 
 
@@ -137,8 +139,8 @@ def test_half_open_and_idle_connections_are_closed_after_the_request_timeout(ser
             f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
         )
         assert idle.recv(100).startswith(b"HTTP/1.1 200")
-        assert _closed(idle, within=4)
-    assert all(_closed(sock, within=4) for sock in socks)
+        assert _closed(idle, within=8)
+    assert all(_closed(sock, within=8) for sock in socks)
     for sock in socks:
         sock.close()
     assert _post(server, {"prompt": "Hello", "max_tokens": 2, "temperature": 0}).status_code == 200
@@ -151,11 +153,11 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(server):
             + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n".encode()
             + b'{"prompt": '
         )
-        sock.settimeout(5)
+        sock.settimeout(8)
         answer = sock.recv(4096)
         while b"}}" not in answer:
             answer += sock.recv(4096)
-    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 3 s" in answer
 
 
 def test_connections_past_the_cap_get_503_at_once(server):
@@ -164,7 +166,7 @@ def test_connections_past_the_cap_get_503_at_once(server):
     socks = [socket.create_connection(_address(server)) for _ in range(11)]
     first: dict[int, bytes] = {}  # socket -> the first bytes it got (b"": closed)
     try:
-        deadline = time.monotonic() + 4  # past the 1 s request timeout: the held ones are closed too
+        deadline = time.monotonic() + 8  # past the 3 s request timeout: the held ones are closed too
         while len(first) < len(socks) and time.monotonic() < deadline:
             waiting = [s for i, s in enumerate(socks) if i not in first]
             for sock in select.select(waiting, [], [], 0.1)[0]:
