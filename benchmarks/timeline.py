@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import itertools
 
 import moestream
-from moestream.cache import expert_cache
+from moestream.cache import records
 from moestream.cli._engine_args import add_engine_arguments, engine_kwargs
 from moestream.io import reader as reader_mod
 from moestream.runtime import experts as experts_mod
@@ -82,14 +82,14 @@ class Timeline:
 
         experts_mod.ExpertRuntime._readback = timed_readback
 
-        init = expert_cache.LayerJob.__init__
+        init = records.LayerJob.__init__
 
         def timed_init(self, *args, **kwargs):
             init(self, *args, **kwargs)
             if tl.current is not None:
                 tl.current["queued"] = time.perf_counter()
 
-        expert_cache.LayerJob.__init__ = timed_init
+        records.LayerJob.__init__ = timed_init
 
     def report(self) -> dict:
         layers = self.layers

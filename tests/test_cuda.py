@@ -9,7 +9,7 @@ import torch
 import transformers as T
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 
 pytestmark = [
     pytest.mark.cuda,

@@ -8,7 +8,7 @@ import transformers as T
 from tiny_models import ARCHS
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 NEW_TOKENS = 32

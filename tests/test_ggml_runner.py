@@ -23,7 +23,7 @@ import transformers as T
 from gguf import GGMLQuantizationType as Q
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.cli import main
 from moestream.engine import ggml_layers, ggml_runner
 from moestream.errors import MoestreamError

@@ -10,7 +10,7 @@ from tiny_gguf import GGUF_ARCHS
 from tiny_models import CORPUS
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.store.source import open_source
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]

@@ -27,7 +27,7 @@ from tiny_models import CORPUS, write_tiny
 
 import moestream
 from moestream.bench.perplexity import model_logits, perplexity
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]
 TOKENS = 32

@@ -30,7 +30,7 @@ from test_ggml_runner import FORCED, PROMPT, TOLERANCE, _count_runs, _runner_log
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.errors import ExpertReadError
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.formats import ggml as ggml_graphs_format

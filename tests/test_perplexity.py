@@ -14,7 +14,7 @@ from tiny_models import CORPUS
 
 import moestream
 from moestream.bench.perplexity import model_logits, perplexity, split_chunks
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.cli import main
 from moestream.errors import MoestreamError
 

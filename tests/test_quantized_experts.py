@@ -21,7 +21,8 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from moestream import ggml
-from moestream.cache.expert_cache import ExpertCache, budget_requirements
+from moestream.cache.expert_cache import ExpertCache
+from moestream.cache.size_classes import budget_requirements
 from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import SwiGLU

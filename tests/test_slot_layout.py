@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from test_ggml_runner import FORCED, _count_runs, _runner_logits
 
 import moestream
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.io.reader import IO_MODES
 
 TYPES = {"gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.Q8_0}

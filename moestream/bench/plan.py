@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from moestream.cache.expert_cache import budget_requirements, planned_bytes
+from moestream.cache.size_classes import budget_requirements, planned_bytes
 from moestream.cache.slots import plan_parts, slot_bytes
 from moestream.errors import CacheBudgetError, MoestreamError
 from moestream.store.experts import ExpertMap

@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def describe(path: str) -> dict[str, Any]:
     """Everything `info` reports that needs only the checkpoint's config and tensor headers."""
-    from moestream.cache.expert_cache import budget_requirements
+    from moestream.cache.size_classes import budget_requirements
     from moestream.cache.slots import slot_bytes
     from moestream.model.arch import arch_for, num_experts, top_k
     from moestream.runtime.checks import check_experts

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moestream.cache.expert_cache import budget_requirements, planned_bytes
+from moestream.cache.size_classes import budget_requirements, planned_bytes
 from moestream.engine.memory import (
     WORKING_BYTES,
     MemoryNeed,

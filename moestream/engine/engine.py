@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
+from moestream.cache.read_at_load import read_all
 from moestream.engine.auto_budget import size_auto
 from moestream.engine.chat import render_chat
 from moestream.engine.detokenize import TextStream
@@ -336,7 +337,7 @@ class Engine:
         if words or not self.runtime.tier.in_place or cache is None or not cache.holds_all():
             return words
         start = time.perf_counter()
-        read = format_size(cache.read_all())
+        read = format_size(read_all(cache))
         return f"; every expert cached, read at load ({read} in {time.perf_counter() - start:.1f} s)"
 
     @property

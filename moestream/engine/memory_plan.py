@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from moestream.cache.expert_cache import budget_requirements
+from moestream.cache.size_classes import budget_requirements
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.memory import (
     WORKING_BYTES,

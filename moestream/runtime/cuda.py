@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from moestream.cache.admission import admission_blocked
-from moestream.cache.expert_cache import ExpertCache, LayerJob
+from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.policy import EvictionPolicy, LRUPolicy, ResidentSet, slots_for_budget
+from moestream.cache.records import LayerJob
 from moestream.errors import CacheBudgetError
 from moestream.io.memory import AlignedBuffer
 from moestream.runtime.tiers import DeviceTier

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from moestream.cache.expert_cache import ExpertCache, LayerJob
+from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.policy import execution_order
+from moestream.cache.records import LayerJob
 from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
 from moestream.runtime.prefetch import PrefetchGate

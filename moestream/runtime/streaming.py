@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from moestream.cache.expert_cache import ExpertCache, budget_requirements, planned_bytes
+from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from moestream.cache.predictive import PredictivePolicy
+from moestream.cache.size_classes import budget_requirements, planned_bytes
 from moestream.errors import CheckpointChangedError
 from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime

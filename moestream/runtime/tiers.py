@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.cache.expert_cache import ExpertCache, LayerJob
+from moestream.cache.expert_cache import ExpertCache
+from moestream.cache.records import LayerJob
 from moestream.runtime.weights import SlotTensors
 from moestream.units import format_size
 
