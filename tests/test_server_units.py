@@ -11,7 +11,7 @@ import pytest
 
 import moestream
 from moestream.cli import build_parser, main
-from moestream.engine.engine import Generation
+from moestream.engine.requests import Generation
 from moestream.engine.sampling import SamplingParams
 from moestream.engine.stats import GenerationStats, PhaseStats
 from moestream.server.timings import timings, usage

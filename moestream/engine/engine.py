@@ -2,62 +2,42 @@
 
 from __future__ import annotations
 
-import numbers
-import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
-from moestream.cache.read_at_load import read_all
 from moestream.engine.auto_budget import size_auto
 from moestream.engine.chat import render_chat
-from moestream.engine.detokenize import TextStream
+from moestream.engine.describe import describe
 from moestream.engine.kvcache import kv_cache_bytes
-from moestream.engine.loop import ContinuationError, ForwardStep, token_stream
-from moestream.engine.memory import TrunkLock, storage_ranges
-from moestream.engine.memory_plan import plan_memory, plan_restream
+from moestream.engine.loop import ForwardStep
+from moestream.engine.memory import TrunkLock
+from moestream.engine.memory_plan import plan_memory
 from moestream.engine.options import EngineOptions
-from moestream.engine.prompt_cache import KVState, PromptCache
-from moestream.engine.sampling import Sampler, SamplingParams, model_sampling_defaults
-from moestream.engine.stats import Counters, GenerationStats, PhaseStats
-from moestream.engine.trunk import ggml_spec, release_trunk, resident_part, setup_trunk
+from moestream.engine.prompt_cache import PromptCache
+from moestream.engine.prompts import check_context, context_size, prompt_ids
+from moestream.engine.requests import Generation, run_request
+from moestream.engine.sampling import SamplingParams, model_sampling_defaults
+from moestream.engine.stats import Counters
+from moestream.engine.streaming_setup import build_streaming, read_resident, rebuild_streaming
+from moestream.engine.trunk import ggml_spec, release_trunk, setup_trunk
 from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
 from moestream.ggml.host import default_threads
 from moestream.io.reader import Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
-from moestream.model.quantized import block_bytes
+from moestream.model.loader import build_model, streaming_modules, trunk_tensors
 from moestream.runtime.checks import check_experts
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
-from moestream.runtime.formats import describe_formats
-from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
+from moestream.runtime.streaming import ReaderFactory
 from moestream.store.source import open_source
 from moestream.units import format_size
-
-DEFAULT_CONTEXT = 8192  # --ctx-size when not given: the smaller of this and the model's maximum
-
-
-@dataclass
-class Generation:
-    """The result of one request."""
-
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    stats: GenerationStats
-    finish_reason: str = "length"  # "length", "stop" (eos or a stop string) or "cancelled"
-    done: bool = False  # set on the last object `Engine.stream` yields
-    piece: str = ""  # the text new since the previous yield; the pieces join to exactly `text`
-    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not computed again)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load(
@@ -137,7 +117,7 @@ class Engine:
         check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
         self.top_k = top_k(self.config)
         self.device = torch.device(options.device)
-        self.ctx_size = self._context_size()
+        self.ctx_size = context_size(options.ctx_size, self.context_length)
         self.closed, self.broken = False, None  # see `unavailable`
         keep = options.trunk_dtype is None
         stored = trunk_tensors(self.source, self.config, self.arch, self.emap, keep)  # nothing read yet
@@ -162,7 +142,7 @@ class Engine:
             self.family = make_family(self.config, self.emap, self.device, self.dtype)
             # an auto budget: what the memory leaves now that the trunk is in (refused if below the minimum)
             self.options, self.auto = size_auto(self, self.options)
-            self.streaming = self._stream()
+            self.streaming = build_streaming(self)
         except BaseException:
             self.trunk.unlock()
             raise
@@ -180,7 +160,7 @@ class Engine:
             )
             if self._step.runner is not None:  # one pool: ggml's; torch only runs glue in between
                 torch.set_num_threads(1)
-            self.trunk_line = self._trunk_base + self._resident()
+            self.trunk_line = self._trunk_base + read_resident(self)
         except BaseException:
             self.streaming.close()
             self.trunk.unlock()
@@ -253,92 +233,11 @@ class Engine:
                 **sampling,
             )
 
-    def _stream(self) -> ExpertStreaming:
-        """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""
-        streaming = ExpertStreaming(
-            self.emap,
-            self.family,
-            self.options.stream_config(),
-            top_k=self.top_k,
-            device=self.device,
-            make_reader=self._make_reader,
-        )
-        if self._spec is not None:
-            streaming.runtime.use_graph_kernels()
-        if self.options.prefetch != "off":
-            streaming.enable_lookahead(router_modules(self.model))
-        streaming.bind(self._modules)
-        return streaming
-
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
         `lock_memory`, `policy`, `prefetch`, `preload` or the CUDA tiers, keeping the loaded model:
         side-by-side comparisons without reloading."""
-        unknown = set(changes) - {
-            "cache",
-            "io_mode",
-            "io_threads",
-            "piece",
-            "lock_memory",
-            "gpu_cache",
-            "host_cache",
-            "prefetch",
-            "policy",
-            "preload",
-        }
-        if unknown:
-            raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
-        tiers = {k: v for k, v in changes.items() if k in ("gpu_cache", "host_cache")}
-        refuse_unused(self.options.device, {**tiers, "unified": self.options.unified})  # as at load
-        try:
-            options = EngineOptions(**{**vars(self.options), **changes})
-        except ValueError as exc:
-            raise MoestreamError(str(exc)) from None
-        if options.auto:
-            raise MoestreamError("restream takes sizes: an auto budget is sized when the model loads")
-        self.check_usable()
-        options = plan_restream(self, options)  # against the room the current cache gives back
-        recorder, previous = self.recorder, self.options
-        if recorder is not None:
-            recorder.detach(self.runtime)
-        if self._step.graphs is not None:
-            self._step.graphs.drop_whole()  # it reads the slot buffer closed next
-        self.trunk_line = self._trunk_base
-        self.streaming.close()
-        try:
-            self.options = options
-            self.streaming = self._stream()
-            self.runtime.replay = self.replay
-            self.trunk_line = self._trunk_base + self._resident()
-            self.auto = []  # the sizes given now are the ones in use
-        except BaseException as exc:  # the previous setup, so that a failed restream leaves a usable engine
-            self.options = previous
-            try:
-                self.streaming = self._stream()
-                self.runtime.replay = self.replay
-            except BaseException as again:
-                self.broken = (
-                    f"a restream failed ({exc}) and the previous setup could not be rebuilt ({again})"
-                )
-                raise
-            raise
-        finally:
-            if recorder is not None and self.broken is None:
-                recorder.attach(self)
-
-    def _resident(self) -> str:
-        """Every expert read at load where the cache holds them all (unless `preload` is off): into the
-        GPU tier, the step then one graph; or into the host cache that the kernels read in place (CPU,
-        unified memory), so that no request waits for a first read."""
-        if not self.options.preload:
-            return ""
-        words = resident_part(self._step, self.top_k, int(text_config(self.config).hidden_size))
-        cache = self.streaming.cache
-        if words or not self.runtime.tier.in_place or cache is None or not cache.holds_all():
-            return words
-        start = time.perf_counter()
-        read = format_size(read_all(cache))
-        return f"; every expert cached, read at load ({read} in {time.perf_counter() - start:.1f} s)"
+        rebuild_streaming(self, **changes)
 
     @property
     def unavailable(self) -> str | None:
@@ -376,51 +275,7 @@ class Engine:
 
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
-        return (
-            f"moestream: {self.config.model_type} on {self.device} | {self.streaming.describe()} of "
-            f"{len(self.emap.units)} experts ({format_size(self.emap.expert_bytes)}, "
-            f"{describe_formats(self.runtime.formats)}) | "
-            + "".join(f"{budget.describe()} | " for budget in self.auto)
-            + f"{self._threads_part()} | dtype {str(self.dtype).removeprefix('torch.')} | "
-            f"{self._trunk_part()}{self.trunk_line} | "
-            f"{self.floor.describe() if self.floor is not None else 'gpu floor off'}"
-            + (
-                f" | ROUTING REPLAYED from {self.replay.name} (benchmark only: outputs are not the model's)"
-                if self.replay is not None
-                else ""
-            )
-            + (
-                f" | LOSSY: {self.top_k} experts per token instead of the model's {self.model_top_k}"
-                if self.top_k != self.model_top_k
-                else ""
-            )
-            + f" | {self.context_line()}"
-        )
-
-    def _threads_part(self) -> str:
-        if self._step.runner is not None:
-            return f"threads {self.threads} (one ggml pool; torch 1)"
-        return f"threads {torch.get_num_threads()}"
-
-    def _trunk_part(self) -> str:
-        """The trunk in host memory (read into memory the process owns, not mapped), and on a GPU what
-        moestream holds in GPU memory: the trunk, the GPU tier, the KV cache when full."""
-        blocks = block_bytes(self.model)
-        kept = f", {format_size(blocks)} of it in GGUF block types" if blocks else ""
-        text = ""
-        if self.trunk.nbytes:
-            lock = "locked" if self.trunk.locked else "unlocked"
-            where = kept if self.device.type == "cpu" else ""
-            text = f"trunk {format_size(self.trunk.nbytes)} ({lock}{where}) | "
-        if self.device.type != "cuda":
-            return text
-        trunk = sum(storage_ranges(self.model, "cuda").values())
-        tier = self.runtime.tier.gpu_bytes
-        kv = self._kv_bytes()
-        return text + (
-            f"GPU memory {format_size(trunk + tier + kv)}: trunk {format_size(trunk)}{kept} + GPU tier "
-            f"{format_size(tier)} + KV cache {format_size(kv)} at {self.ctx_size} tokens | "
-        )
+        return describe(self)
 
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
@@ -428,17 +283,6 @@ class Engine:
         return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used)
 
     # --- generation --------------------------------------------------------------------------
-
-    def _context_size(self) -> int:
-        """--ctx-size, at most the model's trained context (default: the smaller of it and 8192)."""
-        model = self.context_length
-        requested = self.options.ctx_size
-        if requested is not None and model is not None and requested > model:
-            raise MoestreamError(
-                f"--ctx-size {requested} is beyond the model's trained context of {model} tokens, where its "
-                f"output would look like text but not be the model's"
-            )
-        return requested or min(model or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
 
     def _init_generation(self) -> None:
         """Prompt cache and the model's own sampling defaults."""
@@ -531,13 +375,14 @@ class Engine:
                 "(temperature 0) does not use them",
                 stacklevel=2,
             )
-        ids = self._prompt_ids(prompt, messages, chat, chat_template_kwargs)
+        ids = prompt_ids(self, prompt, messages, chat, chat_template_kwargs)
         self.check_context(len(ids), params.max_tokens)
         self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output
         if self.streaming.suspect:  # changed, then restored: slots may hold bytes read in between
             self.restream()
         self._requests += 1
-        yield from self._run(
+        yield from run_request(
+            self,
             ids,
             params,
             cancelled or (lambda: False),
@@ -546,175 +391,15 @@ class Engine:
             cache_prompt if keep_cache is None else keep_cache,
         )
 
-    def _prompt_ids(
-        self,
-        prompt: str | list[int] | None,
-        messages: list[dict[str, Any]] | None,
-        chat: bool,
-        template_kwargs: dict[str, Any] | None,
-    ) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise MoestreamError("give either a prompt or messages")
-        templated = messages is not None or (chat and isinstance(prompt, str))
-        if template_kwargs and not templated:
-            raise MoestreamError(
-                "chat_template_kwargs set chat template variables, and this prompt goes through no template "
-                "(give messages, or a text prompt with chat=True)"
-            )
-        if chat and prompt is not None and not isinstance(prompt, str):
-            raise MoestreamError(
-                "chat=True renders a text prompt through the chat template; token ids are used as given"
-            )
-        if messages is None and chat:
-            messages = [{"role": "user", "content": prompt}]
-        if messages is not None:
-            ids = self.encode_messages(messages, template_kwargs)
-        else:
-            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise MoestreamError("the prompt is empty")
-        self._check_ids(ids)
-        return ids
-
     @property
     def context_length(self) -> int | None:
         """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
         value = getattr(text_config(self.config), "max_position_embeddings", None)
         return int(value) if value else None
 
-    def _check_ids(self, ids: list[Any]) -> None:
-        """Token ids a caller passed must index the embedding (else an IndexError from deep in torch)."""
-        vocab = self.model.get_input_embeddings().num_embeddings
-        bad = next(
-            (
-                t
-                for t in ids
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab
-            ),
-            None,
-        )
-        if bad is not None:
-            raise MoestreamError(
-                f"token id {bad!r} in the prompt is not a token of this model (0..{vocab - 1})"
-            )
-
     def check_context(self, prompt_n: int, max_tokens: int) -> None:
-        """Refuse a prompt and max_tokens that do not fit the context (--ctx-size, at most the model's:
-        positions past the trained context give text that looks like output but is not)."""
-        ctx = self.ctx_size
-        if ctx == self.context_length:
-            which = f"the model's context of {ctx} tokens"
-        else:
-            which = f"the context of {ctx} tokens (--ctx-size)"
-        if prompt_n >= ctx:
-            raise MoestreamError(
-                f"the prompt has {prompt_n} tokens, more than {which} leaves room for (at most {ctx - 1})"
-            )
-        if prompt_n + max_tokens > ctx:
-            raise MoestreamError(
-                f"max tokens {max_tokens} plus the prompt's {prompt_n} tokens exceeds {which} "
-                f"(at most {ctx - prompt_n} here)"
-            )
-
-    def _run(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        cancelled: Callable[[], bool],
-        request_id: str,
-        cache_prompt: bool,
-        keep: bool,
-    ) -> Iterator[Generation]:
-        if self.floor is not None:
-            self.floor.begin()
-        # the held cache is taken out for the run: a request that fails never leaves a half-updated one
-        state = self.prompt_cache.take(ids) if cache_prompt else KVState()
-        if not cache_prompt:
-            self.prompt_cache.clear()
-        try:
-            try:
-                yield from self._tokens(
-                    ids, params, cancelled, self._stepper(request_id, len(state.ids)), state
-                )
-            except ContinuationError as exc:  # raised before the first token: run the request cold instead
-                self.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
-                warnings.warn(
-                    f"the prompt cache is off for this model: {self.prompt_cache.disabled}", stacklevel=2
-                )
-                state = KVState()
-                yield from self._tokens(ids, params, cancelled, self._stepper(request_id, 0), state)
-        finally:
-            if keep:
-                self.prompt_cache.keep(state)
-            if self.recorder is not None:
-                self.recorder.flush()  # a process killed later loses none of this request's rows
-            if self.floor is not None:
-                self.floor.end()
-
-    def _stepper(
-        self, request_id: str, position: int
-    ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
-        """The forward step, telling the trace recorder and the routing replay (if any) what each
-        forward covers."""
-        listeners = [x for x in (self.recorder, self.replay) if x is not None]
-        if not listeners:
-            return self._step
-        phase = "prefill"
-
-        def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-            nonlocal position, phase
-            for listener in listeners:
-                listener.forward(request_id, phase, position)
-            position, phase = position + len(ids), "decode"
-            return self._step(ids, cache)
-
-        return step
-
-    def _tokens(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        cancelled: Callable[[], bool],
-        step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
-        state: KVState,
-    ) -> Iterator[Generation]:
-        eos = _eos_ids(self.model, self.tokenizer)
-        start, before = time.perf_counter(), self.counters()
-        cached = len(state.ids)
-        tokens: list[int] = []
-        text = TextStream(self.tokenizer, params.stop)
-        gen = Generation(
-            "", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached
-        )
-        prefill_end, after_prefill = start, before
-        step = self.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
-        for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
-            now = time.perf_counter()
-            if not tokens:
-                prefill_end, after_prefill = now, self.counters()
-                gen.stats.prefill = after_prefill.since(before, len(ids) - cached, now - start)
-            else:
-                gen.stats.decode = self.counters().since(after_prefill, len(tokens), now - prefill_end)
-            if token in eos and not params.ignore_eos:
-                gen.finish_reason = "stop"
-                break
-            tokens.append(token)
-            stopped = text.push(token)
-            gen.text = text.text
-            if stopped:
-                gen.finish_reason = "stop"
-                break
-            if cancelled():
-                gen.finish_reason = "cancelled"
-                break
-            gen.piece = text.piece()
-            yield gen
-        gen.piece = text.finish()
-        gen.text, gen.done = text.text, True
-        gen.stats.gpu_floor = (
-            "off" if self.floor is None else ("active" if self.floor.was_active else "inactive")
-        )
-        yield gen
+        """Refuse a prompt and max_tokens that do not fit the context (`prompts.check_context`)."""
+        check_context(prompt_n, max_tokens, self.ctx_size, self.context_length)
 
     def close(self) -> None:
         """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor;
@@ -759,13 +444,3 @@ def _override_top_k(config: Any, k: int) -> None:
             f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
         )
     cfg.num_experts_per_tok = k
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
-        model.config, "eos_token_id", None
-    )
-    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        found.add(tokenizer.eos_token_id)
-    return found

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
-from moestream.engine.engine import Generation
+from moestream.engine.requests import Generation
 from moestream.engine.sampling import SamplingParams
 from moestream.server.access import AccessRecord
 from moestream.server.errors import APIError, from_validation

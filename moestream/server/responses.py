@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any
 
-from moestream.engine.engine import Generation
+from moestream.engine.requests import Generation
 from moestream.server import timings
 
 

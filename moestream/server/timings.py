@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.engine.engine import Generation
+from moestream.engine.requests import Generation
 
 
 def _per(count: int, ms: float) -> tuple[float, float]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moestream.engine.engine import Engine, Generation
+from moestream.engine.engine import Engine
+from moestream.engine.requests import Generation
 from moestream.engine.sampling import SamplingParams
 from moestream.errors import MoestreamError
 

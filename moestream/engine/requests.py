@@ -1,0 +1,147 @@
+"""One request's run: the `Generation` it yields, the prompt cache, GPU floor and trace around it, and
+the token loop (the prompt's forward, then a token a forward until max tokens, a stop or a cancel).
+`Engine.stream` checks the request and runs it here."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moestream.engine.detokenize import TextStream
+from moestream.engine.loop import ContinuationError, token_stream
+from moestream.engine.prompt_cache import KVState
+from moestream.engine.sampling import Sampler, SamplingParams
+from moestream.engine.stats import GenerationStats, PhaseStats
+
+
+@dataclass
+class Generation:
+    """The result of one request."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stats: GenerationStats
+    finish_reason: str = "length"  # "length", "stop" (eos or a stop string) or "cancelled"
+    done: bool = False  # set on the last object `Engine.stream` yields
+    piece: str = ""  # the text new since the previous yield; the pieces join to exactly `text`
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not computed again)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_request(
+    engine: Any,
+    ids: list[int],
+    params: SamplingParams,
+    cancelled: Callable[[], bool],
+    request_id: str,
+    cache_prompt: bool,
+    keep: bool,
+) -> Iterator[Generation]:
+    """Run one request (`Engine.stream` checked it): the GPU floor held, the prompt cache taken and
+    kept, the trace flushed at the end; yields the growing `Generation`."""
+    if engine.floor is not None:
+        engine.floor.begin()
+    # the held cache is taken out for the run: a request that fails never leaves a half-updated one
+    state = engine.prompt_cache.take(ids) if cache_prompt else KVState()
+    if not cache_prompt:
+        engine.prompt_cache.clear()
+    try:
+        try:
+            yield from _tokens(
+                engine, ids, params, cancelled, _stepper(engine, request_id, len(state.ids)), state
+            )
+        except ContinuationError as exc:  # raised before the first token: run the request cold instead
+            engine.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
+            warnings.warn(
+                f"the prompt cache is off for this model: {engine.prompt_cache.disabled}", stacklevel=2
+            )
+            state = KVState()
+            yield from _tokens(engine, ids, params, cancelled, _stepper(engine, request_id, 0), state)
+    finally:
+        if keep:
+            engine.prompt_cache.keep(state)
+        if engine.recorder is not None:
+            engine.recorder.flush()  # a process killed later loses none of this request's rows
+        if engine.floor is not None:
+            engine.floor.end()
+
+
+def _stepper(
+    engine: Any, request_id: str, position: int
+) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
+    """The forward step, telling the trace recorder and the routing replay (if any) what each
+    forward covers."""
+    listeners = [x for x in (engine.recorder, engine.replay) if x is not None]
+    if not listeners:
+        return engine._step
+    phase = "prefill"
+
+    def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        nonlocal position, phase
+        for listener in listeners:
+            listener.forward(request_id, phase, position)
+        position, phase = position + len(ids), "decode"
+        return engine._step(ids, cache)
+
+    return step
+
+
+def _tokens(
+    engine: Any,
+    ids: list[int],
+    params: SamplingParams,
+    cancelled: Callable[[], bool],
+    step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+    state: KVState,
+) -> Iterator[Generation]:
+    eos = _eos_ids(engine.model, engine.tokenizer)
+    start, before = time.perf_counter(), engine.counters()
+    cached = len(state.ids)
+    tokens: list[int] = []
+    text = TextStream(engine.tokenizer, params.stop)
+    gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached)
+    prefill_end, after_prefill = start, before
+    step = engine.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
+    for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
+        now = time.perf_counter()
+        if not tokens:
+            prefill_end, after_prefill = now, engine.counters()
+            gen.stats.prefill = after_prefill.since(before, len(ids) - cached, now - start)
+        else:
+            gen.stats.decode = engine.counters().since(after_prefill, len(tokens), now - prefill_end)
+        if token in eos and not params.ignore_eos:
+            gen.finish_reason = "stop"
+            break
+        tokens.append(token)
+        stopped = text.push(token)
+        gen.text = text.text
+        if stopped:
+            gen.finish_reason = "stop"
+            break
+        if cancelled():
+            gen.finish_reason = "cancelled"
+            break
+        gen.piece = text.piece()
+        yield gen
+    gen.piece = text.finish()
+    gen.text, gen.done = text.text, True
+    gen.stats.gpu_floor = (
+        "off" if engine.floor is None else ("active" if engine.floor.was_active else "inactive")
+    )
+    yield gen
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
+        model.config, "eos_token_id", None
+    )
+    found = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        found.add(tokenizer.eos_token_id)
+    return found
