@@ -171,7 +171,7 @@ class SlotLayout:
     def move_to_start(self, state: SlotState, kind: str) -> None:
         """A kind read in full without error: in a moved layer (not repacked), its bytes go to the start
         of their region, the same offset in every slot."""
-        if (state.key[0], kind) in self._repack or state.key[0] not in self._moved:
+        if self._repack.get((state.key[0], kind)) is not None or state.key[0] not in self._moved:
             return
         base = state.cls.buffer.address + state.base
         for p in state.plan[kind]:
