@@ -32,6 +32,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import moestream
 from moestream.cache.size_classes import budget_requirements
 from moestream.errors import ExpertReadError
+from moestream.runtime import prefetch as prefetch_module
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.formats import ggml as ggml_graphs_format
 from moestream.runtime.formats.ggml import GgmlMxfp4, ggml_mxfp4
@@ -183,8 +184,10 @@ def test_mxfp4_experts_in_the_graphs_follow_stock(mxfp4_dir, monkeypatch):
         assert margins[same].item() < ROUTER_ERROR, (same, margins.tolist())
 
 
-def test_mxfp4_experts_streamed_equal_resident(mxfp4_dir):
+def test_mxfp4_experts_streamed_equal_resident(mxfp4_dir, monkeypatch):
     _streamed_equals_resident(mxfp4_dir, fused=True)
+    # every guess read ahead (the tiny model's few guesses seldom reach the measured precision)
+    monkeypatch.setattr(prefetch_module, "PRECISION_MIN", 0.0)
     with moestream.load(str(mxfp4_dir), cache="64MiB", trunk="ggml") as engine:
         resident = _runner_logits(engine)
         slot = engine.cache.slot_bytes  # read ahead into 10 slots of 16: repacked as they land

@@ -135,12 +135,21 @@ class LayerGraphs:
         buf: StepBuffers,
         experts: dict[int, ExpertTypes] | None = None,
         whole: Whole | None = None,
+        last: bool = False,
     ) -> None:
         self.spec, self.kv, self.buf = spec, kv, buf
         self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
         self.whole = whole  # where each MoE layer's experts lie, for the `step` graph
         self.tokens = buf.tokens.numel()
         self.span = buf.mask.shape[1]
+        # `last`: past the last layer's attention only the last position goes on (its FFN or experts,
+        # the head), as llama.cpp's graphs do: the logits are the last position's, and the KV cache is
+        # written before; the runner hands the layer's expert runtime that one row (`rows`)
+        self.last = last and self.tokens > 1
+
+    def rows(self, layer: int) -> int:
+        """Token columns of the FFN of `layer` and of the stream past it (len(layers): the head's input)."""
+        return 1 if self.last and layer >= len(self.spec.layers) - 1 else self.tokens
 
     # --- inputs: the residual stream with the previous layer's routed experts added -------------
 
@@ -150,7 +159,7 @@ class LayerGraphs:
         slots, by the very kernel the expert runtime runs them with (ggml_mul_mat_id). `carry`: the
         previous layer's nodes in this same graph (a whole step's graph, `step`): its experts are
         computed here from the router's ids, each expert's slot being `Whole.first[layer] + id`."""
-        H, T = self.spec.hidden, self.tokens
+        H, T = self.spec.hidden, self.rows(layer - 1)
         if layer == 0:
             ids = net.tensor(I32, [T], self.buf.tokens.data_ptr())
             return net.get_rows(net.weight(self.spec.embed.ggml, [H, self.spec.vocab]), ids)
@@ -247,6 +256,9 @@ class LayerGraphs:
             writes, attn = delta_net(net, h, layer.linear, self.kv[layer.index], self.tokens, spec.eps)
         else:
             writes, attn = self._attention(net, h, layer.attention, layer.index)
+        T = self.rows(layer.index)
+        if self.last and layer.index == len(spec.layers) - 1:  # the last position only, from here on
+            x, attn = (_last_column(net, t, self.tokens) for t in (x, attn))
         resid = net.add(x, attn)
         h2 = self._norm(net, resid, layer.ffn_norm)
         if layer.router is None:
@@ -260,11 +272,11 @@ class LayerGraphs:
             probs = net.sigmoid(logits) if r.sigmoid else net.soft_max(logits)
         choice = probs if r.bias is None else net.add(probs, net.weight(r.bias, [E]))
         if r.groups is not None:  # DeepSeek: only the best groups' experts
-            choice = group_limit(net, choice, r, self.tokens)
+            choice = group_limit(net, choice, r, T)
         order = net.argsort(choice, SORT_DESC)  # [E, T] i32
-        top = net.view_2d(order, r.top_k, self.tokens, 4 * E, 0)  # [K, T]
-        picked = net.get_rows(net.reshape_3d(probs, 1, E, self.tokens), top)  # [1, K, T]
-        w = view = net.reshape_2d(picked, r.top_k, self.tokens)  # [K, T]
+        top = net.view_2d(order, r.top_k, T, 4 * E, 0)  # [K, T]
+        picked = net.get_rows(net.reshape_3d(probs, 1, E, T), top)  # [1, K, T]
+        w = view = net.reshape_2d(picked, r.top_k, T)  # [K, T]
         if r.softmax_top:
             w = net.soft_max(w)
         if r.normalize:
@@ -283,8 +295,9 @@ class LayerGraphs:
         """Final norm and LM head on the last position -> logits [V]."""
         spec = self.spec
         x = self._stream(net, len(spec.layers), fused, carry)
-        if self.tokens > 1:
-            x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (self.tokens - 1))
+        T = self.rows(len(spec.layers))
+        if T > 1:
+            x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (T - 1))
         h = self._norm(net, x, spec.norm)
         logits = net.mul_mat(net.weight(spec.lm_head.ggml, [spec.hidden, spec.vocab]), h)
         return [net.fix(logits, self.buf.logits.data_ptr())]
@@ -346,3 +359,9 @@ class LayerGraphs:
         if gate is not None:
             out = net.mul(out, net.sigmoid(gate))
         return writes, self._linear(net, out, a.o, a.biases.get("o"))
+
+
+def _last_column(net: Net, t: int, tokens: int) -> int:
+    """The last of the `tokens` columns of a 2-D tensor [H, T] (a view)."""
+    g = GgmlTensor.from_address(t)
+    return net.view_2d(t, g.ne[0], 1, g.nb[1], g.nb[1] * (tokens - 1))

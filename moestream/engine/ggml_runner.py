@@ -97,11 +97,14 @@ class GraphSet:
         types: dict[int, ExpertTypes],
         threads: int,
         pool: int,
+        last: bool = False,
     ) -> None:
         tokens, span = shape
         self.buf = StepBuffers.make(spec, tokens, span, experts)
         self.pool = pool
-        build = LayerGraphs(spec, kv, self.buf, types)
+        build = LayerGraphs(spec, kv, self.buf, types, last=last)
+        self.last = build.last  # past the last layer's attention, the last position only
+        self.rows = build.rows
         self.graphs: list[Net] = []
         self.fused: dict[int, Net] = {}
         try:
@@ -131,7 +134,7 @@ class GraphSet:
             net = Net(ggml.library(), nodes=max(1024, 128 * (len(self.spec.layers) + 1)))
             try:
                 net.finish(
-                    LayerGraphs(self.spec, self.kv, self.buf, self.types, whole).step(net),
+                    LayerGraphs(self.spec, self.kv, self.buf, self.types, whole, self.last).step(net),
                     self.threads,
                     self.pool,
                 )
@@ -205,7 +208,7 @@ class GgmlRunner:
             kv.tokens += len(chunk)
         return logits.clone(), kv
 
-    def _set(self, tokens: int, span: int) -> GraphSet:
+    def _set(self, tokens: int, span: int, last: bool = False) -> GraphSet:
         kern = ggml.kernels(self.threads)
         cache = self.runtime(self._moe_layers[0]).cache
         if cache is not self._cache:  # a restream: the graphs read the old cache's slots
@@ -214,11 +217,13 @@ class GgmlRunner:
             self._whole = None
         key = (tokens, span)
         gs = self._sets.get(key)
-        if gs is not None and gs.pool != kern.pool:  # the pool was replaced (another thread count)
+        # the pool was replaced (another thread count), or the routing is wanted on the host now
+        if gs is not None and (gs.pool != kern.pool or gs.last != (last and tokens > 1)):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            gs = GraphSet(self.spec, self.kv, key, self.experts, self._types(), self.threads, kern.pool)
+            types = self._types()
+            gs = GraphSet(self.spec, self.kv, key, self.experts, types, self.threads, kern.pool, last)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -259,7 +264,7 @@ class GgmlRunner:
 
     def _step(self, ids: list[int], position: int) -> torch.Tensor:
         T = len(ids)
-        gs = self._set(T, _round_up(position + T, SPAN_STEP))
+        gs = self._set(T, _round_up(position + T, SPAN_STEP), self._host_free())
         if position == 0:  # a request from scratch: linear-attention states start at zero
             for layer, (conv, state) in zip(self.spec.layers, self.kv):
                 if layer.linear is not None:
@@ -278,7 +283,8 @@ class GgmlRunner:
             if T == 1:  # K distinct experts a layer
                 hits = len(self._moe_layers) * self.spec.top_k
             else:  # as `pin_all_hits` counts them: each layer's distinct experts
-                hits = sum(int(torch.unique(routed).numel()) for routed in b.routed)
+                rows = [gs.rows(layer) for layer in self._moe_layers]
+                hits = sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(b.routed, rows))
             self._cache.count_hits(hits)
             for layer in self._moe_layers:
                 self.runtime(layer).layer_calls += 1
@@ -294,13 +300,24 @@ class GgmlRunner:
                     if i == len(self.spec.layers) or self.spec.layers[i].router is None:
                         continue
                     if i + 1 in gs.fused:
-                        pinned = self._cached(i, b)
+                        pinned = self._cached(i, b, gs.rows(i))
                     if pinned is None:
-                        self._place(self._experts(i, b), b)
+                        self._place(self._experts(i, b, gs.rows(i)), b)
             finally:
                 if pinned is not None:
                     pinned[0].unpin_hits(pinned[1], pinned[2])
         return b.logits
+
+    def _host_free(self) -> bool:
+        """Whether nothing needs every position's routing on the host (a trace, a routing replay: they
+        record or replay each position's): then past the last layer's attention a prefill chunk goes on
+        with its last position only (prefetch reads ahead for the positions the layer would have had,
+        and is told the one it routes)."""
+        for layer in self._moe_layers:
+            rt = self.runtime(layer)
+            if rt.replay is not None or rt.observers:
+                return False
+        return True
 
     def _resident(self) -> Whole | None:
         """Where every MoE layer's experts lie when the step can be one graph: every expert cached for
@@ -329,15 +346,15 @@ class GgmlRunner:
         self._whole = (cache.version, whole)
         return whole
 
-    def _cached(self, layer: int, b: StepBuffers) -> tuple[Any, int, list[int]] | None:
+    def _cached(self, layer: int, b: StepBuffers, n: int) -> tuple[Any, int, list[int]] | None:
         """The step's experts of `layer` when the cache holds every one and nothing else needs the
         routing on the host (a trace, a replay, prefetch): pinned, each token's slots in `b.slots`,
-        for the next graph to compute. Returns (cache, layer, experts) to unpin, or None to run the
-        expert runtime instead."""
+        for the next graph to compute (the first `n` tokens' rows). Returns (cache, layer, experts) to
+        unpin, or None to run the expert runtime instead."""
         rt = self.runtime(layer)
         if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
             return None
-        rows = b.order[:, : b.weights[0].shape[1]].tolist()
+        rows = b.order[:n, : b.weights[0].shape[1]].tolist()
         experts = execution_order(rows)
         uses = dict.fromkeys(experts, 0)
         for row in rows:
@@ -348,13 +365,14 @@ class GgmlRunner:
             return None
         rt.layer_calls += 1
         slot = {e: s for e, (s, _) in zip(experts, pinned)}
-        b.slots.copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+        b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
         return rt.cache, layer, experts
 
-    def _experts(self, layer: int, b: StepBuffers) -> Routed:
-        weights = b.weights[layer % 2]
+    def _experts(self, layer: int, b: StepBuffers, n: int) -> Routed:
+        """The expert runtime on the first `n` tokens' rows."""
+        weights = b.weights[layer % 2][:n]
         k = weights.shape[1]
-        routed = self.runtime(layer).experts(layer, b.moe_in, b.order[:, :k], weights)
+        routed = self.runtime(layer).experts(layer, b.moe_in[:n], b.order[:n, :k], weights)
         if routed.weights is not weights:  # a routing replay gives the trace's weights
             weights.copy_(routed.weights)
         return routed

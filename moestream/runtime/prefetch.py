@@ -84,9 +84,11 @@ class PrefetchGate:
         if pending is None or pending[0] != layer:
             return  # no guess for this layer (or it is this forward's own, for the next layer)
         self._pending = None
-        if len(pending[1]) != len(rows):
+        if len(pending[1]) < len(rows):
             return
-        for guess, row in zip(pending[1], rows):
+        # fewer rows than guesses: the forward's last positions (the ggml graphs route only the last one
+        # past the last layer's attention), scored against their own guesses
+        for guess, row in zip(pending[1][len(pending[1]) - len(rows) :], rows):
             used = set(row)
             for expert, cls in guess:
                 self.guesses[cls] += 1
