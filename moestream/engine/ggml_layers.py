@@ -187,8 +187,9 @@ class LayerGraphs:
             else:
                 y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
             w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
-        # x + sum_k w_k * y_k per token: weighted, K brought to the rows, each row summed
-        summed = net.sum_rows(net.cont(net.permute(net.mul(y, w), 1, 0, 2, 3)))  # [1, H, T]
+        # x + sum_k w_k * y_k per token: ggml_out_prod sums over ne[1] (K axpys of H a token; a broadcast
+        # ggml_mul by w, K brought to the rows and sum_rows took several times as long)
+        summed = net.out_prod(y, w)  # [H, K, T] x [1, K, T] -> [H, 1, T]
         return net.add(x, net.reshape_2d(summed, H, T))
 
     def _cached_experts(self, net: Net, p: ExpertTypes, x: int, ids: int, first: int, experts: int) -> int:

@@ -149,6 +149,7 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_div": (_P, [_P, _P, _P]),
     "ggml_scale": (_P, [_P, _P, _F]),
     "ggml_sum_rows": (_P, [_P, _P]),
+    "ggml_out_prod": (_P, [_P, _P, _P]),
     "ggml_sigmoid": (_P, [_P, _P]),
     "ggml_silu": (_P, [_P, _P]),
     "ggml_soft_max": (_P, [_P, _P]),
