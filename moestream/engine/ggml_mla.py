@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from moestream.ggml.lib import GgmlTensor
-from moestream.ggml.net import BF16, F16, F32, I32, I64, SORT_DESC, Net
+from moestream.ggml.net import F16, FLOAT_TYPES, I32, I64, SORT_DESC, Net
 from moestream.model.mla_spec import Mla
 
 if TYPE_CHECKING:
     from moestream.model.graph_spec import Router
 
-_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _DROPPED = -1e30  # added to the choice of an expert outside the kept groups: never among the top k
 
 
@@ -66,7 +63,7 @@ def mla_attention(g: Any, net: Net, h: int, a: Mla, index: int) -> tuple[list[in
     out = net.flash_attn_ext(net.permute(query, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
     # out [L, N, T]: each head's mix of latents -> its values through kv_b's V rows [L, Dv, N]
     size = a.kv_b.element_size()
-    v_b = net.tensor(_TYPES[a.kv_b.dtype], [L, Dv, N], a.kv_b.data_ptr() + Dn * L * size)
+    v_b = net.tensor(FLOAT_TYPES[a.kv_b.dtype], [L, Dv, N], a.kv_b.data_ptr() + Dn * L * size)
     GgmlTensor.from_address(v_b).nb[2] = (Dn + Dv) * L * size  # head h's V rows: after its K rows
     GgmlTensor.from_address(v_b).nb[3] = (Dn + Dv) * L * size * N
     out = net.mul_mat(v_b, net.permute(out, 0, 2, 1, 3))  # [Dv, T, N]

@@ -24,6 +24,7 @@ from moestream.ggml.graphs import compute_graph, free_context
 from moestream.ggml.lib import GgmlTensor, InitParams, Library
 
 F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30  # GGML_TYPE_*
+FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}  # a float tensor's type
 SORT_DESC = 1  # GGML_SORT_ORDER_DESC
 ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: rotate_half, transformers' Llama-style rotary
 _ALIGN = 64
@@ -69,7 +70,7 @@ class Net:
         if isinstance(w, torch.Tensor):
             if not w.is_contiguous() or w.device.type != "cpu":
                 raise ValueError("a ggml weight must be a contiguous CPU tensor")
-            type_id = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}[w.dtype]
+            type_id = FLOAT_TYPES[w.dtype]
             return self.tensor(type_id, ne, w.data_ptr())
         address, type_id = w
         return self.tensor(type_id, ne, address)

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moestream.ggml.net import FLOAT_TYPES
 from moestream.model.quantized import QuantEmbedding, QuantLinear
-
-_FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # GGML_TYPE_*
 
 
 class NoGraph(Exception):
@@ -71,11 +70,11 @@ def matrix(module: nn.Module, permuted_inputs: bool = False) -> Matrix:
             module.raw, module.raw.data_ptr(), ggml.ggml_type(module.stored.name).id, *_shape(module)
         )
     w = module.weight.detach()
-    if w.dtype not in _FLOAT_TYPES or w.device.type != "cpu":
+    if w.dtype not in FLOAT_TYPES or w.device.type != "cpu":
         raise NoGraph(f"a {w.dtype} weight on {w.device} is not a ggml weight")
     if not w.is_contiguous():
         w = w.contiguous()
-    return Matrix(w, w.data_ptr(), _FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
+    return Matrix(w, w.data_ptr(), FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
