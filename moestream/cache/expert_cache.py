@@ -315,7 +315,7 @@ class ExpertCache(InPlaceSlots):
             kind_reads = self.layout.requests(
                 state, kind, (*order, rank, kind_rank), self.reader, self.piece_bytes, self._part_done
             )
-            state.remaining[kind] = len(kind_reads)
+            state.remaining[kind] = state.landing[kind] = len(kind_reads)
             admitted.reads.extend(kind_reads)
 
     def _unpin(self, state: SlotState) -> None:
@@ -329,9 +329,10 @@ class ExpertCache(InPlaceSlots):
 
     def _part_done(self, state: SlotState, kind: str, error: BaseException | None) -> None:
         repack = self.layout.repack_of(state.key[0], kind)
-        if repack is not None and error is None:
-            with self.lock:  # the kind's last part: every byte of it is in
-                last = state.remaining[kind] == 1 and state.errors[kind] is None
+        if repack is not None:
+            with self.lock:  # the kind's last part to land: every byte of it is in
+                state.landing[kind] -= 1
+                last = state.landing[kind] == 0 and error is None and state.errors[kind] is None
             if last:  # outside the lock (I/O threads convert in parallel); the slot stays: a read is counted
                 error = self.layout.convert(state, kind, repack)
         admitted = Admitted()

@@ -44,6 +44,9 @@ class SlotState:
     prefetching: bool = False
     prefetched: bool = False  # read ahead and not asked for yet
     addresses: dict[str, int] | None = None  # kind -> where its bytes are, once read (`pin_all_hits`)
+    # parts whose bytes have not landed yet, per kind: counted down as each lands, before `remaining`,
+    # so that of a repacked kind exactly one part (the last to land) rewrites it
+    landing: dict[str, int] = field(default_factory=dict)
 
     @property
     def base(self) -> int:
