@@ -19,13 +19,13 @@ from gguf import GGMLQuantizationType as Q
 from test_ggml_runner import (
     PROMPT,
     _runner_logits,
+    _small_steps,
     _stock_greedy,
     _stock_logits,
     _streamed_equals_resident,
 )
 
 import moestream
-from moestream.engine import ggml_layers, ggml_runner
 
 ARCHS = ["qwen3_next", "qwen3_5_moe"]
 TOLERANCE = 0.01  # of the largest |logit|
@@ -45,9 +45,7 @@ def _close(got: torch.Tensor, ref: torch.Tensor, tolerance: float = TOLERANCE, t
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graphs_match_stock_over_prefill_chunks_and_decode_steps(arch, tiny_gguf, monkeypatch):
-    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
-    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)  # the decode steps cross spans 40 and 48
-    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    _small_steps(monkeypatch)  # the decode steps cross spans 40 and 48
     hf, _ = tiny_gguf(arch)
     ref = _stock_logits(hf, LONG)
     want = _stock_greedy(hf, LONG, 16)

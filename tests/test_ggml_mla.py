@@ -20,12 +20,11 @@ import test_ggml_runner as base
 import torch
 import transformers as T
 from gguf import GGMLQuantizationType as Q
-from test_ggml_runner import FORCED, PROMPT, TOLERANCE, _runner_logits, _stock_logits
+from test_ggml_runner import FORCED, PROMPT, TOLERANCE, _runner_logits, _small_steps, _stock_logits
 from tiny_gguf import perturb_vectors, write_gguf
 from tiny_models import write_tiny
 
 import moestream
-from moestream.engine import ggml_layers, ggml_runner
 from moestream.model.mla_spec import ROPE_NEOX, ROPE_NORM
 
 # DeepSeek-V2-Lite's shape: q projected directly (no q_lora_rank), a K/V per head; V2's group-limited
@@ -219,9 +218,7 @@ def test_deepseek_gguf_blocks_match_the_transformers_path(arch, tiny_gguf):
 def test_deepseek_chunked_prefill_and_spans(tiny_dir, monkeypatch):
     """A prompt in chunks of 5 and decoding across attention spans of 8 positions: each step's query rows
     meet the cached latent rows of every earlier chunk and span, and the logits stay stock's."""
-    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
-    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
-    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    _small_steps(monkeypatch)
     path = tiny_dir("deepseek_v3")
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:

@@ -99,6 +99,14 @@ def _streamed_equals_resident(path, fused: bool) -> None:
                     assert engine.runtime.layer_calls > 0
 
 
+def _small_steps(monkeypatch) -> None:
+    """Prefill chunks of 5 tokens and attention spans of 8 positions: a short prompt crosses chunks and
+    its decoding crosses spans (graph sets built and dropped)."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
+    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+
+
 def _count_runs(monkeypatch) -> list[int]:
     runs = [0]
     run = ggml_runner.Net.run
@@ -178,9 +186,7 @@ def test_gguf_blocks_streamed_equal_resident_and_match_the_transformers_path(arc
 
 def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
     """A prompt longer than a prefill chunk, and decoding across attention spans, give stock's logits."""
-    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
-    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
-    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    _small_steps(monkeypatch)
     path = tiny_dir("qwen3_moe")
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:

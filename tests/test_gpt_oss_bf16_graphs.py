@@ -21,16 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_ggml_runner import (
-    FORCED,
     PROMPT,
     TOLERANCE,
     _count_runs,
-    _runner_logits,
     _stock_greedy,
     _stock_logits,
     _streamed_equals_resident,
 )
-from test_mxfp4_graphs import _count_runtime
+from test_mxfp4_graphs import _count_runtime, _one_graph_a_step
 
 import moestream
 from moestream.runtime.formats.ggml import GgmlTransposed
@@ -73,12 +71,7 @@ def test_bf16_experts_in_the_graphs_follow_stock(bf16_dir, monkeypatch):
     calls, _ = _count_runtime(monkeypatch)
     with moestream.load(str(bf16_dir), cache="64MiB", trunk="ggml") as engine:
         assert "BF16 by ggml" in engine.mode_line()
-        assert "(gpt_oss: one graph a layer, the routed experts between them; one graph a step" in (
-            engine.mode_line()
-        )
-        runs[0] = 0
-        got = _runner_logits(engine)
-        assert runs[0] == 1 + len(FORCED) and calls[0] == 0  # one graph a step; no expert by the runtime
+        got = _one_graph_a_step(engine, runs, calls)
         assert engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens == greedy
     largest = ref.abs().max().item()
     assert (got - ref).abs().max().item() <= TOLERANCE * largest

@@ -106,6 +106,19 @@ def mxfp4_dir(tiny_dir):
     return tiny_dir("gpt_oss_mxfp4")
 
 
+def _one_graph_a_step(engine, runs: list[int], calls: list[int]) -> torch.Tensor:
+    """The runner's logits over PROMPT + FORCED (`_runner_logits`), asserting that gpt_oss ran them one
+    graph a step with no expert computed by the expert runtime (`runs`, `calls`: the counters of
+    `_count_runs` and `_count_runtime`)."""
+    assert "(gpt_oss: one graph a layer, the routed experts between them; one graph a step" in (
+        engine.mode_line()
+    )
+    runs[0] = 0
+    got = _runner_logits(engine)
+    assert runs[0] == 1 + len(FORCED) and calls[0] == 0
+    return got
+
+
 def _count_runtime(monkeypatch) -> tuple[list[int], list]:
     """Counts the expert runtime's layer forwards, and keeps what each computed."""
     calls, seen = [0], []
@@ -162,12 +175,7 @@ def test_mxfp4_experts_in_the_graphs_follow_stock(mxfp4_dir, monkeypatch):
     with moestream.load(str(mxfp4_dir), cache="64MiB", trunk="ggml") as engine:
         assert {type(f) for f in engine.runtime.formats.values()} == {GgmlMxfp4}
         assert "MXFP4 by ggml" in engine.mode_line()
-        assert "(gpt_oss: one graph a layer, the routed experts between them; one graph a step" in (
-            engine.mode_line()
-        )
-        runs[0] = 0
-        got = _runner_logits(engine)
-        assert runs[0] == 1 + len(FORCED) and calls[0] == 0  # one graph a step; no expert by the runtime
+        got = _one_graph_a_step(engine, runs, calls)
         tokens = engine.generate(PROMPT, max_tokens=16, ignore_eos=True).tokens
         engine.restream(cache="64MiB", preload=False)  # per-layer graphs: each layer's hits in the next
         _runner_logits(engine)  # the first use reads them (the runtime computes those misses)

@@ -33,6 +33,18 @@ def _stock_greedy(path, ids: list[int], n: int) -> list[int]:
 DENSE_FIRST = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
 
+def _two_turns(engine):
+    """A first turn cached, a second that repeats it and adds NEW_TURN (warnings recorded), and the second
+    again, cold: (first, warm, cold, the warm run's warnings)."""
+    first = engine.generate(FIRST, max_tokens=6, ignore_eos=True, cache_prompt=True)
+    second_prompt = FIRST + first.tokens + NEW_TURN
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warm = engine.generate(second_prompt, max_tokens=8, ignore_eos=True, cache_prompt=True)
+    cold = engine.generate(second_prompt, max_tokens=8, ignore_eos=True)
+    return first, warm, cold, caught
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_second_turn_equals_a_cold_run_and_reads_less(tiny_dir, tmp_path, arch):
     if arch in DENSE_FIRST:
@@ -40,16 +52,12 @@ def test_second_turn_equals_a_cold_run_and_reads_less(tiny_dir, tmp_path, arch):
     else:
         path = tiny_dir(arch, experts=16)
     with moestream.load(str(path), cache=MIN_CACHE.get(arch, "100KiB")) as engine:
-        first = engine.generate(FIRST, max_tokens=6, ignore_eos=True, cache_prompt=True)
-        second_prompt = FIRST + first.tokens + NEW_TURN
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            warm = engine.generate(second_prompt, max_tokens=8, ignore_eos=True, cache_prompt=True)
-        cold = engine.generate(second_prompt, max_tokens=8, ignore_eos=True)
+        first, warm, cold, caught = _two_turns(engine)
     assert warm.tokens == cold.tokens
     assert not engine.prompt_cache.disabled, caught  # DeepSeek too: the ggml graphs keep their KV cache
     # the cache held the first prompt and every generated token but the last (sampled, never fed back)
     assert warm.cached_tokens == len(FIRST) + len(first.tokens) - 1 and cold.cached_tokens == 0
+    second_prompt = FIRST + first.tokens + NEW_TURN
     assert warm.stats.prefill.tokens == len(second_prompt) - warm.cached_tokens == len(NEW_TURN) + 1
     assert warm.stats.prefill.bytes_read < cold.stats.prefill.bytes_read
     assert warm.stats.bytes_read < cold.stats.bytes_read
@@ -62,12 +70,7 @@ def test_deepseek_on_transformers_path_runs_the_second_turn_cold(tiny_dir, arch)
     # transformers 5.24's DeepSeek attention cannot continue a cache: on its path (trunk eager) the prompt
     # cache turns itself off, says so, and the second turn runs cold with the same tokens
     with moestream.load(str(tiny_dir(arch, experts=16)), cache="100KiB", trunk="eager") as engine:
-        first = engine.generate(FIRST, max_tokens=6, ignore_eos=True, cache_prompt=True)
-        second_prompt = FIRST + first.tokens + NEW_TURN
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            warm = engine.generate(second_prompt, max_tokens=8, ignore_eos=True, cache_prompt=True)
-        cold = engine.generate(second_prompt, max_tokens=8, ignore_eos=True)
+        _, warm, cold, caught = _two_turns(engine)
     assert engine.prompt_cache.disabled and "cannot continue" in str(caught[-1].message)
     assert warm.cached_tokens == 0 and warm.tokens == cold.tokens
 
