@@ -369,3 +369,25 @@ def test_a_long_prefill_streamed_equals_resident(arch, tiny_gguf):
         minimum, _ = budget_requirements(engine.emap, engine.top_k)
         engine.restream(cache=minimum, preload=False)
         assert torch.equal(_runner_logits(engine, prompt), resident)
+
+
+def test_an_interrupt_while_a_graph_set_builds_leaves_the_engine_usable(tiny_dir, monkeypatch):
+    """Before: a Ctrl-C inside a graph set's build ran its cleanup before `whole` existed, and the user saw
+    an AttributeError instead of the interrupt (CI, test_faults' SIGINT case)."""
+    path = tiny_dir("qwen3_moe")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        want = engine.generate(PROMPT, max_tokens=6, ignore_eos=True).tokens
+    finish = ggml_runner.Net.finish
+    calls = [0]
+
+    def interrupted(self, *args):
+        calls[0] += 1
+        if calls[0] == 3:  # inside the first set: some graphs finished, the rest not yet built
+            raise KeyboardInterrupt
+        finish(self, *args)
+
+    monkeypatch.setattr(ggml_runner.Net, "finish", interrupted)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPT, max_tokens=6, ignore_eos=True)
+        assert engine.generate(PROMPT, max_tokens=6, ignore_eos=True).tokens == want

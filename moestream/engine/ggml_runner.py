@@ -107,6 +107,7 @@ class GraphSet:
         self.rows = build.rows
         self.graphs: list[Net] = []
         self.fused: dict[int, Net] = {}
+        self.whole: tuple[Whole, Net] | None = None  # the step as one graph, once built (close reads it)
         try:
             for i in range(len(spec.layers) + 1):
                 for fused in (False, True) if build.can_fuse(i) else (False,):
@@ -124,7 +125,6 @@ class GraphSet:
             raise
         self.arena = Arena([*self.graphs, *self.fused.values()])
         self.spec, self.kv, self.types, self.threads = spec, kv, types, threads
-        self.whole: tuple[Whole, Net] | None = None  # the step as one graph, once built
 
     def whole_graph(self, whole: Whole) -> Net:
         """The step as one graph over the slots `whole` names (built on first use, and again when the
