@@ -7,7 +7,7 @@ generations, then times an N+1-token generation and subtracts a 1-token one (its
 On CUDA (`--device cuda --gpu-cache SIZE`) a module's time is the host's time enqueueing its work (the
 GPU runs behind; a decode step waits for it once, at the routing readback of each layer), unless
 `--sync` waits for the GPU around each timed module (adds a synchronisation per module). `--per-expert`
-computes cached experts one by one (no one-call layer: the comparison point).
+computes cached experts one by one (never as one batch: the comparison point).
 
     python benchmarks/decode_parts.py CHECKPOINT --cache 9GiB --threads 1 [--tokens 32]
     python benchmarks/decode_parts.py CHECKPOINT --device cuda --gpu-cache 20GiB [--sync] [--per-expert]
@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--gpu-cache", default=None, help="CUDA: GPU expert slots (default: --cache)")
     p.add_argument("--sync", action="store_true", help="CUDA: wait for the GPU around each timed module")
-    p.add_argument("--per-expert", action="store_true", help="no one-call layer for cached experts")
+    p.add_argument("--per-expert", action="store_true", help="held experts one by one, never as one batch")
     p.add_argument(
         "--trunk",
         default="eager",
@@ -75,7 +75,8 @@ def main() -> None:
     ) as engine:
         print(engine.mode_line())
         if args.per_expert:
-            engine.runtime._layer_calls = {}
+            for plan in engine.runtime.plans.values():
+                plan.batched = False
         model = engine.model
         for layer in model.model.layers:
             wrap(layer.self_attn, "forward", "attention")
@@ -99,7 +100,7 @@ def main() -> None:
         engine.generate(ids, max_tokens=1, ignore_eos=True)
         prefill = time.perf_counter() - start
         print(gen.stats.line())
-        print(f"layer forwards computed by one call: {engine.runtime.layer_calls - calls}")
+        print(f"layer forwards computed as one batch: {engine.runtime.layer_calls - calls}")
         for label, seconds in parts.items():
             print(f"{label:30s} {(seconds - spent.get(label, 0.0)) / args.tokens * 1e3:7.2f} ms/token")
         print(f"{'whole decode step':30s} {(whole - prefill) / args.tokens * 1e3:7.2f} ms/token")

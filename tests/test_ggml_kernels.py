@@ -182,26 +182,24 @@ def test_swiglu_expert_graph_equals_three_calls_bit_for_bit(types):
         assert relerr(y, expect.numpy()) < 2.5e-2
 
 
-def test_a_layer_of_experts_in_one_graph_equals_one_graph_per_expert_bit_for_bit():
-    """swiglu_experts (decode: every cached expert of a token in one compute) against swiglu_expert per
-    expert and against the three calls the streaming stages make, with mixed types as in Q4_K_M."""
-    h, inter = 512, 256
-    types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q8_0", "Q8_0", "Q8_0")] * 3  # 9 experts
-    experts = [
-        tuple(
-            weights(t, rows, k, 7 * i + j)[1]
-            for j, (t, rows, k) in enumerate(zip(ts, (inter, inter, h), (h, h, inter)))
-        )
-        for i, ts in enumerate(types)
-    ]
-    x = torch.randn(1, h, generator=torch.Generator().manual_seed(3))
-    y = ggml.swiglu_experts(x, experts, types, inter)
-    assert y.shape == (len(experts), 1, h)
-    for (g, u, d), ts, yi in zip(experts, types, y):
-        assert torch.equal(yi, ggml.swiglu_expert(x, g, u, d, ts, inter))
-        gate, up = ggml.linear(x, g, ts[0], inter), ggml.linear(x, u, ts[1], inter)
-        assert torch.equal(yi, ggml.linear(ggml.swiglu(gate, up), d, ts[2], h))
-    assert not torch.equal(y[0], y[3])  # distinct weights give distinct outputs (the pointers are used)
+def test_several_experts_in_one_graph_equal_one_graph_per_expert_bit_for_bit():
+    """linear_experts (decode: one matrix kind of every cached expert of a token in one compute) against
+    linear per expert, on shared rows and on each expert's own rows, for the types of a Q4_K_M."""
+    h, inter, n = 512, 256, 9
+    for t in ("Q4_K", "Q6_K", "Q8_0"):
+        ws = [weights(t, inter, h, 7 * i)[1] for i in range(n)]
+        x = torch.randn(1, h, generator=torch.Generator().manual_seed(3))
+        y = ggml.linear_experts(x, ws, t, inter)
+        assert y.shape == (n, 1, inter)
+        for w, yi in zip(ws, y):
+            assert torch.equal(yi, ggml.linear(x, w, t, inter))
+        assert not torch.equal(y[0], y[3])  # distinct weights give distinct outputs (the pointers are used)
+        own = torch.randn(n, 2, h, generator=torch.Generator().manual_seed(4))  # expert i's rows own[i]
+        y = ggml.linear_experts(own, ws, t, inter)
+        for w, xi, yi in zip(ws, own, y):
+            assert torch.equal(yi, ggml.linear(xi, w, t, inter))
+    with pytest.raises(ValueError, match="rows for 2 experts"):
+        ggml.linear_experts(torch.zeros(2, 1, h), ws, "Q8_0", inter)
 
 
 def test_swiglu_op_is_silu_times_up():

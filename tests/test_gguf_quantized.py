@@ -124,13 +124,21 @@ def test_mode_line_names_the_formats_and_the_ggml_build(tmp_path):
     assert "by ggml 0." in line
 
 
-def test_a_cached_layer_is_one_ggml_call_with_the_bits_of_the_stages(tmp_path):
-    """One token whose experts are all cached: each layer's experts are computed in one ggml graph
-    (`swiglu_experts`), bit for bit what the per-expert stages give (and what streaming gives)."""
-    hf = write_tiny("qwen3_moe", tmp_path / "hf", hidden_size=256, moe_intermediate_size=256)
+@pytest.mark.parametrize(
+    "arch, sizes, expert_type",
+    [
+        ("qwen3_moe", {"hidden_size": 256, "moe_intermediate_size": 256}, _q4_k_m),
+        ("gpt_oss", {}, lambda layer, kind: Q.Q8_0),  # biases and the clamped SwiGLU, per expert
+    ],
+)
+def test_a_cached_layer_is_one_batch_with_the_bits_of_the_stages(arch, sizes, expert_type, tmp_path):
+    """One token whose experts are all cached: each layer's experts are computed as one batch (one ggml
+    compute per matrix kind, `linear_experts`), bit for bit what the per-expert stages give (and what
+    streaming gives)."""
+    hf = write_tiny(arch, tmp_path / "hf", **sizes)
     perturb_vectors(hf)
-    path = write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q8_0, expert_type=_q4_k_m)
-    # the transformers path's layer call (the ggml graphs compute cached experts in their own graph)
+    path = write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q8_0, expert_type=expert_type)
+    # the transformers path's batches (the ggml graphs compute cached experts in their own graph)
     with moestream.load(str(path), cache="64MiB", threads=1, trunk="eager") as engine:
         runtime = engine.runtime
         with torch.inference_mode():
@@ -138,9 +146,10 @@ def test_a_cached_layer_is_one_ggml_call_with_the_bits_of_the_stages(tmp_path):
             ids = torch.tensor([[17]])
             before = runtime.layer_calls
             one_call = engine.model(ids).logits
-            assert runtime.layer_calls - before == len(engine.emap.layers)  # every layer in one call
-            calls, runtime._layer_calls = runtime._layer_calls, {}
+            assert runtime.layer_calls - before == len(engine.emap.layers)  # every layer one batch
+            for plan in runtime.plans.values():
+                plan.batched = False  # every expert through its stages, one by one
             stages = engine.model(ids).logits
-            runtime._layer_calls = calls
+            assert runtime.layer_calls - before == len(engine.emap.layers)
         assert engine.cache.stats.misses == len(engine.emap.units)  # nothing read twice
     assert torch.equal(one_call, stages)

@@ -20,11 +20,11 @@ from moestream.ggml.ops import (
     dequantize,
     get_rows,
     linear,
+    linear_experts,
     linear_id,
     quantize,
     swiglu,
     swiglu_expert,
-    swiglu_experts,
     swiglu_oai,
 )
 from moestream.ggml.thresholds import dequant_threshold
@@ -46,13 +46,13 @@ __all__ = [
     "kernels",
     "library",
     "linear",
+    "linear_experts",
     "linear_id",
     "quantize",
     "row_bytes",
     "set_threads",
     "swiglu",
     "swiglu_expert",
-    "swiglu_experts",
     "swiglu_oai",
     "type_table",
 ]

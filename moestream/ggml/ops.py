@@ -1,4 +1,5 @@
-"""The kernels moestream computes GGUF blocks with: linear, a whole SwiGLU expert, dequantize, quantize.
+"""The kernels moestream computes GGUF blocks with: linear (one expert or several), a whole SwiGLU
+expert, dequantize, quantize.
 
 Weights are the bytes of a [rows, K] matrix as stored in a GGUF file (rows back to back, unpadded),
 given as a torch tensor over those bytes (any dtype, contiguous, CPU) or as a raw address. A weight
@@ -176,53 +177,41 @@ def swiglu_expert(
     return y
 
 
-def swiglu_experts(
-    x: torch.Tensor,
-    experts: Sequence[tuple[Weight, Weight, Weight]],
-    types: Sequence[Sequence[TypeLike]],
-    intermediate: int,
-    out: torch.Tensor | None = None,
+def linear_experts(
+    x: torch.Tensor, weights: Sequence[Weight], type: TypeLike, rows: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Every expert of a layer on the same rows in one ggml compute: for each i,
-    out[i] = down_i(silu(gate_i(x)) * up_i(x)), x [M, H] f32 -> [len(experts), M, H] f32.
+    """Several experts' `linear` in one ggml compute: x [M, K] f32 (every expert's rows) or [E, M, K]
+    (expert i's own rows x[i]) by each [rows, K] matrix of GGML `type` -> [E, M, rows] f32.
 
-    The ops are swiglu_expert's, node for node (each expert's three mul_mat and its swiglu_split are
-    the same ggml kernels on the same inputs), so each out[i] equals swiglu_expert's result bit for
-    bit; one call instead of one per expert (decode: every routed expert of a token that the cache
-    holds). `types[i]` is expert i's (gate, up, down) types; the graph is cached per (types, shape).
+    Node for node `linear`'s mul_mat per expert (the same kernel on the same inputs), so out[i] equals
+    `linear(x or x[i], weights[i])` bit for bit; one compute instead of one per expert (decode: every
+    routed expert of a token that the cache holds). The graph is cached per (type, rows, K, M, E).
     """
-    n = len(experts)
-    if len(types) != n:
-        raise ValueError(f"{n} experts but {len(types)} type triples")
-    triples = [_three(list(t)) for t in types]
-    m, h = x.shape if x.dim() == 2 else (0, 0)
-    xa = _activations(x, h)
-    y = torch.empty((n, m, h), dtype=torch.float32) if out is None else out
-    if y.dtype != torch.float32 or tuple(y.shape) != (n, m, h) or not y.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor {[n, m, h]}")
+    t, n = ggml_type(type), len(weights)
+    shared = x.dim() == 2
+    m, k = (x.shape if shared else x.shape[1:]) if x.dim() in (2, 3) else (0, 0)
+    if not shared and x.shape[0] != n:
+        raise ValueError(f"{n} weights but x holds rows for {x.shape[0]} experts")
+    xs = [x] if shared else list(x)
+    addresses = {"x" if shared else f"x{i}": _activations(xi, k) for i, xi in enumerate(xs)}
+    y = torch.empty((n, m, rows), dtype=torch.float32) if out is None else out
+    if y.dtype != torch.float32 or tuple(y.shape) != (n, m, rows) or not y.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor {[n, m, rows]}")
     if m == 0 or n == 0:
         return y
-    addresses = {}
-    for i, ((gate, up, down), (tg, tu, td)) in enumerate(zip(experts, triples)):
-        addresses[f"gate{i}"] = _weight_address(gate, tg, intermediate, h, "gate")
-        addresses[f"up{i}"] = _weight_address(up, tu, intermediate, h, "up")
-        addresses[f"down{i}"] = _weight_address(down, td, h, intermediate, "down")
+    for i, w in enumerate(weights):
+        addresses[f"w{i}"] = _weight_address(w, t, rows, k, "weight")
         addresses[f"out{i}"] = y[i].data_ptr()
-    kern = kernels()
 
     def build(b: Builder) -> list[int]:
-        xt = b.input("x", F32, h, m)
-        outs = []
-        for i, (tg, tu, td) in enumerate(triples):
-            g = b.op("mul_mat", b.input(f"gate{i}", tg.id, h, intermediate), xt)
-            u = b.op("mul_mat", b.input(f"up{i}", tu.id, h, intermediate), xt)
-            outs.append(
-                b.op("mul_mat", b.input(f"down{i}", td.id, intermediate, h), b.op("swiglu_split", g, u))
-            )
-        return outs
+        xt = b.input("x", F32, k, m) if shared else None
+        return [
+            b.op("mul_mat", b.input(f"w{i}", t.id, k, rows), xt if shared else b.input(f"x{i}", F32, k, m))
+            for i in range(n)
+        ]
 
-    key = ("swiglu_n", tuple((t[0].id, t[1].id, t[2].id) for t in triples), intermediate, h, m)
-    kern.compute(key, build, nodes=8 * n + 2, x=xa, **addresses)
+    key = ("linear_n", t.id, rows, k, m, n, shared)
+    kernels().compute(key, build, nodes=2 * n + 2, **addresses)
     return y
 
 

@@ -30,6 +30,7 @@ from moestream.cache.records import LayerJob
 from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
 from moestream.runtime.prefetch import PrefetchGate
+from moestream.runtime.switch import SwitchLayer
 from moestream.runtime.tiers import DeviceTier
 
 EXPERTS_FAILED = "moestream_experts_layer"  # set on an exception raised inside a layer's expert schedule
@@ -112,21 +113,26 @@ class ExpertRuntime:
 
     def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
-        self._plan(ggml_floats=False)
-        self.layer_calls = 0  # forwards whose cached experts were computed at once
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
+        self._plan(ggml_floats=False)
+        self.layer_calls = 0  # forwards whose held experts were computed as one batch
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
         self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
 
     def _plan(self, ggml_floats: bool) -> None:
-        """Choose the formats of every (layer, kind) and the layer calls over them, once."""
+        """Choose the formats of every (layer, kind) and each layer's `SwitchLayer` over them, once."""
         self.formats = self._formats(self.tier.fuses, ggml_floats)
         self.family.bind(self.formats)
-        # the cached experts of a one-token forward at once where the formats allow: one ggml graph on
-        # the CPU, one grouped launch per matrix kind on the GPU
-        self._layer_calls = {layer: self.family.layer_call(layer) for layer in self.emap.layers}
+        by_layer: dict[int, dict[str, WeightFormat]] = {layer: {} for layer in self.emap.layers}
+        for (layer, kind), fmt in self.formats.items():
+            by_layer[layer][kind] = fmt
+        device = self.tier.device.type
+        self.plans = {
+            layer: SwitchLayer.choose(layer, self.family, fmts, self.stages, device, ggml_floats)
+            for layer, fmts in by_layer.items()
+        }
 
     def use_graph_kernels(self) -> None:
         """For the ggml graphs' runner: F32/F16/BF16 experts by ggml too, and every product by
@@ -144,9 +150,6 @@ class ExpertRuntime:
             key: fmt.repack(self.family.row_order(*key)) for key, fmt in self.formats.items() if fmt.repacks
         }
         self.cache.repack({key: r for key, r in repacks.items() if r is not None})
-        # no layer call: the graphs compute a layer's cached experts themselves, and the runtime's own
-        # (per-expert mul_mat graphs) would give other bits; every expert here goes stage by stage
-        self._layer_calls = {}
 
     def _formats(self, fuses: bool, ggml_floats: bool) -> dict[tuple[int, str], WeightFormat]:
         formats = layer_formats(self.emap, self.tier.device.type, ggml_floats)
@@ -162,11 +165,6 @@ class ExpertRuntime:
                         )
                     formats[(layer, name)] = fused
         return formats
-
-    def layer_call(self, layer: int) -> Any:
-        """The layer's call computing its cached experts of one token at once (`ExpertFamily.layer_call`),
-        or None."""
-        return self._layer_calls.get(layer)
 
     def set_lookahead(self, routers: dict[int, torch.nn.Module]) -> None:
         """Apply, once per layer forward, layer L+1's router to layer L's input (the stale gate): for
@@ -274,8 +272,12 @@ class ExpertRuntime:
             go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
             if go and predicted is not None:  # read ahead only what the tier lacks (maybe nothing)
                 self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
-            if job is not None and (job.misses or not self._at_once(job, hidden, routes, rest, outputs)):
-                outputs.update(self._run(job, hidden, routes, rest))
+            if job is not None:
+                at_once = self.tier.in_place and self.plans[layer].at_once(hidden.shape[0], len(rest))
+                if at_once and not job.misses:
+                    self._at_once(job, hidden, rest, outputs)
+                else:
+                    outputs.update(self._run(job, hidden, routes, rest))
         except BaseException as exc:  # a bad tensor, a bug, KeyboardInterrupt: the next forward must run
             self._abandon(layer, job)
             if not raised_in_experts(exc):
@@ -287,11 +289,11 @@ class ExpertRuntime:
     def _held(
         self, layer: int, experts: list[int], hidden: torch.Tensor, routes: dict[int, Route]
     ) -> dict[int, torch.Tensor]:
-        """The experts the tier holds (GPU slots): at once where the layer's call allows, else each
+        """The experts the tier holds (GPU slots): as one batch where the layer's plan says so, else each
         through its stages."""
-        out = self._call(layer, experts, hidden, None) if len(experts) > 1 else None
-        if out is None:
+        if not self.plans[layer].at_once(hidden.shape[0], len(experts)):
             return {expert: self._resident(layer, expert, hidden, routes[expert]) for expert in experts}
+        out = self._batch(layer, experts, hidden, None)
         for expert in experts:
             self.tier.release(layer, expert, None, failed=False)
         return out
@@ -300,36 +302,26 @@ class ExpertRuntime:
         self,
         job: LayerJob,
         hidden: torch.Tensor,
-        routes: dict[int, Route],
         experts: list[int],
         outputs: dict[int, torch.Tensor],
-    ) -> bool:
-        """Every expert of one token held by the cache: computed by the layer's call when its formats
-        have one (the same kernels as the stages, so the same bits). False: run the stages instead."""
-        out = self._call(job.layer, experts, hidden, job) if self.tier.in_place else None
-        if out is None:
-            return False
-        outputs.update(out)
+    ) -> None:
+        """Every expert of one token held by the cache, as one batch (the same kernels as the stages, so
+        the same bits)."""
+        outputs.update(self._batch(job.layer, experts, hidden, job))
         for expert in experts:
             self.tier.release(job.layer, expert, job, failed=False)
             job.release(expert)
-        return True
 
-    def _call(
+    def _batch(
         self, layer: int, experts: list[int], hidden: torch.Tensor, job: LayerJob | None
-    ) -> dict[int, torch.Tensor] | None:
-        """One token's `experts` by the layer's call (every expert sees the token's row), or None."""
-        call = self._layer_calls.get(layer)
-        if call is None or hidden.shape[0] != 1:
-            return None
+    ) -> dict[int, torch.Tensor]:
+        """One token's `experts` as one batch (every expert sees the token's row)."""
 
         def views(kind: str) -> list[Any]:  # every expert's view of one kind (a fusion name: fused)
             fmt = self.formats[(layer, kind)]
             return [fmt.view(self.tier.raws(layer, e, kind, job)) for e in experts]
 
-        out = call(hidden, views)
-        if out is None:
-            return None
+        out = self.plans[layer].experts(hidden, views, experts)  # [E, 1, H]
         self.layer_calls += 1
         return {expert: out[i] for i, expert in enumerate(experts)}
 
@@ -405,11 +397,12 @@ class ExpertRuntime:
         carry: torch.Tensor | None,
         job: LayerJob | None,
     ) -> torch.Tensor:
-        def linear(kind: str, x: torch.Tensor) -> torch.Tensor:
+        def views(kind: str) -> list[Any]:
             fmt = self.formats[(layer, kind)]
-            return fmt.linear(x, fmt.view(self.tier.raws(layer, expert, kind, job)))
+            return [fmt.view(self.tier.raws(layer, expert, kind, job))]
 
-        return self.family.stage(kinds, route.rows(hidden), carry, linear, layer, expert)
+        batch = None if carry is None else carry.unsqueeze(0)  # [t, .] -> a batch of one [1, t, .]
+        return self.plans[layer].stage(kinds, route.rows(hidden), batch, views, [expert])[0]
 
     def _routes(self, rows: list[list[int]], device: torch.device) -> Routing:
         """Token and top-k position of every (token, expert) pair, grouped by expert; views, no kernels."""

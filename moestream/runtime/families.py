@@ -1,16 +1,19 @@
 """Expert families: the order of an expert's compute stages and the math between them.
 
-A stage is the tuple of kinds it needs; it computes from the routed rows x [t, H] and the previous
-stage's value (`carry`). `linear(kind, x)` multiplies by the expert's weight of that kind in
-whatever format and tier it lives. `fusions` names kinds that a tier may lay out back to back and
-compute as one matrix (gate and up: [2I, H], gate rows first, the matmul transformers runs).
-This module is the only place that looks at family names.
+A family writes its math once, over a batch of E experts (mlx-lm's SwitchGLU): a stage is the tuple of
+kinds it needs; it computes from the rows x [t, H] (every expert of the batch sees the same rows) and
+the previous stage's value (`carry` [E, t, .]). `linear(kind, x)` multiplies x ([t, in], or [E, t, in]:
+expert i's own rows) by each expert's weight of that kind in whatever format and tier it lives ->
+[E, t, out] (the format's one batched linear). The runtime runs the same stages for one expert as its
+bytes land (E = 1) and for a layer's held experts at once (runtime/switch.py). `fusions` names kinds
+that a tier may lay out back to back and compute as one matrix (gate and up: [2I, H], gate rows first,
+the matmul transformers runs). This module is the only place that looks at family names.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,8 +25,8 @@ from moestream.hfconfig import text_config
 from moestream.store.experts import ExpertMap
 from moestream.store.tensors import read_tensor
 
-Linear = Callable[[str, torch.Tensor], torch.Tensor]
-LayerCall = Callable[[torch.Tensor, Callable[[str], list[Any]]], "torch.Tensor | None"]
+Linear = Callable[[str, torch.Tensor], torch.Tensor]  # (kind, x [t, in] | [E, t, in]) -> [E, t, out]
+Experts = Sequence[int] | torch.Tensor  # the batch's expert ids (a device tensor: runtime/resident.py)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class GraphTerms:
 class ExpertFamily(ABC):
     kinds: tuple[str, ...]
     fusions: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # device types where a layer's held experts may be computed as one batch (every stage on all of
+    # them): where the batched stages were checked against one expert at a time, bit for bit
+    batched_on: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     def graph_terms(self, layer: int) -> GraphTerms | None:
         """How the ggml graphs compute `layer`'s experts with the bits the stages give under the graphs'
@@ -68,13 +74,6 @@ class ExpertFamily(ABC):
     def bind(self, formats: dict[tuple[int, str], Any]) -> None:
         """The runtime's formats for (layer, kind), given once it has chosen them."""
 
-    def layer_call(self, layer: int) -> LayerCall | None:
-        """A call computing every expert of `layer` on the same rows at once: (x [t, H], a function giving
-        every expert's weight views of one kind (a fusion name where the tier fuses)) -> [experts, t, H]
-        equal bit for bit to the stages one by one, or None when the formats have no such call for x
-        (the caller then runs the stages); None here: never."""
-        return None
-
     @abstractmethod
     def stage(
         self,
@@ -83,9 +82,11 @@ class ExpertFamily(ABC):
         carry: torch.Tensor | None,
         linear: Linear,
         layer: int,
-        expert: int,
+        experts: Experts,
     ) -> torch.Tensor:
-        """Run the stage of `stages(...)` that needs `kinds`; the last returns the expert's output [t, H]."""
+        """Run the stage of `stages(...)` that needs `kinds` for the batch `experts` (x [t, H], carry
+        [E, t, .]); the last returns each expert's output [E, t, H]. Elementwise between the products,
+        so each expert's rows get the same bits in any batch."""
 
 
 class SwiGLU(ExpertFamily):
@@ -110,50 +111,6 @@ class SwiGLU(ExpertFamily):
         out = fmt.glu(gate, up) if fmt is not None else None
         return self.act_fn(gate) * up if out is None else out
 
-    def layer_call(self, layer: int) -> LayerCall | None:
-        f = self._formats
-        if (layer, "gate") not in f:
-            return None
-        gate, up, down = f[(layer, "gate")], f[(layer, "up")], f[(layer, "down")]
-        fused = f.get((layer, "gate_up"))  # the tier lays gate and up out as one matrix
-        if not (gate.experts_at_once or (fused is not None and fused.experts_at_once)):
-            return None  # the runtime runs the stages without asking for views first
-
-        def call(x: torch.Tensor, views: Callable[[str], list[Any]]) -> torch.Tensor | None:
-            out = gate.swiglu_layer(x, views, up, down)  # the whole layer in one call (ggml)
-            return out if out is not None else self._per_matrix(layer, x, views, (gate, up, down), fused)
-
-        return call
-
-    def _per_matrix(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        views: Callable[[str], list[Any]],
-        formats: tuple[Any, Any, Any],
-        fused: Any,
-    ) -> torch.Tensor | None:
-        """One call per matrix kind (grouped launches on the GPU; gate_up as one where the tier fuses
-        it), the stages' math between them on every expert at once: elementwise, so each expert's rows
-        get the bits its stages give."""
-        gate, up, down = formats
-        first = fused if fused is not None else gate
-        h = first.linear_experts(x, views("gate_up" if fused is not None else "gate"))  # [E, t, 2I | I]
-        if h is None:
-            return None
-        if fused is not None:
-            g, upped = h.chunk(2, dim=-1)
-            h = self.act_fn(g) * upped
-        else:
-            w_up = views("up")
-            upped = up.linear_experts(x, w_up)
-            if upped is None:
-                upped = torch.stack([up.linear(x, w) for w in w_up])
-            h = self._glu(layer, h, upped)
-        w_down = views("down")
-        out = down.linear_experts(h, w_down)
-        return out if out is not None else torch.stack([down.linear(h[i], w) for i, w in enumerate(w_down)])
-
     def stages(self, fused: bool) -> list[tuple[str, ...]]:
         return [("gate", "up"), ("down",)] if fused else [("gate",), ("up",), ("down",)]
 
@@ -168,16 +125,16 @@ class SwiGLU(ExpertFamily):
         carry: torch.Tensor | None,
         linear: Linear,
         layer: int,
-        expert: int,
+        experts: Experts,
     ) -> torch.Tensor:
         if kinds == ("gate", "up"):  # gate_up [2I,H], gate rows first: one matmul, like transformers
             gate, up = linear("gate_up", x).chunk(2, dim=-1)
             return self.act_fn(gate) * up
-        if kinds == ("gate",):  # gate [I,H]: [t,H] -> [t,I]
+        if kinds == ("gate",):  # gate [I,H]: [t,H] -> [E,t,I]
             return linear("gate", x)
         if kinds == ("up",):  # up [I,H]: act(gate) * up (by the format's kernels when it has one)
             return self._glu(layer, carry, linear("up", x))
-        return linear("down", carry)  # down [H,I]: [t,I] -> [t,H]
+        return linear("down", carry)  # down [H,I]: [E,t,I] -> [E,t,H]
 
 
 @dataclass(frozen=True)
@@ -191,6 +148,8 @@ class GptOss(ExpertFamily):
     down [I,H] with a bias. The biases are small and stay resident on the compute device."""
 
     kinds = ("gate_up", "down")
+    # its batched stages have not run on a GPU yet: there a layer's experts go one at a time, as before
+    batched_on: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self, params: GptOssParams, biases: dict[tuple[int, str], torch.Tensor]) -> None:
         self.params, self.biases = params, biases
@@ -255,6 +214,10 @@ class GptOss(ExpertFamily):
         up = up.clamp(min=-self.params.limit, max=self.params.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.params.alpha))
 
+    def bias(self, layer: int, name: str, experts: Experts) -> torch.Tensor:
+        """The batch's biases of `name`: [E, 1, out], added to each expert's rows [E, t, out]."""
+        return self.biases[(layer, name)][experts].unsqueeze(-2)
+
     def stage(
         self,
         kinds: tuple[str, ...],
@@ -262,16 +225,16 @@ class GptOss(ExpertFamily):
         carry: torch.Tensor | None,
         linear: Linear,
         layer: int,
-        expert: int,
+        experts: Experts,
     ) -> torch.Tensor:
-        if kinds == ("gate_up",) and layer in self._gate_first:  # [t,H] -> [t,2I]: gate, then up columns
+        if kinds == ("gate_up",) and layer in self._gate_first:  # [t,H] -> [E,t,2I]: gate, then up columns
             gate, up = linear("gate_up", x).chunk(2, dim=-1)
-            bias = self.biases[(layer, "gate_up_proj_bias")][expert]
-            return self.glu(gate + bias[::2], up + bias[1::2], layer)
+            bias = self.bias(layer, "gate_up_proj_bias", experts)
+            return self.glu(gate + bias[..., ::2], up + bias[..., 1::2], layer)
         if kinds == ("gate_up",):  # [t,H] @ [H,2I]
-            gate_up = linear("gate_up", x) + self.biases[(layer, "gate_up_proj_bias")][expert]
+            gate_up = linear("gate_up", x) + self.bias(layer, "gate_up_proj_bias", experts)
             return self.glu(gate_up[..., ::2], gate_up[..., 1::2])
-        return linear("down", carry) + self.biases[(layer, "down_proj_bias")][expert]  # [t,I] @ [I,H]
+        return linear("down", carry) + self.bias(layer, "down_proj_bias", experts)  # [E,t,I] @ [I,H]
 
 
 class GptOssSplit(GptOss):
@@ -298,18 +261,18 @@ class GptOssSplit(GptOss):
         carry: torch.Tensor | None,
         linear: Linear,
         layer: int,
-        expert: int,
+        experts: Experts,
     ) -> torch.Tensor:
-        bias = self.biases
-        if kinds == ("gate", "up"):  # [t,H] -> [t,2I]: gate columns, then up columns
+        if kinds == ("gate", "up"):  # [t,H] -> [E,t,2I]: gate columns, then up columns
             gate, up = linear("gate_up", x).chunk(2, dim=-1)
-            gate, up = gate + bias[(layer, "gate_bias")][expert], up + bias[(layer, "up_bias")][expert]
+            gate = gate + self.bias(layer, "gate_bias", experts)
+            up = up + self.bias(layer, "up_bias", experts)
             return self.glu(gate, up, layer)
-        if kinds == ("gate",):  # [t,H] -> [t,I], carried to the up stage
-            return linear("gate", x) + bias[(layer, "gate_bias")][expert]
+        if kinds == ("gate",):  # [t,H] -> [E,t,I], carried to the up stage
+            return linear("gate", x) + self.bias(layer, "gate_bias", experts)
         if kinds == ("up",):
-            return self.glu(carry, linear("up", x) + bias[(layer, "up_bias")][expert], layer)
-        return linear("down", carry) + bias[(layer, "down_bias")][expert]  # [t,I] -> [t,H]
+            return self.glu(carry, linear("up", x) + self.bias(layer, "up_bias", experts), layer)
+        return linear("down", carry) + self.bias(layer, "down_bias", experts)  # [E,t,I] -> [E,t,H]
 
 
 def _swiglu(config: Any, emap: ExpertMap, device: torch.device, dtype: torch.dtype) -> SwiGLU:

@@ -6,7 +6,7 @@ offsets in the slot buffer, the router's top-k ids index it on the device, and t
 the blocks there (`SlotTable`). Nothing in a decode step then returns to the host, so the trunk's CUDA
 graphs need no break: engine/trunk_graphs.py captures the whole step as one graph.
 
-Bit for bit the runtime's own one-token layer call: the same layer call and grouped launches (each
+Bit for bit the runtime's own one-token batch: the same `SwitchLayer` and grouped launches (each
 expert's rows do not depend on its place in the group), then the same weighted sum, expert by expert in
 ascending id order, with the same ops (`ExpertRuntime._forward`). The tables follow the tier: whenever an
 expert enters or leaves a slot (`GpuSlotTier.version`) they are rebuilt before the next use, and while
@@ -31,9 +31,9 @@ def unavailable(runtime: ExpertRuntime, top_k: int) -> str | None:
     if tier.capacity < len(runtime.emap.units):
         return f"the GPU tier holds {tier.capacity} of {len(runtime.emap.units)} experts"
     if top_k < 2:
-        return "one expert per token runs no layer call"
+        return "one expert per token is never a batch"
     for (layer, _), fmt in runtime.formats.items():
-        if runtime.layer_call(layer) is None or not fmt.accepts(1):
+        if not runtime.plans[layer].batched or not fmt.accepts(1):
             return f"layer {layer}'s {fmt.describe()} experts have no grouped kernel for one token"
     return None
 
@@ -115,9 +115,7 @@ class ResidentExperts:
         def views(kind: str) -> SlotTable:
             return SlotTable(buffer, self.tables[(layer, kind)][experts])
 
-        call = self.runtime.layer_call(layer)
-        assert call is not None  # `unavailable` checked it
-        out = call(hidden, views)  # [K, 1, H]
+        out = self.runtime.plans[layer].experts(hidden, views, experts)  # [K, 1, H]
         total = torch.zeros_like(hidden)
         for i in range(self.top_k):
             total.index_add_(0, self._row, (out[i] * weights[i : i + 1, None]).to(total.dtype))

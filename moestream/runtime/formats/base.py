@@ -4,7 +4,6 @@ safetensors blocks (dequantized after each read)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,14 +36,15 @@ class WeightFormat(ABC):
 
     name: ClassVar[str] = "abstract"
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")  # device types whose kernels compute it
-    # computes several experts in one call (`swiglu_layer` or `linear_experts` may return a result)
+    # `linear_experts` computes several experts in one call (not one `linear` each): a layer's experts
+    # that are all held are worth computing as one batch (`runtime/switch.py`)
     experts_at_once: ClassVar[bool] = False
     # the cache rewrites its parts once read (`repack`): its kernels do not read them as stored
     repacks: ClassVar[bool] = False
 
     def accepts(self, tokens: int) -> bool:
-        """Whether `linear_experts` computes experts on `tokens` rows, from views or a `SlotTable`, with
-        no fallback (it then never returns None for them)."""
+        """Whether `linear_experts` computes experts on `tokens` rows in one batched kernel, from views or
+        from a `SlotTable` (the device tables of runtime/resident.py need that)."""
         return False
 
     def __init__(self, stored: StoredFormat, shapes: list[tuple[int, ...]], part_bytes: list[int]) -> None:
@@ -91,21 +91,8 @@ class WeightFormat(ABC):
         return None
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up by this format's own kernels (the op its `swiglu_layer` runs between the
-        matrices, so the two agree bit for bit), or None: the family computes it in torch."""
-        return None
-
-    def swiglu_layer(
-        self,
-        x: torch.Tensor,
-        views: Callable[[str], list[Any]],
-        up: WeightFormat,
-        down: WeightFormat,
-    ) -> torch.Tensor | None:
-        """down_i(silu(gate_i(x)) * up_i(x)) for every expert i of a layer on the same rows x, in one
-        call: [experts, t, H], bit for bit what `linear`, `glu`, `linear` give one by one; None (before
-        `views(kind)`, which gives every expert's view of that kind, is called) when this format (as
-        gate, with `up` and `down`) has no such call for x."""
+        """silu(gate) * up by this format's own kernels ([..., I] each), or None: the family computes it in
+        torch."""
         return None
 
     def repack(self, rows: torch.Tensor | None) -> Repack | None:
@@ -114,11 +101,16 @@ class WeightFormat(ABC):
         read the parts as stored."""
         return None
 
-    def linear_experts(self, x: torch.Tensor, weights: list[Any]) -> torch.Tensor | None:
-        """Several experts' products in one call: x [t, in] (the same rows for every expert) or
-        [E, t, in] (expert i's own rows) by weights[i] -> [E, t, out], bit for bit what `linear` gives
-        one by one; None (before any work) when this format has no such call for these weights."""
-        return None
+    def linear_experts(self, x: torch.Tensor, weights: list[Any] | SlotTable) -> torch.Tensor:
+        """Several experts' products, the one batched linear of a format (mlx-lm's
+        QuantizedSwitchLinear): x [t, in] (the same rows for every expert) or [E, t, in] (expert i's own
+        rows) by weights[i] -> [E, t, out], bit for bit what `linear` gives one by one (E >= 1). Here:
+        `linear` one by one; a format with a kernel that takes several experts at once
+        (`experts_at_once`) overrides it."""
+        if isinstance(weights, SlotTable):
+            raise TypeError(f"{self.describe()} experts cannot be computed from a device slot table")
+        rows = [x] * len(weights) if x.dim() == 2 else list(x)
+        return torch.stack([self.linear(r, w) for r, w in zip(rows, weights)])
 
 
 class Dense(WeightFormat):

@@ -9,16 +9,20 @@ kernel for the same batch and are identical. From a measured batch size per form
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from moestream.cache.slots import Repack
-from moestream.runtime.formats.base import WeightFormat
+from moestream.runtime.formats.base import SlotTable, WeightFormat
 from moestream.store.experts import StoredFormat
 from moestream.store.tensors import TORCH_DTYPES
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> a contiguous [M, N] (the 2-D rows ggml's elementwise ops take)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 class Ggml(WeightFormat):
@@ -83,10 +87,18 @@ class Ggml(WeightFormat):
         y = product(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def linear_experts(self, x: torch.Tensor, weights: list[Any] | SlotTable) -> torch.Tensor:
+        # one ggml compute for every expert where `linear` would run ggml's mul_mat (its node, per expert);
+        # rows that dequantize, and ggml_mul_mat_id under the graphs (`by_id`), go one `linear` each
+        if isinstance(weights, SlotTable) or x.shape[-2] >= self.threshold or self.by_id:
+            return super().linear_experts(x, weights)
+        y = self._ggml.linear_experts(x.float().contiguous(), weights, self.type, self.rows)  # [E,t,out] f32
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         if gate.dtype != torch.float32 or up.dtype != torch.float32:
             return None
-        return self._ggml.swiglu(gate.contiguous(), up.contiguous())
+        return self._ggml.swiglu(_rows(gate), _rows(up)).view(gate.shape)  # elementwise: any leading dims
 
     def glu_oai(
         self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
@@ -94,26 +106,7 @@ class Ggml(WeightFormat):
         """gpt-oss's clamped SwiGLU by ggml's op (the one the ggml graphs compute it with), or None."""
         if gate.dtype != torch.float32 or up.dtype != torch.float32:
             return None
-        return self._ggml.swiglu_oai(gate.contiguous(), up.contiguous(), alpha, limit)
-
-    def swiglu_layer(
-        self,
-        x: torch.Tensor,
-        views: Callable[[str], list[Any]],
-        up: WeightFormat,
-        down: WeightFormat,
-    ) -> torch.Tensor | None:
-        rows = x.shape[0]
-        if (
-            x.dtype != torch.float32
-            or not isinstance(up, Ggml)
-            or not isinstance(down, Ggml)
-            or rows >= min(self.threshold, up.threshold, down.threshold)  # those rows dequantize instead
-        ):
-            return None
-        experts = list(zip(views("gate"), views("up"), views("down")))
-        types = [(self.type, up.type, down.type)] * len(experts)
-        return self._ggml.swiglu_experts(x.contiguous(), experts, types, self.rows)
+        return self._ggml.swiglu_oai(_rows(gate), _rows(up), alpha, limit).view(gate.shape)
 
     def lookup(self, raw: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         picked = self._ggml.get_rows(raw, self.type, self.rows, self.cols, ids.to(torch.int32))  # [n, cols]

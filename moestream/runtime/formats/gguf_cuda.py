@@ -42,12 +42,13 @@ class GgufCuda(WeightFormat):
     def accepts(self, tokens: int) -> bool:
         return self._kernels.choose(self.stored.name, tokens) == "direct"
 
-    def linear_experts(self, x: torch.Tensor, weights: list[torch.Tensor] | SlotTable) -> torch.Tensor | None:
+    def linear_experts(self, x: torch.Tensor, weights: list[torch.Tensor] | SlotTable) -> torch.Tensor:
         # one grouped launch over the buffer the views share (a GPU slot buffer): the kernel and tile
-        # `linear` runs for t rows, so every expert's rows come out with the same bits
+        # `linear` runs for t rows, so every expert's rows come out with the same bits; rows the route
+        # table sends elsewhere, or views in several buffers, go one `linear` each (the same bits again)
         e, t = len(weights), x.shape[-2]
-        if not e or not t or not self.accepts(t):
-            return None
+        if not t or not self.accepts(t):
+            return super().linear_experts(x, weights)
         shared = x.dim() == 2
         if isinstance(weights, SlotTable):  # offsets already on the device: nothing to copy or read back
             buffer, offsets = weights.buffer, weights.offsets
@@ -57,7 +58,7 @@ class GgufCuda(WeightFormat):
             storage = weights[0].untyped_storage()
             base = storage.data_ptr()
             if any(w.untyped_storage().data_ptr() != base for w in weights):
-                return None
+                return super().linear_experts(x, weights)
             buffer = torch.empty(0, dtype=torch.uint8, device=weights[0].device).set_(storage)
             host = [w.data_ptr() - base for w in weights] + [i * t for i in range(e + 1)]
             meta = torch.tensor(host + (list(range(t)) * e if shared else []), dtype=torch.int64)
