@@ -21,6 +21,35 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _linear_lazy_module_dir() -> None:
+    """transformers' `_LazyModule.__dir__` checks each name of `__all__` against a list: quadratic in
+    the ~5,000 names of the top-level module, 0.05 s a call. Every model load runs transformers'
+    `apply_patches` (how moestream swaps in StreamingExperts), which calls dir() on every transformers
+    module imported so far: 0.35 s of CPU of a tiny model's 0.4 s load, paid by hundreds of loads in
+    this suite. The same list (same names, same order) from a set lookup; installed only where it gives
+    exactly what transformers' own does, else transformers' is kept."""
+    import transformers
+    from transformers.utils import import_utils
+
+    lazy = import_utils._LazyModule
+    original = lazy.__dir__
+
+    def linear_dir(self):
+        result = list(super(lazy, self).__dir__())
+        seen = set(result)
+        for attr in self.__all__:
+            if attr not in seen:
+                result.append(attr)
+                seen.add(attr)
+        return result
+
+    if isinstance(transformers, lazy) and linear_dir(transformers) == original(transformers):
+        lazy.__dir__ = linear_dir
+
+
+_linear_lazy_module_dir()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(arch) -> a checkpoint directory written once per session by transformers itself."""
