@@ -50,37 +50,51 @@ SHRINK = """
     import os, sys
     import moestream
     from moestream.errors import CheckpointChangedError
-    ckpt, mode = sys.argv[1], sys.argv[2]
-    shard = os.path.join(ckpt, "model.safetensors")
-    engine = moestream.load(ckpt, cache="96KiB", io_mode=mode)  # 2 slots: experts are read every token
-    maps = open("/proc/self/maps").read()
-    print("mapped", sum(shard in line for line in maps.splitlines()), flush=True)
-    stream = engine.stream("Hello there, how are you?", max_tokens=40, ignore_eos=True)
-    next(stream); next(stream)
-    os.truncate(shard, 4096)  # every expert and every trunk tensor is now past the end of the file
-    try:
-        for gen in stream:
-            pass
-        print("outcome finished", flush=True)
-    except CheckpointChangedError as exc:
-        print("outcome changed", str(exc).split(";")[0], flush=True)
-    try:
-        engine.generate("Hello", max_tokens=4)
-        print("next finished")
-    except CheckpointChangedError as exc:
-        print("next changed", str(exc).split(";")[0])
-    engine.close()
+    for ckpt, mode in zip(sys.argv[1::2], sys.argv[2::2]):  # one mode after the other, each its own copy
+        print(mode, "begun", flush=True)
+        shard = os.path.join(ckpt, "model.safetensors")
+        engine = moestream.load(ckpt, cache="96KiB", io_mode=mode)  # 2 slots: experts are read every token
+        maps = open("/proc/self/maps").read()
+        print(mode, "mapped", sum(shard in line for line in maps.splitlines()), flush=True)
+        stream = engine.stream("Hello there, how are you?", max_tokens=40, ignore_eos=True)
+        next(stream); next(stream)
+        os.truncate(shard, 4096)  # every expert and every trunk tensor is now past the end of the file
+        try:
+            for gen in stream:
+                pass
+            print(mode, "outcome finished", flush=True)
+        except CheckpointChangedError as exc:
+            print(mode, "outcome changed", str(exc).split(";")[0], flush=True)
+        try:
+            engine.generate("Hello", max_tokens=4)
+            print(mode, "next finished", flush=True)
+        except CheckpointChangedError as exc:
+            print(mode, "next changed", str(exc).split(";")[0], flush=True)
+        engine.close()
 """
+MODES = ["direct", "pagecache", "mmap"]
 
 
-@pytest.mark.parametrize("mode", ["direct", "pagecache", "mmap"])
-def test_a_shard_truncated_under_a_running_engine_is_an_error_not_a_signal(tiny_dir, tmp_path, mode):
+@pytest.fixture(scope="module")
+def shrunk(tiny_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, Path]]:
+    """One child truncates a shard under a running engine in each io mode in turn (a copy each): the
+    three cases share the torch and transformers imports of one process."""
+    root = tmp_path_factory.mktemp("shrink")
+    ckpts = {mode: shutil.copytree(tiny_dir("qwen3_moe"), root / mode / "ckpt") for mode in MODES}
+    return _child(SHRINK, *(a for mode in MODES for a in (str(ckpts[mode]), mode))), ckpts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shard_truncated_under_a_running_engine_is_an_error_not_a_signal(shrunk, mode):
     """Before: with the trunk or the experts mapped from the shard, touching a page past the new end
     of the file killed the process with SIGBUS and no message (rc 135); the mmap io mode still did."""
-    ckpt = shutil.copytree(tiny_dir("qwen3_moe"), tmp_path / "ckpt")
-    out = _child(SHRINK, str(ckpt), mode)
-    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # not -SIGBUS, not a traceback
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    out, ckpts = shrunk
+    ckpt = ckpts[mode]
+    begun = [line.split()[0] for line in out.stdout.splitlines() if line.endswith(" begun")]
+    # not -SIGBUS, not a traceback (the modes run in MODES' order: the one that died is the last begun)
+    assert out.returncode == 0, (out.returncode, begun[-1:], out.stderr[-2000:])
+    mine = [line.removeprefix(f"{mode} ") for line in out.stdout.splitlines() if line.startswith(f"{mode} ")]
+    lines = dict(line.split(" ", 1) for line in mine if line != "begun")
     # the trunk was read, not mapped: only the mmap io mode maps the shard (for the experts)
     assert lines["mapped"] == ("0" if mode != "mmap" else "1")
     changed = f"checkpoint file {ckpt / 'model.safetensors'} changed since it was opened"
