@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 import transformers as T
@@ -13,7 +11,9 @@ import moestream
 from moestream.cli import main
 
 
-def test_cli_generate_json_matches_stock_greedy(tiny_dir):
+def test_cli_generate_json_matches_stock_greedy(tiny_dir, capsys):
+    """In-process (`python -m moestream` as a process: test_faults, test_chat_cli and the server tests):
+    stdout is the JSON object alone."""
     path = tiny_dir("qwen3_moe")
     tok = T.AutoTokenizer.from_pretrained(path)
     ids = tok.encode("Hello world", add_special_tokens=False)
@@ -21,28 +21,11 @@ def test_cli_generate_json_matches_stock_greedy(tiny_dir):
     expected = ref.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[
         0, len(ids) :
     ]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moestream",
-            "generate",
-            str(path),
-            "--prompt",
-            "Hello world",
-            "--max-tokens",
-            "12",
-            "--ignore-eos",
-            "--cache",
-            "100KiB",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    argv = ["generate", str(path), "--prompt", "Hello world", "--max-tokens", "12", "--ignore-eos"]
+    rc = main([*argv, "--cache", "100KiB", "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert rc == 0, stderr
+    out = json.loads(stdout)
     assert out["tokens"] == expected.tolist()
     assert out["text"] == tok.decode(expected, skip_special_tokens=True)
     stats = out["stats"]
