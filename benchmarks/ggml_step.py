@@ -37,7 +37,7 @@ def main() -> None:
         print(engine.mode_line())
         ids = list(range(100, 100 + args.prompt))
         engine.generate(ids, max_tokens=4, ignore_eos=True)  # every expert this prompt uses is read
-        step = engine._step
+        step = engine.runner
         for _ in range(2):
             t0 = time.perf_counter()
             logits, kv = step(ids, None)

@@ -23,6 +23,7 @@ from moestream.cli import main
 from moestream.engine.auto_budget import MARGIN_SHARE, cuda_split, largest_fit
 from moestream.engine.memory import Room
 from moestream.engine.options import AUTO, EngineOptions
+from moestream.engine.runners import EagerRunner
 from moestream.errors import MemoryBudgetError
 from moestream.units import MiB
 
@@ -79,12 +80,12 @@ CHILD = """
     out.update(
         chosen=engine.options.cache, room=budget.room.nbytes, why=budget.room.why, kept=dict(budget.kept),
         every=budget.every, allocated=engine.cache.allocated_bytes, capacity=engine.cache.capacity,
-        runner_kv=engine._step.runner.kv_bytes, mode=engine.mode_line(),
+        runner_kv=engine.runner.kv_bytes, mode=engine.mode_line(),
         room_after=limit - unreclaimable(group), mapped_after=status("RssFile"),
     )
     # a prompt that walks the context through several prefill chunks and spans, under the same limit
     gen = engine.generate(list(range(1, 1001)), max_tokens=16, ignore_eos=True)
-    out["graphs_used"] = sum(s.arena.nbytes + held(s.buf) for s in engine._step.runner._sets.values())
+    out["graphs_used"] = sum(s.arena.nbytes + held(s.buf) for s in engine.runner._sets.values())
     out["generated"] = len(gen.tokens)
     engine.close()
     with moestream.load(ckpt, cache="4MiB") as explicit:  # an explicit size wins
@@ -193,7 +194,7 @@ def test_the_eager_trunk_keeps_a_full_context_prefill(tiny_dir):
         heads, dim = cfg.num_key_value_heads, cfg.head_dim
         element = engine.dtype.itemsize
         assert kept["the KV cache at 256 tokens"] == cfg.num_hidden_layers * 256 * 2 * heads * dim * element
-        assert "the ggml graphs' buffers" not in kept and engine._step.runner is None
+        assert "the ggml graphs' buffers" not in kept and isinstance(engine.runner, EagerRunner)
 
 
 # --- the choice as pure functions ----------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_graphs_match_stock_over_prefill_chunks_and_decode_steps(arch, tiny_gguf
     want = _stock_greedy(hf, LONG, 16)
     with moestream.load(str(hf), cache="64MiB", trunk="ggml") as engine:
         assert f"trunk ggml graphs ({arch}" in engine.mode_line()
-        spec = engine._step.runner.spec
+        spec = engine.runner.spec
         assert [layer.linear is not None for layer in spec.layers] == [True, False]
         assert spec.layers[1].attention.gated and spec.rope_dims == 4  # partial rotary: 16 * 0.25
         _close(_runner_logits(engine, LONG), ref)
@@ -74,7 +74,7 @@ def test_a_second_request_starts_from_zero_states(arch, tiny_dir):
         engine.generate(LONG[5:], max_tokens=10, ignore_eos=True)
         assert engine.generate(PROMPT, max_tokens=10, ignore_eos=True).tokens == tokens
         assert torch.equal(_runner_logits(engine), first)
-        runner = engine._step.runner
+        runner = engine.runner
         conv, state = runner.kv[0]
         assert state.abs().sum() > 0 and conv.abs().sum() > 0  # the states in use: something to reset
 
@@ -107,7 +107,7 @@ def test_gguf_q8_0_graphs_match_the_transformers_path(arch, tiny_gguf):
         eager = _runner_logits(engine)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         assert f"trunk ggml graphs ({arch}" in engine.mode_line()
-        d = engine._step.runner.spec.layers[0].linear
+        d = engine.runner.spec.layers[0].linear
         if arch == "qwen3_5_moe":  # its value heads' rows moved as whole blocks, out_proj's input permuted
             assert all(m.type_id == Q.Q8_0 for m in (d.qkv, d.z, d.b, d.a, d.out)) and d.out_tiled
             out_proj = engine.model.model.layers[0].linear_attn.out_proj  # the file's bytes, no f32 copy
@@ -140,7 +140,7 @@ def test_a_composite_qwen3_5_config_loads_and_runs_the_graphs(tmp_path):
             engine.config.model_type == "qwen3_5_moe"
             and "trunk ggml graphs (qwen3_5_moe" in engine.mode_line()
         )
-        assert sum(layer.linear is not None for layer in engine._step.runner.spec.layers) == 3
+        assert sum(layer.linear is not None for layer in engine.runner.spec.layers) == 3
         _close(_runner_logits(engine), ref)
 
 
@@ -193,7 +193,7 @@ def test_linear_attention_rows_kept_as_blocks(arch, tmp_path, monkeypatch):
 
     assert all(torch.equal(got, want) for got, want in trunk_weights())
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        d = engine._step.runner.spec.layers[0].linear
+        d = engine.runner.spec.layers[0].linear
         moved = (d.qkv, d.z, d.b, d.a) if arch == "qwen3_5_moe" else (d.qkvz, d.ba)
         assert all(m.type_id == Q.Q8_0 for m in moved)
         got = _runner_logits(engine)

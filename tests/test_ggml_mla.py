@@ -64,7 +64,7 @@ def _within(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _changed(engine, change, prompt: list[int]) -> torch.Tensor:
     """The runner's logits with `change` made to its layers' attention and routers (graphs built again),
     then everything restored."""
-    runner = engine._step.runner
+    runner = engine.runner
     parts = [runner.spec, *(x.attention for x in runner.spec.layers)]
     parts += [x.router for x in runner.spec.layers if x.router is not None]
     saved = [dict(vars(x)) for x in parts]
@@ -93,7 +93,7 @@ def test_deepseek_shapes_match_stock_transformers(arch, overrides, seed, tmp_pat
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         assert f"trunk ggml graphs ({arch}: one graph a layer" in engine.mode_line()
-        spec = engine._step.runner.spec
+        spec = engine.runner.spec
         assert spec.layers[0].router is None and spec.layers[1].router is not None  # first_k_dense_replace
         assert (spec.layers[1].attention.q is None) == (arch == "deepseek_v3")
         assert _within(_runner_logits(engine), ref) <= TOLERANCE
@@ -123,7 +123,7 @@ def test_each_deepseek_piece_matters(tmp_path):
     perturb_vectors(path)
     ref = _stock_logits(path, LONG)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        spec = engine._step.runner.spec
+        spec = engine.runner.spec
         mla = spec.layers[1].attention
         assert mla.rope_mode == ROPE_NORM and spec.rope_freqs is not None
         assert mla.scale == pytest.approx((1 + 0.1 * torch.log(torch.tensor(40.0)).item()) ** 2 / 16**0.5)
@@ -164,7 +164,7 @@ def test_deepseek_v2_groups_and_mscale_matter(tmp_path):
     perturb_vectors(path)
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        assert engine._step.runner.spec.layers[1].router.groups == (4, 1, 1)
+        assert engine.runner.spec.layers[1].router.groups == (4, 1, 1)
         assert _within(_runner_logits(engine), ref) <= TOLERANCE
         largest = ref.abs().max().item()
 
@@ -234,7 +234,7 @@ def test_deepseek_v2_lite_gguf(tmp_path):
     path = write_gguf(hf, tmp_path / "v2-lite.gguf")
     ref = _stock_logits(hf)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        spec = engine._step.runner.spec
+        spec = engine.runner.spec
         assert spec.family == "deepseek_v2" and spec.layers[1].attention.q is not None
         assert spec.layers[1].router.groups == (4, 1, 1)
         assert _within(_runner_logits(engine), ref) <= TOLERANCE

@@ -26,6 +26,8 @@ import moestream
 from moestream.cache.size_classes import budget_requirements
 from moestream.cli import main
 from moestream.engine import ggml_layers, ggml_runner
+from moestream.engine.ggml_runner import GgmlRunner
+from moestream.engine.runners import EagerRunner
 from moestream.errors import MoestreamError
 from moestream.model.graph_spec import GRAPH_FAMILIES, ModelSpec
 
@@ -44,7 +46,7 @@ def _stock_logits(path, prompt: list[int] = PROMPT) -> torch.Tensor:
 
 def _runner_logits(engine, prompt: list[int] = PROMPT) -> torch.Tensor:
     """The runner's logits for the same positions: one prefill step, then one step per forced token."""
-    step = engine._step
+    step = engine.runner
     logits, kv = step(prompt, None)
     out = [logits]
     for token in FORCED:
@@ -58,7 +60,7 @@ def test_graphs_match_stock_transformers(arch, tiny_dir):
     path = tiny_dir(arch)
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        assert engine._step.runner is not None
+        assert isinstance(engine.runner, GgmlRunner)
         assert f"trunk ggml graphs ({arch}" in engine.mode_line()
         got = _runner_logits(engine)
         diff = (got - ref).abs().max().item()
@@ -132,7 +134,7 @@ def test_every_expert_cached_makes_a_token_one_graph(arch, tiny_dir, monkeypatch
         assert engine.cache.stats.misses == units  # all of them, at load
         runs[0] = 0
         whole = _runner_logits(engine)
-        graphs = len(engine._step.runner.spec.layers) + 1
+        graphs = len(engine.runner.spec.layers) + 1
         assert runs[0] == 1 + len(FORCED)  # the prefill, then each token: one graph each
         assert engine.cache.stats.misses == units
         hits = engine.cache.stats.hits
@@ -191,7 +193,7 @@ def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
     ref = _stock_logits(path)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         got = _runner_logits(engine)
-        sets = engine._step.runner._sets  # sets built and dropped: one prefill shape, two decode ones
+        sets = engine.runner._sets  # sets built and dropped: one prefill shape, two decode ones
         assert [t > 1 for t, _ in sets].count(True) == ggml_runner.KEEP_PREFILL_SETS
         assert [t == 1 for t, _ in sets].count(True) == ggml_runner.KEEP_DECODE_SETS
     assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
@@ -211,7 +213,7 @@ def test_prompt_cache_continues_the_graphs_kv_cache(tiny_dir):
 
 def test_one_pool_and_the_mode_line(tiny_dir):
     with moestream.load(str(tiny_dir("mixtral")), cache="64MiB", threads=2) as engine:
-        assert engine._step.runner is not None  # auto picks the graphs on the CPU
+        assert isinstance(engine.runner, GgmlRunner)  # auto picks the graphs on the CPU
         assert torch.get_num_threads() == 1
         from moestream import ggml
 
@@ -226,7 +228,7 @@ def test_what_the_graphs_lack_runs_transformers_and_says_why(tmp_path):
 
     path = write_tiny("qwen3_moe", tmp_path / "gelu", hidden_act="gelu")
     with moestream.load(str(path), cache="64MiB") as engine:
-        assert engine._step.runner is None
+        assert isinstance(engine.runner, EagerRunner)
         assert "trunk eager (transformers: activation 'gelu' is not in the graphs yet)" in engine.mode_line()
     with pytest.raises(
         MoestreamError, match="--trunk ggml is not possible for this model: activation 'gelu'"
@@ -255,12 +257,12 @@ def test_cli_runs_the_graphs(tiny_dir, capsys):
 
 
 def _spec(engine) -> ModelSpec:
-    return engine._step.runner.spec
+    return engine.runner.spec
 
 
 def _without(engine, change, prompt: list[int] = PROMPT) -> torch.Tensor:
     """The runner's logits with `change` made to its spec (graphs built again), then the spec restored."""
-    runner = engine._step.runner
+    runner = engine.runner
     saved = {id(x): dict(vars(x)) for x in [runner.spec, *(layer.attention for layer in runner.spec.layers)]}
     change(runner.spec)
     runner.close_sets()

@@ -144,7 +144,7 @@ def test_an_expert_is_transformers_math_on_8_bit_activations(mxfp4_dir, monkeypa
     with moestream.load(str(mxfp4_dir), cache="64MiB", trunk="ggml", preload=False) as engine:
         minimum, _ = budget_requirements(engine.emap, engine.top_k)
         engine.restream(cache=minimum, preload=False)
-        engine._step(PROMPT, None)
+        engine.runner(PROMPT, None)
     assert {layer for layer, _, _ in seen} == {0, 1}
     with torch.no_grad():
         for layer, hidden, routed in seen:

@@ -21,6 +21,8 @@ import torch
 
 import moestream
 from moestream.cli import main
+from moestream.engine.ggml_runner import GgmlRunner
+from moestream.engine.runners import EagerRunner, StaticRunner
 from moestream.errors import MoestreamError
 from moestream.model.graph_spec import GRAPH_FAMILIES
 
@@ -37,10 +39,10 @@ REFUSED = {
 
 def _steps(engine: moestream.Engine) -> list[torch.Tensor]:
     """Logits of the prompt's forward and of each FEED token after it, through the engine's step."""
-    logits, cache = engine._step(PROMPT, None)
+    logits, cache = engine.runner(PROMPT, None)
     out = [logits]
     for token in FEED:
-        logits, cache = engine._step([token], cache)
+        logits, cache = engine.runner([token], cache)
         out.append(logits)
     return out
 
@@ -57,6 +59,7 @@ def test_static_trunk_gives_the_eager_tokens_and_logits(tiny_dir, arch):
             cold = engine.generate(turn, max_tokens=8, ignore_eos=True)
             runs[trunk] = (first.tokens, warm.tokens, warm.cached_tokens, cold.tokens, _steps(engine))
             line = engine.mode_line()
+            assert type(engine.runner) is {"eager": EagerRunner, "static": StaticRunner}[trunk]
         assert ("trunk static KV cache of 64 tokens" in line) == (trunk == "static"), line
     eager, static = runs["eager"], runs["static"]
     assert static[:4] == eager[:4]
@@ -86,11 +89,11 @@ def test_models_a_static_cache_cannot_serve_are_refused_or_run_eager(tiny_dir, a
         moestream.load(path, cache="1MiB", trunk="static")
     with moestream.load(path, cache="1MiB") as engine:  # auto on the CPU: no static cache tried
         if arch in GRAPH_FAMILIES:  # gpt_oss, qwen3_next: the ggml graphs, their own KV cache and states
-            assert f"trunk ggml graphs ({arch}" in engine.mode_line() and engine._step.runner is not None
+            assert f"trunk ggml graphs ({arch}" in engine.mode_line()
+            assert isinstance(engine.runner, GgmlRunner)
         else:  # eager
             assert f"trunk eager (transformers: {arch} has no ggml graph yet" in engine.mode_line()
-            assert engine._step.runner is None
-        assert engine._step.static is None and engine._step.graphs is None
+            assert isinstance(engine.runner, EagerRunner)  # no static cache, no graphs
 
 
 def test_graphs_need_a_cuda_device(capsys, tiny_dir):
@@ -175,7 +178,7 @@ def test_the_one_graph_step_follows_the_tier(tmp_path, tiny_dir):
     with moestream.load(str(path), device="cuda", cache="64MiB", trunk="static", ctx_size=64) as engine:
         want = _steps(engine)
     with moestream.load(str(path), device="cuda", cache="64MiB", trunk="graphs", ctx_size=64) as engine:
-        graphs, runtime, tier = engine._step.graphs, engine.runtime, engine.runtime.tier
+        graphs, runtime, tier = engine.runner.graphs, engine.runtime, engine.runtime.tier
         assert graphs.whole is not None and tier.holds_all()
         calls, before = [0], engine.counters().hits
         original = runtime.forward
@@ -209,7 +212,7 @@ def test_the_one_graph_step_follows_the_tier(tmp_path, tiny_dir):
 def test_auto_falls_back_to_eager_where_graphs_are_not_possible(tiny_dir):
     with moestream.load(str(tiny_dir("gpt_oss")), device="cuda", cache="64MiB", dtype="bfloat16") as engine:
         assert "trunk eager (CUDA graphs not possible: layer 0's KV cache is a Static" in engine.mode_line()
-        assert engine._step.graphs is None
+        assert isinstance(engine.runner, EagerRunner)  # no graphs
     with pytest.raises(MoestreamError, match="--trunk graphs is not possible for this model"):
         moestream.load(str(tiny_dir("gpt_oss")), device="cuda", cache="64MiB", trunk="graphs")
 
@@ -220,12 +223,12 @@ def test_a_graphs_step_syncs_only_at_the_routing_and_the_logits(tiny_dir):
     options = dict(device="cuda", cache="64MiB", gpu_cache="100KiB", host_cache="64MiB", dtype="bfloat16")
     with moestream.load(path, trunk="graphs", **options) as engine:
         engine.generate(PROMPT, max_tokens=4, ignore_eos=True)  # warm up
-        _, cache = engine._step(PROMPT, None)
+        _, cache = engine.runner(PROMPT, None)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                engine._step([5], cache)
+                engine.runner([5], cache)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     where = [(w.filename.rsplit("/", 2)[-2:], w.lineno) for w in caught]

@@ -39,7 +39,7 @@ def describe(engine: Any) -> str:
 
 
 def _threads_part(engine: Any) -> str:
-    if engine._step.runner is not None:
+    if engine.runner.owns_compute_pool:
         return f"threads {engine.threads} (one ggml pool; torch 1)"
     return f"threads {torch.get_num_threads()}"
 

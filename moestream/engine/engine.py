@@ -14,17 +14,17 @@ from moestream.engine.auto_budget import size_auto
 from moestream.engine.chat import render_chat
 from moestream.engine.describe import describe
 from moestream.engine.kvcache import kv_cache_bytes
-from moestream.engine.loop import ForwardStep
 from moestream.engine.memory import TrunkLock
 from moestream.engine.memory_plan import plan_memory
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import PromptCache
 from moestream.engine.prompts import check_context, context_size, prompt_ids
 from moestream.engine.requests import Generation, run_request
+from moestream.engine.runners import ModelRunner
 from moestream.engine.sampling import SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters
 from moestream.engine.streaming_setup import build_streaming, read_resident, rebuild_streaming
-from moestream.engine.trunk import ggml_spec, release_trunk, setup_trunk
+from moestream.engine.trunk import ggml_spec, make_runner
 from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
@@ -146,10 +146,10 @@ class Engine:
         except BaseException:
             self.trunk.unlock()
             raise
-        self._step = ForwardStep(self.model)
         try:
-            self._trunk_base = setup_trunk(
-                self._step,
+            # what computes the steps, chosen once: it owns the static cache, graphs, ggml KV cache
+            self.runner: ModelRunner = make_runner(
+                self.model,
                 self.options.trunk,
                 self._modules,
                 self.device,
@@ -158,7 +158,8 @@ class Engine:
                 self._spec,
                 self._no_graph,
             )
-            if self._step.runner is not None:  # one pool: ggml's; torch only runs glue in between
+            self._trunk_base = self.runner.describe()
+            if self.runner.owns_compute_pool:  # one pool: ggml's; torch only runs glue in between
                 torch.set_num_threads(1)
             self.trunk_line = self._trunk_base + read_resident(self)
         except BaseException:
@@ -419,7 +420,9 @@ class Engine:
                 finally:
                     self.trunk.unlock()
                     self.prompt_cache.clear()
-                    release_trunk(self._step)
+                    self.runner.close()  # its graphs and static cache: their GPU memory back at once
+                    if torch.cuda.is_initialized():
+                        torch.cuda.empty_cache()
                     ggml_threads(None)  # ggml's later computes outside an engine: torch's count again
 
     def __enter__(self) -> Engine:

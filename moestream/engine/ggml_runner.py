@@ -37,6 +37,7 @@ from moestream.engine.ggml_layers import (
     StepBuffers,
     Whole,
 )
+from moestream.engine.runners import ModelRunner
 from moestream.ggml.net import Arena, Net
 from moestream.model.graph_spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
@@ -175,8 +176,10 @@ class GraphSet:
         self.graphs, self.fused = [], {}
 
 
-class GgmlRunner:
+class GgmlRunner(ModelRunner):
     """Runs `ids` after what the KV cache holds: (last position's logits [V] f32, the cache object)."""
+
+    owns_compute_pool = True  # every compute on ggml's one pool; torch runs single-threaded glue
 
     def __init__(
         self,
@@ -211,7 +214,7 @@ class GgmlRunner:
             f"{whole}), KV cache F16 of {self.ctx} positions"
         )
 
-    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
+    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
         kv = self.state
         if cache is None:
             kv.tokens = 0  # a request from scratch
@@ -423,6 +426,7 @@ class GgmlRunner:
         self._sets.clear()
 
     def close(self) -> None:
+        """The graph sets and the KV cache freed at once."""
         self.close_sets()
         self.kv = []
 

@@ -79,7 +79,7 @@ def _stepper(
     forward covers."""
     listeners = [x for x in (engine.recorder, engine.replay) if x is not None]
     if not listeners:
-        return engine._step
+        return engine.runner
     phase = "prefill"
 
     def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
@@ -87,7 +87,7 @@ def _stepper(
         for listener in listeners:
             listener.forward(request_id, phase, position)
         position, phase = position + len(ids), "decode"
-        return engine._step(ids, cache)
+        return engine.runner(ids, cache)
 
     return step
 

@@ -10,7 +10,6 @@ from typing import Any
 from moestream.cache.read_at_load import read_all
 from moestream.engine.memory_plan import plan_restream
 from moestream.engine.options import EngineOptions
-from moestream.engine.trunk import resident_part
 from moestream.engine.unused import refuse_unused
 from moestream.errors import MoestreamError
 from moestream.model.arch import text_config
@@ -68,8 +67,7 @@ def rebuild_streaming(engine: Any, **changes: Any) -> None:
     recorder, previous = engine.recorder, engine.options
     if recorder is not None:
         recorder.detach(engine.runtime)
-    if engine._step.graphs is not None:
-        engine._step.graphs.drop_whole()  # it reads the slot buffer closed next
+    engine.runner.before_restream()  # what reads the slot buffer closed next
     engine.trunk_line = engine._trunk_base
     engine.streaming.close()
     try:
@@ -98,7 +96,7 @@ def read_resident(engine: Any) -> str:
     unified memory), so that no request waits for a first read."""
     if not engine.options.preload:
         return ""
-    words = resident_part(engine._step, engine.top_k, int(text_config(engine.config).hidden_size))
+    words = engine.runner.resident_part(engine.top_k, int(text_config(engine.config).hidden_size))
     cache = engine.streaming.cache
     if words or not engine.runtime.tier.in_place or cache is None or not cache.holds_all():
         return words
