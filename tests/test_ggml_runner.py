@@ -395,3 +395,25 @@ def test_an_interrupt_while_a_graph_set_builds_leaves_the_engine_usable(tiny_dir
         with pytest.raises(KeyboardInterrupt):
             engine.generate(PROMPT, max_tokens=6, ignore_eos=True)
         assert engine.generate(PROMPT, max_tokens=6, ignore_eos=True).tokens == want
+
+
+def test_routers_are_computed_in_float32(tiny_dir):
+    """As llama.cpp computes them (its converter stores routers F32): ggml's bf16 product rounds the
+    activations to 16 bits first, which on the trained fixture's bf16 GGUF moved the first token's
+    log-probabilities by up to 0.15 and changed the greedy token; in float32 they equal llama-server's to
+    5 decimals (BENCHMARKS.md). The copies are counted for the auto budget."""
+    from moestream import ggml
+    from moestream.engine.auto_budget import _runner_parts
+
+    f32 = ggml.ggml_type("F32").id
+    with moestream.load(str(tiny_dir("qwen2_moe")), cache="64MiB", dtype="bfloat16") as engine:
+        spec = _spec(engine)
+        routers = [x.router for x in spec.layers if x.router is not None]
+        gates = [m for r in routers for m in (r.weight, r.shared_gate) if m is not None]
+        assert len(gates) == 2 * len(routers)  # qwen2_moe: the router and the shared expert's gate
+        assert {m.type_id for m in gates} == {f32}
+        assert spec.copied_bytes == sum(4 * m.rows * m.cols for m in gates) > 0
+        assert ("the routers in float32", spec.copied_bytes) in _runner_parts(engine, ("kv", 0))
+        assert spec.layers[0].attention.q.type_id != f32  # the rest stays as the model holds it
+    with moestream.load(str(tiny_dir("qwen2_moe")), cache="64MiB", dtype="float32") as engine:
+        assert _spec(engine).copied_bytes == 0  # a float32 model's own routers: no copy

@@ -225,7 +225,13 @@ def _runner_parts(engine: Any, kv: tuple[str, int]) -> list[tuple[str, int]]:
     kv_bytes, graphs = runner_bytes(
         engine._spec, engine.ctx_size, num_experts(engine.config), inter, engine.threads
     )
-    return [(f"the F16 KV cache at {engine.ctx_size} tokens", kv_bytes), ("the ggml graphs' buffers", graphs)]
+    parts = [
+        (f"the F16 KV cache at {engine.ctx_size} tokens", kv_bytes),
+        ("the ggml graphs' buffers", graphs),
+    ]
+    if engine._spec.copied_bytes:
+        parts.append(("the routers in float32", engine._spec.copied_bytes))
+    return parts
 
 
 def activation_bytes(config: Any, ctx_size: int) -> int:

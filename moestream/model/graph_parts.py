@@ -77,6 +77,21 @@ def matrix(module: nn.Module, permuted_inputs: bool = False) -> Matrix:
     return Matrix(w, w.data_ptr(), FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
 
 
+def router_matrix(module: nn.Module) -> Matrix:
+    """A router's weight as llama.cpp computes it: float32 (its converter stores routers F32, and ggml's
+    bf16/f16 products round the activations to 16 bits first: on the trained fixture's bf16 GGUF that
+    moved the first token's log-probabilities by up to 0.15 and changed the greedy token; in float32
+    they equal llama-server's to 5 decimals). A copy where the model holds it in 16 bits
+    (`ModelSpec.copied_bytes`); a router in GGUF blocks stays as stored."""
+    if isinstance(module, QuantLinear):
+        return matrix(module)
+    w = module.weight.detach()
+    if w.dtype not in FLOAT_TYPES or w.device.type != "cpu":
+        raise NoGraph(f"a {w.dtype} weight on {w.device} is not a ggml weight")
+    w = w.float().contiguous()
+    return Matrix(w, w.data_ptr(), FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
+
+
 def _shape(module: nn.Module) -> tuple[int, int]:
     return module.rows, module.cols
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moestream.hfconfig import text_config
-from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix
+from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix, router_matrix
 from moestream.model.streaming import StreamingExperts
 
 # families whose decoder layer moestream builds as ggml graphs (standard attention, softmax routers;
@@ -125,6 +125,7 @@ class ModelSpec:
     # transformers' own inv_freq, and the factor its cos and sin are multiplied by (attention_scaling)
     rope_freqs: torch.Tensor | None = None
     rope_attn: float = 1.0
+    copied_bytes: int = 0  # weights the spec holds as copies beside the model's (routers in float32)
 
     @property
     def top_k(self) -> int:
@@ -261,7 +262,7 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
     if family == "gpt_oss":  # logits = W x + b, top-k of the logits, softmax over the chosen k
         router = mlp.router
         return Router(
-            matrix(router),
+            router_matrix(router),
             int(cfg.num_experts_per_tok),
             normalize=False,
             logit_bias=_f32(router.bias),
@@ -274,10 +275,10 @@ def _router(mlp: nn.Module, cfg: Any, family: str) -> Router:
     gate = mlp.gate
     always = family in ("mixtral", "qwen3_5_moe")  # their routers normalise whatever the config says
     normalize = True if always else bool(getattr(cfg, "norm_topk_prob", False))
-    router = Router(matrix(gate), int(cfg.num_experts_per_tok), normalize)
+    router = Router(router_matrix(gate), int(cfg.num_experts_per_tok), normalize)
     if getattr(mlp, "shared_expert", None) is not None:
         router.shared = _mlp(mlp.shared_expert)
-        router.shared_gate = matrix(mlp.shared_expert_gate)
+        router.shared_gate = router_matrix(mlp.shared_expert_gate)
     if family == "glm4_moe":  # sigmoid scores, a bias for the choice, groups, a scaling factor
         groups, kept = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
         if groups > 1 and kept < groups:
@@ -351,4 +352,13 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
         layers=layers,
         rope_freqs=rope.freqs,
         rope_attn=rope.attn,
+        copied_bytes=_router_copies(model, layers),
     )
+
+
+def _router_copies(model: nn.Module, layers: list[Layer]) -> int:
+    """Bytes of the routers' float32 copies (`router_matrix`): those not in the model's own storage."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    routers = [x.router for x in layers if x.router is not None]
+    weights = [m for r in routers for m in (r.weight, r.shared_gate) if m is not None]
+    return sum(m.ref.nbytes for m in weights if m.ref.untyped_storage().data_ptr() not in own)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix
+from moestream.model.graph_parts import Matrix, Mlp, NoGraph, Router, _f32, matrix, router_matrix
 from moestream.model.quantized import QuantLinear
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -108,7 +108,7 @@ def deepseek_router(mlp: nn.Module, cfg: Any, family: str) -> Router:
     top-2 sum; the chosen scores normalised (norm_topk_prob), times routed_scaling_factor."""
     gate = mlp.gate
     experts, top_k = int(gate.weight.shape[0]), int(cfg.num_experts_per_tok)
-    router = Router(matrix(gate), top_k, normalize=False)
+    router = Router(router_matrix(gate), top_k, normalize=False)
     router.scale = float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)
     router.shared = _shared(mlp.shared_experts)
     groups, kept = int(getattr(cfg, "n_group", 1) or 1), int(getattr(cfg, "topk_group", 1) or 1)
