@@ -417,3 +417,46 @@ def test_routers_are_computed_in_float32(tiny_dir):
         assert spec.layers[0].attention.q.type_id != f32  # the rest stays as the model holds it
     with moestream.load(str(tiny_dir("qwen2_moe")), cache="64MiB", dtype="float32") as engine:
         assert _spec(engine).copied_bytes == 0  # a float32 model's own routers: no copy
+
+
+def _graph_moe_sum(y: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
+    """ggml_layers.moe_sum alone: y [T, K, H], w [T, K] -> [T, H] by one graph."""
+    from moestream import ggml
+    from moestream.ggml.net import F32, Arena, Net
+
+    T, K, H = y.shape
+    out = torch.empty(T, H)
+    kern = ggml.kernels(threads)
+    net = Net(ggml.library())
+    try:
+        yt, wt = net.tensor(F32, [H, K, T], y.data_ptr()), net.tensor(F32, [1, K, T], w.data_ptr())
+        net.finish(
+            [net.fix(net.cont(ggml_layers.moe_sum(net, yt, wt, H, K, T)), out.data_ptr())], threads, kern.pool
+        )
+        arena = Arena([net])
+        with kern._lock:
+            net.run()
+        del arena
+    finally:
+        net.close()
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_experts_sum_rounds_as_llama_cpp_does(threads):
+    """llama.cpp's build_moe_ffn: each y_k * w_k rounded once, then added in the router's order. The
+    graphs' sum must give those bits (independently: torch's float32 ops, each correctly rounded); the
+    K-term ggml_out_prod it replaced (fused multiply-adds) does not, and parted from llama.cpp's greedy
+    tokens on the trained fixture (BENCHMARKS.md)."""
+    g = torch.Generator().manual_seed(11)
+    T, K, H = 5, 8, 512
+    y, w = torch.randn(T, K, H, generator=g), torch.rand(T, K, generator=g)
+    want = y[:, 0] * w[:, :1]
+    for k in range(1, K):
+        want = want + y[:, k] * w[:, k : k + 1]
+    got = _graph_moe_sum(y, w, threads)
+    assert torch.equal(got, want)
+    fused = torch.zeros(T, H, dtype=torch.float64)  # what a chain of exact fused multiply-adds gives
+    for k in range(K):
+        fused = (fused + y[:, k].double() * w[:, k : k + 1].double()).float().double()
+    assert not torch.equal(fused.float(), want)  # the two orders of rounding differ on these numbers
