@@ -100,3 +100,19 @@ def test_openai_chat_completion(server):
     assert r.usage.prompt_tokens == len(
         build_tokenizer().encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
     )
+
+
+def test_greedy_tokens_equal_moestreams(server, tmp_path):
+    """The same file through llama-server and moestream's graphs, greedy: the same tokens (the graphs
+    compute the routers in float32 and sum the experts with llama.cpp's roundings)."""
+    import moestream
+
+    base, log, _ = server
+    path = Path(log).with_suffix(".gguf")
+    ids = build_tokenizer().encode(TEXT)
+    body = {"prompt": ids, "n_predict": 24, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+    body["ignore_eos"] = True
+    want = httpx.post(base + "/completion", json=body, timeout=120).json()["tokens"]
+    with moestream.load(str(path), threads=2, ctx_size=512) as engine:
+        got = engine.generate(ids, max_tokens=24, ignore_eos=True).tokens
+    assert got == want
