@@ -1,5 +1,4 @@
 import os
-import sys
 import warnings
 
 import pytest
@@ -20,44 +19,6 @@ torch.set_num_threads(1)
 # when it is first imported, so it is set here, before any test module can import it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-_lazy_dir_checked = False
-
-
-def _linear_lazy_module_dir() -> None:
-    """transformers' `_LazyModule.__dir__` checks each name of `__all__` against a list: quadratic in
-    the ~5,000 names of the top-level module, 0.05 s a call. Every model load runs transformers'
-    `apply_patches` (how moestream swaps in StreamingExperts), which calls dir() on every transformers
-    module imported so far: 0.35 s of CPU of a tiny model's 0.4 s load, paid by hundreds of loads in
-    this suite. The same list (same names, same order) from a set lookup; installed only where it gives
-    exactly what transformers' own does, else transformers' is kept. Once transformers is imported (a
-    process that never imports it, e.g. test_ggml_library's child, is not made to)."""
-    global _lazy_dir_checked
-    if _lazy_dir_checked or "transformers.utils.import_utils" not in sys.modules:
-        return
-    _lazy_dir_checked = True
-    import transformers
-    from transformers.utils import import_utils
-
-    lazy = import_utils._LazyModule
-    original = lazy.__dir__
-
-    def linear_dir(self):
-        result = list(super(lazy, self).__dir__())
-        seen = set(result)
-        for attr in self.__all__:
-            if attr not in seen:
-                result.append(attr)
-                seen.add(attr)
-        return result
-
-    if isinstance(transformers, lazy) and linear_dir(transformers) == original(transformers):
-        lazy.__dir__ = linear_dir
-
-
-def pytest_runtest_setup(item):
-    _linear_lazy_module_dir()  # before the test's fixtures, module and session ones included
 
 
 @pytest.fixture(scope="session")
