@@ -13,7 +13,7 @@ import argparse
 import time
 
 import moestream
-from moestream.engine import ggml_runner
+from moestream.engine import graph_set
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--cache", default="auto")
     a = p.parse_args()
     spent = {"sets": 0.0, "whole": 0.0}
-    init, whole = ggml_runner.GraphSet.__init__, ggml_runner.GraphSet.whole_graph
+    init, whole = graph_set.GraphSet.__init__, graph_set.GraphSet.whole_graph
 
     def timed_init(self, *args, **kwargs):
         start = time.perf_counter()
@@ -36,7 +36,7 @@ def main() -> None:
         spent["whole"] += time.perf_counter() - start
         return out
 
-    ggml_runner.GraphSet.__init__, ggml_runner.GraphSet.whole_graph = timed_init, timed_whole
+    graph_set.GraphSet.__init__, graph_set.GraphSet.whole_graph = timed_init, timed_whole
     with moestream.load(a.model, cache=a.cache, threads=a.threads) as engine:
         print(engine.mode_line())
         engine.generate([5, 6, 7], max_tokens=2, ignore_eos=True)

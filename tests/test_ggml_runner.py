@@ -29,6 +29,7 @@ from moestream.engine import ggml_layers, ggml_runner
 from moestream.engine.ggml_runner import GgmlRunner
 from moestream.engine.runners import EagerRunner
 from moestream.errors import MoestreamError
+from moestream.ggml.net import Net
 from moestream.model.graph_spec import GRAPH_FAMILIES, ModelSpec
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
@@ -111,13 +112,13 @@ def _small_steps(monkeypatch) -> None:
 
 def _count_runs(monkeypatch) -> list[int]:
     runs = [0]
-    run = ggml_runner.Net.run
+    run = Net.run
 
     def counted(self):
         runs[0] += 1
         run(self)
 
-    monkeypatch.setattr(ggml_runner.Net, "run", counted)
+    monkeypatch.setattr(Net, "run", counted)
     return runs
 
 
@@ -381,7 +382,7 @@ def test_an_interrupt_while_a_graph_set_builds_leaves_the_engine_usable(tiny_dir
         budget = _budgets(engine)[0]  # not every expert: a graph a layer (a one-graph step builds no other)
         engine.restream(cache=budget)
         want = engine.generate(PROMPT, max_tokens=6, ignore_eos=True).tokens
-    finish = ggml_runner.Net.finish
+    finish = Net.finish
     calls = [0]
 
     def interrupted(self, *args):
@@ -390,7 +391,7 @@ def test_an_interrupt_while_a_graph_set_builds_leaves_the_engine_usable(tiny_dir
             raise KeyboardInterrupt
         finish(self, *args)
 
-    monkeypatch.setattr(ggml_runner.Net, "finish", interrupted)
+    monkeypatch.setattr(Net, "finish", interrupted)
     with moestream.load(str(path), cache=budget, trunk="ggml") as engine:
         with pytest.raises(KeyboardInterrupt):
             engine.generate(PROMPT, max_tokens=6, ignore_eos=True)
@@ -422,7 +423,7 @@ def test_routers_are_computed_in_float32(tiny_dir):
 def _graph_moe_sum(y: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
     """ggml_layers.moe_sum alone: y [T, K, H], w [T, K] -> [T, H] by one graph."""
     from moestream import ggml
-    from moestream.ggml.net import F32, Arena, Net
+    from moestream.ggml.net import F32, Arena
 
     T, K, H = y.shape
     out = torch.empty(T, H)

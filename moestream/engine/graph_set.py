@@ -1,0 +1,132 @@
+"""A graph set: the ggml graphs and buffers of one step shape of the ggml runner (`engine/ggml_runner.py`),
+T tokens (1 when decoding, up to the runner's chunk per prefill piece) over an attention span S (positions,
+a multiple of 256), and the bytes one takes, known before it is built."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream import ggml
+from moestream.engine.ggml_layers import ExpertTypes, LayerGraphs, StepBuffers, Whole
+from moestream.ggml.net import Arena, Net
+from moestream.model.graph_spec import ModelSpec
+
+
+class GraphSet:
+    """The graphs and buffers of one step shape (T tokens, span S): graph i computes layer i (i = number
+    of layers: the head); `fused[i]`, where it exists, is graph i with the previous layer's experts in
+    it, computed from the cache's slots (when every one the step routes to is cached); `whole` is the
+    whole step as one graph (every expert of the model cached for good). Each kind is built when first
+    used: a step that is one graph never builds the per-layer ones (a new prompt length built them all,
+    10-34 ms on 4 layers, and ran none)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        shape: tuple[int, int],
+        experts: int,
+        types: dict[int, ExpertTypes],
+        threads: int,
+        pool: int,
+        last: bool = False,
+    ) -> None:
+        tokens, span = shape
+        self.buf = StepBuffers.make(spec, tokens, span, experts)
+        self.pool = pool
+        self._build = LayerGraphs(spec, kv, self.buf, types, last=last)
+        self.last = self._build.last  # past the last layer's attention, the last position only
+        self.rows = self._build.rows
+        self.graphs: list[Net] = []  # once built (`layer_graphs`)
+        self.fused: dict[int, Net] = {}
+        self.whole: tuple[Whole, Net] | None = None  # the step as one graph, once built
+        self.spec, self.kv, self.types, self.threads = spec, kv, types, threads
+        self.arena = Arena([])  # one region for every graph built, as large as the largest
+
+    def layer_graphs(self) -> tuple[list[Net], dict[int, Net]]:
+        """(graph of each layer and the head, the fused ones), built on first use."""
+        if not self.graphs:
+            build, graphs, fused = self._build, [], {}
+            try:
+                for i in range(len(self.spec.layers) + 1):
+                    for with_experts in (False, True) if build.can_fuse(i) else (False,):
+                        net = Net(ggml.library())
+                        if with_experts:
+                            fused[i] = net
+                        else:
+                            graphs.append(net)
+                        if i < len(self.spec.layers):
+                            net.finish(
+                                build.layer(net, self.spec.layers[i], with_experts), self.threads, self.pool
+                            )
+                        else:
+                            net.finish(build.head(net, with_experts), self.threads, self.pool)
+            except BaseException:
+                for net in [*graphs, *fused.values()]:
+                    net.close()
+                raise
+            self.graphs, self.fused = graphs, fused
+            self._place()
+        return self.graphs, self.fused
+
+    def whole_graph(self, whole: Whole) -> Net:
+        """The step as one graph over the slots `whole` names (built on first use, and again when the
+        slots move)."""
+        if self.whole is None or self.whole[0] != whole:
+            self.drop_whole()
+            net = Net(ggml.library(), nodes=max(1024, 128 * (len(self.spec.layers) + 1)))
+            try:
+                net.finish(
+                    LayerGraphs(self.spec, self.kv, self.buf, self.types, whole, self.last).step(net),
+                    self.threads,
+                    self.pool,
+                )
+            except BaseException:
+                net.close()
+                raise
+            self.whole = (whole, net)
+            self._place()
+        return self.whole[1]
+
+    def _place(self) -> None:
+        """One scratch and work region for every graph built (they run one at a time)."""
+        whole = [self.whole[1]] if self.whole is not None else []
+        self.arena = Arena([*self.graphs, *self.fused.values(), *whole])
+
+    def drop_whole(self) -> None:
+        if self.whole is not None:
+            self.whole[1].close()
+            self.whole = None
+
+    def close(self) -> None:
+        self.drop_whole()
+        for net in [*self.graphs, *self.fused.values()]:
+            net.close()
+        self.graphs, self.fused = [], {}
+
+
+def set_bytes(
+    spec: ModelSpec, kv: list, tokens: int, span: int, experts: int, inter: int, threads: int
+) -> int:
+    """Bytes of one graph set of `tokens` x `span`, laid out as `GraphSet` lays it out over meta tensors
+    (nothing is allocated): the largest graph's scratch and work, the step's buffers, and what a fused
+    graph adds for the routed experts (`inter`: their intermediate size; gate, up and SwiGLU [I, K, T],
+    down [H, K, T], f32; the whole step's graph, its scratch shared by liveness, stays within these)."""
+    with torch.device("meta"):
+        buf = StepBuffers.make(spec, tokens, span, experts)
+    build = LayerGraphs(spec, kv, buf)
+    pool = ggml.kernels(threads).pool
+    scratch = work = 0
+    for i in range(len(spec.layers) + 1):
+        net = Net(ggml.library())
+        try:
+            outputs = build.layer(net, spec.layers[i]) if i < len(spec.layers) else build.head(net)
+            net.finish(outputs, threads, pool)
+            scratch, work = max(scratch, net.scratch_bytes), max(work, net.work_bytes)
+        finally:
+            net.close()
+    moe = any(layer.router is not None for layer in spec.layers)
+    fused = 4 * spec.top_k * tokens * (3 * inter + spec.hidden) if moe else 0
+    held = [t for t in vars(buf).values() if isinstance(t, torch.Tensor)]
+    held += [t for v in vars(buf).values() if isinstance(v, tuple) for t in v]
+    return scratch + work + fused + sum(t.nbytes for t in held)
