@@ -83,13 +83,12 @@ def router_matrix(module: nn.Module) -> Matrix:
     moved the first token's log-probabilities by up to 0.15 and changed the greedy token; in float32
     they equal llama-server's to 5 decimals). A copy where the model holds it in 16 bits
     (`ModelSpec.copied_bytes`); a router in GGUF blocks stays as stored."""
-    if isinstance(module, QuantLinear):
-        return matrix(module)
-    w = module.weight.detach()
-    if w.dtype not in FLOAT_TYPES or w.device.type != "cpu":
-        raise NoGraph(f"a {w.dtype} weight on {w.device} is not a ggml weight")
-    w = w.float().contiguous()
-    return Matrix(w, w.data_ptr(), FLOAT_TYPES[w.dtype], w.shape[0], w.shape[1])
+    m = matrix(module)
+    f32 = FLOAT_TYPES[torch.float32]
+    if m.type_id == f32 or m.type_id not in FLOAT_TYPES.values():  # float32 already, or GGUF blocks
+        return m
+    w = m.ref.float()
+    return Matrix(w, w.data_ptr(), f32, m.rows, m.cols)
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:

@@ -316,12 +316,7 @@ class ExpertRuntime:
         self, layer: int, experts: list[int], hidden: torch.Tensor, job: LayerJob | None
     ) -> dict[int, torch.Tensor]:
         """One token's `experts` as one batch (every expert sees the token's row)."""
-
-        def views(kind: str) -> list[Any]:  # every expert's view of one kind (a fusion name: fused)
-            fmt = self.formats[(layer, kind)]
-            return [fmt.view(self.tier.raws(layer, e, kind, job)) for e in experts]
-
-        out = self.plans[layer].experts(hidden, views, experts)  # [E, 1, H]
+        out = self.plans[layer].experts(hidden, self._views(layer, experts, job), experts)  # [E, 1, H]
         self.layer_calls += 1
         return {expert: out[i] for i, expert in enumerate(experts)}
 
@@ -397,12 +392,19 @@ class ExpertRuntime:
         carry: torch.Tensor | None,
         job: LayerJob | None,
     ) -> torch.Tensor:
+        batch = None if carry is None else carry.unsqueeze(0)  # [t, .] -> a batch of one [1, t, .]
+        views = self._views(layer, [expert], job)
+        return self.plans[layer].stage(kinds, route.rows(hidden), batch, views, [expert])[0]
+
+    def _views(self, layer: int, experts: list[int], job: LayerJob | None) -> Callable[[str], list[Any]]:
+        """kind (a fusion name where the tier fuses) -> each of `experts`' weight of that kind, zero-copy
+        over the bytes the tier holds."""
+
         def views(kind: str) -> list[Any]:
             fmt = self.formats[(layer, kind)]
-            return [fmt.view(self.tier.raws(layer, expert, kind, job))]
+            return [fmt.view(self.tier.raws(layer, e, kind, job)) for e in experts]
 
-        batch = None if carry is None else carry.unsqueeze(0)  # [t, .] -> a batch of one [1, t, .]
-        return self.plans[layer].stage(kinds, route.rows(hidden), batch, views, [expert])[0]
+        return views
 
     def _routes(self, rows: list[list[int]], device: torch.device) -> Routing:
         """Token and top-k position of every (token, expert) pair, grouped by expert; views, no kernels."""
