@@ -238,24 +238,17 @@ def _exact_in_q8(rows: int, cols: int, group: int, g: torch.Generator) -> torch.
 
 def _graph_out_projection(d, x: torch.Tensor) -> torch.Tensor:
     """ggml_deltanet.out_projection alone, one graph on x [T, Hv D] (ggml [D, Hv, T]) -> [T, hidden]."""
-    from moestream import ggml
+    from ggml_graph import run_once
+
     from moestream.engine.ggml_deltanet import out_projection
-    from moestream.ggml.net import F32, Arena, Net
+    from moestream.ggml.net import F32
 
     T = x.shape[0]
-    out = torch.empty(T, d.out.rows)
-    kern = ggml.kernels(1)
-    net = Net(ggml.library())
-    try:
-        y = out_projection(net, net.tensor(F32, [d.head_dim, d.v_heads, T], x.data_ptr()), d, T)
-        net.finish([net.fix(y, out.data_ptr())], 1, kern.pool)
-        arena = Arena([net])
-        with kern._lock:
-            net.run()
-        del arena
-    finally:
-        net.close()
-    return out
+
+    def build(net):
+        return out_projection(net, net.tensor(F32, [d.head_dim, d.v_heads, T], x.data_ptr()), d, T)
+
+    return run_once(build, torch.empty(T, d.out.rows))
 
 
 def test_out_proj_kept_as_the_files_blocks_its_input_permuted(tiny_gguf):

@@ -422,25 +422,17 @@ def test_routers_are_computed_in_float32(tiny_dir):
 
 def _graph_moe_sum(y: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
     """ggml_layers.moe_sum alone: y [T, K, H], w [T, K] -> [T, H] by one graph."""
-    from moestream import ggml
-    from moestream.ggml.net import F32, Arena
+    from ggml_graph import run_once
+
+    from moestream.ggml.net import F32
 
     T, K, H = y.shape
-    out = torch.empty(T, H)
-    kern = ggml.kernels(threads)
-    net = Net(ggml.library())
-    try:
+
+    def build(net):
         yt, wt = net.tensor(F32, [H, K, T], y.data_ptr()), net.tensor(F32, [1, K, T], w.data_ptr())
-        net.finish(
-            [net.fix(net.cont(ggml_layers.moe_sum(net, yt, wt, H, K, T)), out.data_ptr())], threads, kern.pool
-        )
-        arena = Arena([net])
-        with kern._lock:
-            net.run()
-        del arena
-    finally:
-        net.close()
-    return out
+        return net.cont(ggml_layers.moe_sum(net, yt, wt, H, K, T))
+
+    return run_once(build, torch.empty(T, H), threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

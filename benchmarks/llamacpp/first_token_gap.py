@@ -9,10 +9,9 @@ over llama-server's top 3.
 from __future__ import annotations
 
 import argparse
-import json
-import urllib.request
 
 import torch
+from greedy_equal import greedy  # beside this script
 
 import moestream
 
@@ -27,12 +26,7 @@ def main() -> None:
     with moestream.load(a.gguf, threads=1) as engine:
         for n in LENGTHS:
             ids = [(37 * i + 11) % 1500 + 20 for i in range(n)]
-            body = {"prompt": ids, "n_predict": 1, "temperature": 0, "cache_prompt": False, "n_probs": 3}
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{a.port}/completion", json.dumps(body).encode()
-            )
-            with urllib.request.urlopen(request) as res:
-                top = json.load(res)["completion_probabilities"][0]["top_logprobs"]
+            top = greedy(a.port, ids, 1, n_probs=3)["completion_probabilities"][0]["top_logprobs"]
             logits, _ = engine.runner(ids, None)
             ours = torch.log_softmax(logits.double(), -1)
             gap = max(abs(float(ours[t["id"]]) - t["logprob"]) for t in top)

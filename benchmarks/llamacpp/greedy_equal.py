@@ -24,14 +24,10 @@ PROMPTS = [
 ]
 
 
-def _llama(port: int, prompt: str, tokens: int) -> dict:
-    body = {
-        "prompt": prompt,
-        "n_predict": tokens,
-        "temperature": 0,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
+def greedy(port: int, prompt: str | list[int], tokens: int, **extra: object) -> dict:
+    """llama-server's greedy completion of `prompt` (text or token ids): its native /completion answer,
+    no prompt cache; `extra`: more fields of the request (n_probs, ...)."""
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False, **extra}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", json.dumps(body).encode())
     with urllib.request.urlopen(request) as res:
         return json.load(res)
@@ -47,7 +43,7 @@ def main() -> None:
     same = 0
     with moestream.load(a.model or a.gguf, threads=1) as engine:
         for prompt in PROMPTS:
-            llama = _llama(a.port, prompt, a.tokens)["tokens"]
+            llama = greedy(a.port, prompt, a.tokens, return_tokens=True)["tokens"]
             ours = engine.generate(engine.encode(prompt), max_tokens=a.tokens, ignore_eos=True).tokens
             first = next((i for i, (x, y) in enumerate(zip(llama, ours)) if x != y), None)
             same += first is None
