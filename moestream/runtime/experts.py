@@ -108,6 +108,14 @@ class _Progress:
     remaining: int = 0
 
 
+def apply_router(router: torch.nn.Module, hidden: torch.Tensor) -> Any:
+    """A router module (transformers') on `hidden` [T, H] in the router's own dtype: the ggml graphs hand
+    on float32 rows whatever the checkpoint's dtype (a bf16 router on them raised a dtype error)."""
+    dtype = next(router.parameters()).dtype
+    with torch.no_grad():
+        return router(hidden if hidden.dtype == dtype else hidden.to(dtype))
+
+
 class ExpertRuntime:
     """Computes routed experts for every streamed layer over a `DeviceTier`, fed by an `ExpertCache`."""
 
@@ -230,10 +238,7 @@ class ExpertRuntime:
         ahead = self._ahead.get(layer)
         if ahead is None or not (self.prefetch or self.observers):
             return None
-        router = ahead[1]
-        dtype = next(router.parameters()).dtype  # the ggml graphs hand the experts f32 rows
-        with torch.no_grad():
-            return ahead[0], router(hidden if hidden.dtype == dtype else hidden.to(dtype))
+        return ahead[0], apply_router(ahead[1], hidden)
 
     def _readback(
         self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
