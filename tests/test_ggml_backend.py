@@ -43,7 +43,7 @@ def _compute(memory: DeviceMemory | None, x, ids, w, norm, runs: int = 1) -> lis
         net.finish(_build(net, x, ids, w, norm, out), 1, kern.pool)
         arena = Arena([net], memory)
         for r in range(runs):
-            x.add_(0.5 if r else 0.0)  # a new input each run: it must reach the device (rms_norm ignores scale)
+            x.add_(0.5 if r else 0.0)  # a new input each run reaches the device (rms_norm ignores scale)
             with kern._lock:
                 net.run()
             results.append(out.clone())
