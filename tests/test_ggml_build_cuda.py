@@ -44,3 +44,24 @@ def test_no_visible_gpu_asks_for_an_architecture(monkeypatch):
     monkeypatch.setattr(build, "default_cuda_arch", lambda: None)
     with pytest.raises(SystemExit, match=r"no GPU is visible.*CUDA_ARCH=87 \(Jetson Orin\)"):
         build.main(["--cuda", "--dest", "/nonexistent/ggml"])
+
+
+def test_cublas_from_nvidias_wheel_where_the_toolkit_has_none(tmp_path, monkeypatch):
+    """A toolkit without cuBLAS (NVIDIA's nvcc alone) and the `nvidia-cublas` wheel (what a CUDA torch
+    brings): its versioned libraries are named to cmake, its headers to nvcc."""
+    wheel = tmp_path / "site-packages/nvidia/cu13"
+    (wheel / "lib").mkdir(parents=True)
+    (wheel / "include").mkdir()
+    for name in ("libcublas.so.13", "libcublasLt.so.13"):
+        (wheel / "lib" / name).write_bytes(b"")
+    (wheel / "include" / "cublas_v2.h").write_text("")
+    monkeypatch.setattr(build, "_nvidia_roots", lambda: [wheel])
+    flags = build.cuda_flags(_fake_nvcc(tmp_path / "toolkit"), "90")
+    assert f"-DCUDA_cublas_LIBRARY={wheel}/lib/libcublas.so.13" in flags
+    assert f"-DCUDA_cublasLt_LIBRARY={wheel}/lib/libcublasLt.so.13" in flags
+    assert f"-DCMAKE_CUDA_FLAGS=-I{wheel}/include" in flags
+    (tmp_path / "toolkit/lib64").mkdir()
+    (tmp_path / "toolkit/lib64/libcublas.so").write_bytes(b"")  # the toolkit's own wins
+    assert not any(
+        f.startswith("-DCUDA_cublas") for f in build.cuda_flags(tmp_path / "toolkit/bin/nvcc", "90")
+    )

@@ -90,13 +90,9 @@ def find_nvcc(env: dict[str, str] | None = None) -> Path | None:
     for root in (env.get("CUDA_HOME"), env.get("CUDA_PATH"), "/usr/local/cuda"):
         if root and (Path(root) / "bin" / "nvcc").exists():
             return Path(root) / "bin" / "nvcc"
-    try:
-        import nvidia  # namespace package of NVIDIA's wheels
-    except ImportError:
-        return None
-    for base in getattr(nvidia, "__path__", []):
-        for candidate in sorted(Path(base).glob("*/bin/nvcc")):
-            return candidate
+    for root in _nvidia_roots():  # NVIDIA's wheels
+        if (root / "bin" / "nvcc").exists():
+            return root / "bin" / "nvcc"
     return None
 
 
@@ -116,12 +112,52 @@ def nvcc_missing() -> str:
     )
 
 
+def _nvidia_roots() -> list[Path]:
+    """The folders of NVIDIA's PyPI wheels (nvidia/cu13, nvidia/cublas, ...) on this Python's path: a
+    CUDA build of torch brings cuBLAS that way."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return [p for base in getattr(nvidia, "__path__", []) for p in sorted(Path(base).iterdir()) if p.is_dir()]
+
+
+def pypi_cublas(toolkit: Path) -> list[str]:
+    """cmake flags naming cuBLAS where the toolkit of `toolkit` (nvcc's root) has none but NVIDIA's
+    `nvidia-cublas` wheel is installed (its libraries carry only versioned names, which CMake's search
+    does not find by itself; its headers go to nvcc)."""
+    if any((toolkit / sub / "libcublas.so").exists() for sub in ("lib64", "lib", "targets")):
+        return []
+    for root in _nvidia_roots():
+        libs = {p.name.split(".so")[0]: p for p in sorted((root / "lib").glob("libcublas*.so*"))}
+        if "libcublas" in libs and "libcublasLt" in libs and (root / "include" / "cublas_v2.h").exists():
+            return [
+                f"-DCUDA_cublas_LIBRARY={libs['libcublas']}",
+                f"-DCUDA_cublasLt_LIBRARY={libs['libcublasLt']}",
+                f"-DCMAKE_CUDA_FLAGS=-I{root / 'include'}",
+            ]
+    return []
+
+
 def cuda_flags(nvcc: Path, arch: str) -> list[str]:
     """cmake flags of ggml's CUDA backend for `arch` ("native", or CMake's list such as "87" or "90")."""
     flags = ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
+    toolkit = nvcc.resolve().parent.parent
     if "site-packages" in str(nvcc) or "dist-packages" in str(nvcc):  # PyPI's: a toolkit root of its own
-        flags.append(f"-DCUDAToolkit_ROOT={nvcc.parent.parent}")
-    return flags
+        flags.append(f"-DCUDAToolkit_ROOT={toolkit}")
+    return flags + pypi_cublas(toolkit) + _no_driver(toolkit)
+
+
+def _no_driver(toolkit: Path) -> list[str]:
+    """Without the driver's libcuda to link (a build machine with no GPU driver, no toolkit stubs), ggml's
+    CUDA backend is built without its VMM memory pool, which alone links it (it then uses its pool of
+    cudaMalloc'ed blocks)."""
+    import ctypes.util
+
+    stubs = [toolkit / sub / "stubs" / "libcuda.so" for sub in ("lib64", "lib")]
+    if any(p.exists() for p in stubs) or ctypes.util.find_library("cuda"):
+        return []
+    return ["-DGGML_CUDA_NO_VMM=ON"]
 
 
 def default_cuda_arch() -> str | None:
