@@ -4,7 +4,7 @@ It owns the KV cache (F16 ggml tensors of the whole context, as llama.cpp keeps 
 attention over F32 keys and values gave wrong logits on the trained fixture), the graphs of the step
 shapes in use and their buffers. transformers keeps the configs, the tokenizer, the chat template and
 the routers' modules (the stale gate of `--prefetch`), and is the oracle of the tests. A step runs, per
-layer, one graph (attention, router, shared expert; `engine/ggml_layers.py`); the layer's routed
+layer, one graph (attention, router, shared expert; `graphs/layers.py`); the layer's routed
 experts then go either into the next graph (every one cached: mul_mat_ids over the cache's slots) or
 through the same `ExpertRuntime` as every other path (cache misses as their bytes land, prefetch,
 traces, routing replay), whose outputs the next graph sums in with the same nodes. When the cache
@@ -14,7 +14,7 @@ e of a layer in slot first + e), so nothing returns to Python between layers; th
 same bits. Every compute, graphs and experts alike, runs on ggml's one threadpool; torch runs
 single-threaded glue in between.
 
-A graph set (`engine/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
+A graph set (`graphs/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
 prefill piece) and an attention span S (positions, a multiple of 256); the few most recent sets are kept.
 """
 
@@ -28,11 +28,11 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import execution_order
-from moestream.engine.ggml_deltanet import layer_caches, recurrent_bytes
-from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, SlotArena, StepBuffers, Whole
-from moestream.engine.graph_set import GraphSet, set_bytes
 from moestream.engine.runners import ModelRunner
-from moestream.model.graph_spec import ModelSpec
+from moestream.graphs.graph_set import GraphSet, set_bytes
+from moestream.graphs.layers import SPAN_STEP, StepBuffers, layer_caches, recurrent_bytes
+from moestream.graphs.moe import ExpertTypes, SlotArena, Whole
+from moestream.graphs.spec import ModelSpec
 from moestream.runtime.experts import ExpertRuntime, Routed
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it

@@ -33,7 +33,7 @@ def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[
     """
     if mode not in ("auto", "ggml") or device.type != "cpu":
         return None, None
-    from moestream.model.graph_spec import NoGraph, graph_spec
+    from moestream.graphs import NoGraph, graph_spec
 
     try:
         return graph_spec(model, model.config), None

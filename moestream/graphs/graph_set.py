@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from moestream import ggml
-from moestream.engine.ggml_layers import ExpertTypes, LayerGraphs, StepBuffers, Whole
 from moestream.ggml.net import Arena, Net
-from moestream.model.graph_spec import ModelSpec
+from moestream.graphs.layers import LayerGraphs, StepBuffers
+from moestream.graphs.moe import ExpertTypes, Whole
+from moestream.graphs.spec import ModelSpec
 
 
 class GraphSet:
