@@ -76,7 +76,7 @@ def test_a_graph_on_a_backend_gives_the_in_place_bits(memory):
         assert torch.equal(a, b)
     assert not torch.equal(want[0], want[1])  # the runs differ: each one's input reached the device
     # the weights were copied once, to buffers of the backend, not read in place
-    weights = [r for r in memory.regions if r.role == "weight"]
+    weights = [r for r in memory.regions.values() if r.role == "weight"]
     assert {r.host for r in weights} == {w.data_ptr(), norm.data_ptr()}
     assert all(r.device not in (w.data_ptr(), norm.data_ptr()) for r in weights)
 
@@ -140,8 +140,11 @@ def test_the_expert_cache_slots_are_never_taken_for_weights(memory):
     kern = ggml.kernels(1)
     net = Net(ggml.library(), memory=memory)
     try:
+        y = net.scale(net.tensor(F32, [16], slots.data_ptr() + 64), 2.0)
+        out = torch.zeros(16)
+        memory.register(out, "io")
         with pytest.raises(RuntimeError, match="reads the expert cache's slots on the host"):
-            net.tensor(F32, [16], slots.data_ptr() + 64)
+            net.finish([net.fix(y, out.data_ptr())], 1, kern.pool)
     finally:
         net.close()
     del kern
@@ -153,3 +156,78 @@ def test_without_a_cuda_library_the_error_says_what_to_do():
         cuda_backend()
     text = str(err.value)
     assert "CUDA" in text and "make native CUDA=1" in text and "\n" not in text
+
+
+# --- the ggml runner on a backend: the same graphs, every expert in stacks on the device ------------
+
+ARCHS_WITH_GRAPHS = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v2",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+    "qwen3_next",
+    "qwen3_5_moe",
+]
+
+
+def _logits(path, monkeypatch, backend: str, **load) -> tuple[torch.Tensor, str]:
+    from test_ggml_runner import _runner_logits
+
+    import moestream
+
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", backend)
+    if not backend:
+        monkeypatch.delenv("MOESTREAM_GGML_BACKEND")
+    with moestream.load(str(path), cache=load.pop("cache", "64MiB"), trunk="ggml", **load) as engine:
+        return _runner_logits(engine), engine.mode_line()
+
+
+@pytest.mark.parametrize("arch", ARCHS_WITH_GRAPHS)
+def test_the_runner_on_a_backend_gives_the_in_place_bits(arch, tiny_dir, monkeypatch):
+    """Every family's prefill and decode logits, the graphs computed by ggml's CPU backend over device
+    copies (weights, the KV cache, the experts' stacks; the step's buffers copied around each compute),
+    equal the CPU path's in place bit for bit: the same kernels over the same bytes."""
+    path = tiny_dir(arch)
+    want, _ = _logits(path, monkeypatch, "")
+    got, mode = _logits(path, monkeypatch, "cpu")
+    assert "on ggml's cpu backend" in mode
+    assert torch.equal(got, want)
+
+
+def test_chunks_spans_and_a_restream_on_a_backend(tiny_dir, monkeypatch):
+    """Prefill chunks and attention spans across graph sets (built and dropped, their device copies with
+    them), and a restream (new expert slots: the device's stacks made again): the in-place bits."""
+    from test_ggml_runner import _runner_logits, _small_steps
+
+    import moestream
+
+    _small_steps(monkeypatch)
+    path = tiny_dir("qwen3_moe")
+    want, _ = _logits(path, monkeypatch, "")
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        assert torch.equal(_runner_logits(engine), want)
+        memory = engine.runner.memory
+        held = len(memory.regions)
+        engine.restream(cache="32MiB", preload=True)
+        assert torch.equal(_runner_logits(engine), want)
+        assert len(memory.regions) == held  # the old stacks and sets freed, new ones in their place
+
+
+def test_a_backend_without_room_for_every_expert_says_so(tiny_dir, monkeypatch):
+    """The device computes a step as one graph over every expert: a cache that cannot hold them all is
+    refused in one sentence naming the way out, and the CPU path runs the same model."""
+    import moestream
+    from moestream.cache.size_classes import budget_requirements
+
+    path = tiny_dir("qwen3_moe")
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        minimum, _ = budget_requirements(engine.emap, engine.top_k)
+    refused = pytest.raises(ggml.GgmlUnavailableError, match="give the expert cache room for all of them")
+    with moestream.load(str(path), cache=minimum, trunk="ggml") as engine, refused:
+        engine.generate([5, 6, 7], max_tokens=2)

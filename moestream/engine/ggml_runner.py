@@ -20,6 +20,7 @@ prefill piece) and an attention span S (positions, a multiple of 256); the few m
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,8 @@ import torch
 from moestream import ggml
 from moestream.cache.policy import execution_order
 from moestream.engine.runners import ModelRunner
+from moestream.ggml.backend import Backend, DeviceMemory, Region
+from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet, set_bytes
 from moestream.graphs.layers import SPAN_STEP, StepBuffers, layer_caches, recurrent_bytes
 from moestream.graphs.moe import ExpertTypes, SlotArena, Whole
@@ -88,10 +91,21 @@ class GgmlRunner(ModelRunner):
         ctx_size: int,
         experts: int,
         threads: int,
+        backend: Backend | None = None,
     ) -> None:
         self.spec, self.runtime, self.experts, self.threads = spec, runtime, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
         self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
+        # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
+        # routed expert in stacks of its own (`_on_device`), the step one graph
+        self.memory = DeviceMemory(backend) if backend is not None else None
+        self._device: tuple[int, dict[int, ExpertTypes], Whole] | None = None  # (cache version, ...)
+        self._stacks: list[Region] = []  # the experts' stacks on the device
+        if self.memory is not None:
+            for i, pair in enumerate(self.kv):
+                for j, t in enumerate(pair):
+                    if t.numel():
+                        self.memory.register(t, "device", f"kv{i}.{j}")
         recurrent = recurrent_bytes(spec, self.kv)
         self.state = GgmlKV((self.kv_bytes - recurrent) // self.ctx, recurrent)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
@@ -109,6 +123,13 @@ class GgmlRunner(ModelRunner):
             whole = "; one graph a step while every expert is cached"
         else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
+        if self.memory is not None:
+            backend = self.memory.backend
+            return (
+                f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
+                f"{self.spec.family}: one graph a step, every routed expert on the device), "
+                f"KV cache F16 of {self.ctx} positions there"
+            )
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
             f"{whole}), KV cache F16 of {self.ctx} positions"
@@ -143,8 +164,10 @@ class GgmlRunner(ModelRunner):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            types = self._types()
-            gs = GraphSet(self.spec, self.kv, key, self.experts, types, self.threads, kern.pool, last)
+            types = self._types() if self.memory is None else self._on_device()[1]
+            gs = GraphSet(
+                self.spec, self.kv, key, self.experts, types, self.threads, kern.pool, last, self.memory
+            )
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -196,15 +219,15 @@ class GgmlRunner(ModelRunner):
         if position == 0:  # a request from scratch: linear-attention states start at zero
             for layer, (conv, state) in zip(self.spec.layers, self.kv):
                 if layer.linear is not None:
-                    conv.zero_()
-                    state.zero_()
+                    for t in (conv, state):
+                        t.zero_() if self.memory is None else self.memory.zero(t)
         b = gs.buf
         b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
         torch.arange(position, position + T, out=b.rows)
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
-        whole = self._resident()
+        whole = self._resident() if self.memory is None else self._on_device()[2]
         if whole is not None:
             with kern._lock, kern.hold():  # paused when the step ends
                 gs.whole_graph(whole).run()
@@ -236,6 +259,64 @@ class GgmlRunner(ModelRunner):
                 if pinned is not None:
                     pinned[0].unpin_hits(pinned[1], pinned[2])
         return b.logits
+
+    def _on_device(self) -> tuple[int, dict[int, ExpertTypes], Whole]:
+        """(cache version, each MoE layer's experts as the device's graphs see them, their Whole): every
+        routed expert copied out of the expert cache (which holds them all, read at load) into stacks
+        on the device, one per matrix kind and layer, expert e at e times the matrix's bytes (ggml's
+        CUDA kernels step between experts in whole blocks, which the host slots' stride is not). Made
+        again when the cache's slots change (a restream).
+
+        Raises:
+            GgmlUnavailableError: the cache does not hold every expert in place (on a backend the step
+                is one graph: experts streamed from disk between layers are not computed there yet).
+        """
+        cache = self.runtime(self._moe_layers[0]).cache
+        if cache is not self._cache:  # a restream: the graph sets read the old cache's copies
+            self.close_sets()
+            self._cache = cache
+            self._whole = None
+        if self._device is not None and self._device[0] == cache.version:
+            return self._device
+        whole = self._resident()
+        host = self._types()
+        if whole is None or any(layer not in host for layer in self._moe_layers):
+            raise GgmlUnavailableError(
+                f"ggml's {self.memory.backend.kind} backend computes a step as one graph with every "
+                "routed expert on the device: give the expert cache room for all of them (the experts "
+                "of this model streamed from disk run on the CPU path: --device cpu)"
+            )
+        self._drop_device()
+        types = {}
+        for layer in self._moe_layers:
+            p = host[layer]
+            arena = p.arena
+            for kind, start in arena.address.items():  # the host slots change: never weights
+                self.memory.forbid(start, arena.slot_bytes * arena.slots, "the expert cache's slots")
+            first = whole.first[layer]
+            address, strides = {}, {}
+            for kind, rows, cols, type_id in (
+                ("gate", p.inter, self.spec.hidden, p.gate),
+                ("up", p.inter, self.spec.hidden, p.up),
+                ("down", self.spec.hidden, p.inter, p.down),
+            ):
+                nbytes = rows * ggml.row_bytes(type_id, cols)
+                stack = self.memory.alloc(nbytes * self.experts, f"experts{layer}.{kind}")
+                for e in range(self.experts):
+                    src = arena.address[kind] + (first + e) * arena.slot_bytes
+                    self.memory.write(stack, e * nbytes, src, nbytes)
+                address[kind], strides[kind] = stack.device, nbytes
+                self._stacks.append(stack)
+            device = SlotArena(address, 0, self.experts, strides)
+            types[layer] = dataclasses.replace(p, arena=device)
+        self._device = (cache.version, types, Whole(dict.fromkeys(self._moe_layers, 0)))
+        return self._device
+
+    def _drop_device(self) -> None:
+        for stack in self._stacks:
+            self.memory.release(stack)
+        self._stacks = []
+        self._device = None
 
     def _host_free(self) -> bool:
         """Whether nothing needs every position's routing on the host (a trace, a routing replay: they
@@ -326,9 +407,14 @@ class GgmlRunner(ModelRunner):
         self._sets.clear()
 
     def close(self) -> None:
-        """The graph sets and the KV cache freed at once."""
+        """The graph sets and the KV cache freed at once (and on a backend, everything it holds there)."""
         self.close_sets()
         self.kv = []
+        if self.memory is not None:
+            self._stacks = []
+            self.memory.close()
+            self.memory.backend.close()
+            self.memory = None
 
 
 def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int) -> tuple[int, int]:

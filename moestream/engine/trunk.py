@@ -90,4 +90,23 @@ def _ggml_runner(
     from moestream.model.arch import num_experts
 
     experts = num_experts(model.config)
-    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads)
+    backend = _backend(threads)
+    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads, backend)
+
+
+def _backend(threads: int) -> Any:
+    """The ggml backend the graphs compute on other than the CPU in place: MOESTREAM_GGML_BACKEND=cuda
+    (ggml's CUDA backend; experimental while issue 31 is open: every routed expert must fit on the GPU)
+    or =cpu (ggml's CPU backend through the same device path, which the tests check it by)."""
+    import os
+
+    from moestream.ggml.backend import cpu_backend, cuda_backend
+
+    name = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
+    if not name:
+        return None
+    if name == "cuda":
+        return cuda_backend()
+    if name == "cpu":
+        return cpu_backend(threads)
+    raise MoestreamError(f"MOESTREAM_GGML_BACKEND={name!r}: say cuda or cpu")

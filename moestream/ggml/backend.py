@@ -152,10 +152,17 @@ class Region:
     role: str  # "weight" | "io" | "device"
     tensor: int = 0  # an I8 tensor over the device bytes, for ggml_backend_tensor_set/get
     name: str = ""
+    ctx: int = 0  # the ggml context holding `tensor`
 
     @property
     def device(self) -> int:
         return self.buffer.base
+
+    def free(self, lib: Library) -> None:
+        self.buffer.free()
+        if self.ctx:
+            lib.base.ggml_free(self.ctx)
+            self.ctx = 0
 
 
 @dataclass
@@ -163,17 +170,11 @@ class DeviceMemory:
     """Host regions the graph builders address, placed in one backend's buffers (see the module doc)."""
 
     backend: Backend
-    regions: list[Region] = field(default_factory=list)
-    _by_host: list[tuple[int, int]] = field(default_factory=list)  # (host start, index), sorted
+    regions: dict[int, Region] = field(default_factory=dict)  # by id, in the order made
+    _by_host: list[tuple[int, int]] = field(default_factory=list)  # (host start, id), sorted
     _by_device: list[tuple[int, int]] = field(default_factory=list)
+    _next: int = 0
     _forbidden: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, what)
-    _ctx: int = 0  # a ggml context holding the regions' I8 tensors
-
-    def __post_init__(self) -> None:
-        b = self.backend.lib.base
-        self._ctx = b.ggml_init(InitParams(16384 * b.ggml_tensor_overhead(), None, True))
-        if not self._ctx:
-            raise RuntimeError("ggml_init failed")
 
     @property
     def lib(self) -> Library:
@@ -199,24 +200,42 @@ class DeviceMemory:
     def _add(self, host: int, nbytes: int, role: str, name: str) -> Region:
         if host and self._find(self._by_host, host, lambda r: r.host) is not None:
             raise ValueError(f"host range at {host:#x} is already on the device")
+        b = self.lib.base
         buffer = self.backend.alloc(nbytes + TAIL, weights=role in ("weight", "device"))
         region = Region(host, nbytes, buffer, role, name=name)
-        t = self.lib.base.ggml_new_tensor_1d(self._ctx, I8, max(1, nbytes))
-        if not t or self.lib.base.ggml_backend_tensor_alloc(buffer.handle, t, buffer.base):
-            buffer.free()
+        region.ctx = b.ggml_init(InitParams(2 * b.ggml_tensor_overhead(), None, True))
+        t = b.ggml_new_tensor_1d(region.ctx, I8, max(1, nbytes)) if region.ctx else 0
+        if not t or b.ggml_backend_tensor_alloc(buffer.handle, t, buffer.base):
+            region.free(self.lib)
             raise RuntimeError(f"ggml could not place a {nbytes}-byte region on the {self.backend.kind}")
         region.tensor = t
         if role == "weight" and nbytes:
             self.lib.base.ggml_backend_tensor_set(t, host, 0, nbytes)
-        index = len(self.regions)
-        self.regions.append(region)
+        key, self._next = self._next, self._next + 1
+        self.regions[key] = region
         if host:
-            bisect.insort(self._by_host, (host, index))
-        bisect.insort(self._by_device, (buffer.base, index))
+            bisect.insort(self._by_host, (host, key))
+        bisect.insort(self._by_device, (buffer.base, key))
         return region
 
+    def drop(self, t: torch.Tensor) -> None:
+        """Free the device copy of the registered host tensor `t` (a graph set closed)."""
+        k = bisect.bisect_left(self._by_host, (t.data_ptr(), -1))
+        if k == len(self._by_host) or self._by_host[k][0] != t.data_ptr():
+            raise KeyError("that tensor is not on the device")
+        self.release(self.regions[self._by_host[k][1]])
+
+    def release(self, region: Region) -> None:
+        """Free a region (a device-only one from `alloc`, or a registered host tensor's)."""
+        key = next(k for k, r in self.regions.items() if r is region)
+        del self.regions[key]
+        if region.host:
+            self._by_host.remove((region.host, key))
+        self._by_device.remove((region.device, key))
+        region.free(self.lib)
+
     def _find(self, table: list[tuple[int, int]], address: int, start) -> Region | None:
-        k = bisect.bisect_right(table, (address, len(self.regions))) - 1
+        k = bisect.bisect_right(table, (address, self._next)) - 1
         if k < 0:
             return None
         region = self.regions[table[k][1]]
@@ -270,17 +289,14 @@ class DeviceMemory:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes + TAIL for r in self.regions)
+        return sum(r.nbytes + TAIL for r in self.regions.values())
 
     def close(self) -> None:
-        for region in self.regions:
-            region.buffer.free()
+        for region in self.regions.values():
+            region.free(self.lib)
         self.regions.clear()
         self._by_host.clear()
         self._by_device.clear()
-        if self._ctx:
-            self.lib.base.ggml_free(self._ctx)
-            self._ctx = 0
 
 
 def place_tensor(t: int, address: int, buffer: int) -> None:

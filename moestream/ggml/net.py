@@ -52,6 +52,7 @@ class Net:
             raise RuntimeError("ggml_init failed")
         self.nodes = nodes
         self._io: list[tuple[int, Region, int, int]] = []  # fixed tensors in io regions
+        self._host: dict[int, int] = {}  # on a backend: fixed tensor -> its host address
         self.fixed: set[int] = set()
         self.gf = 0
         self.scratch_bytes = self.work_bytes = 0
@@ -89,17 +90,21 @@ class Net:
     def fix(self, t: int, address: int) -> int:
         """Give tensor t (a leaf, or a result that must outlive the graph) the memory at `address` (on a
         backend, the device copy of the host region there)."""
-        g = GgmlTensor.from_address(t)
         if self.memory is None:
-            g.data = address
-        else:
+            GgmlTensor.from_address(t).data = address
+        else:  # placed in `finish`, once its strides are final (a builder may set nb after making it)
+            self._host[t] = address
+        self.fixed.add(t)
+        return t
+
+    def _translate(self) -> None:
+        """Each fixed tensor at the device copy of its host bytes (as many as its strides reach)."""
+        for t, address in self._host.items():
             nbytes = self.lib.base.ggml_nbytes(t)
             device, buffer, region = self.memory.translate(address, nbytes)
             place_tensor(t, device, buffer)
             if region.role == "io":  # a leaf is read by the graph, a result written (see `finish`)
                 self._io.append((t, region, device - region.device, nbytes))
-        self.fixed.add(t)
-        return t
 
     def __getattr__(self, name: str):
         """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
@@ -119,6 +124,8 @@ class Net:
         """Build the graph of `outputs` (in this order: a KV-cache write listed before the attention
         that reads the cache runs before it), lay out its scratch, plan it for `pool`."""
         b = self.lib.base
+        if self.memory is not None:
+            self._translate()
         self.gf = b.ggml_new_graph_custom(self.ctx, self.nodes, False)
         for out in outputs:
             b.ggml_build_forward_expand(self.gf, out)

@@ -92,6 +92,15 @@ class StepBuffers:
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
         )
 
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every buffer (of a pair, each), named, non-empty: what a backend mirrors."""
+        out = []
+        for name, value in vars(self).items():
+            for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
+                if t.numel():
+                    out.append((f"{name}{i if isinstance(value, tuple) else ''}", t))
+        return out
+
     def fill_masks(self, window: int | None) -> None:
         """The step's masks for its rows (= positions): causal; and for the sliding layers, also what lies
         `window` or more positions back (transformers' sliding mask)."""

@@ -33,6 +33,12 @@ class SlotArena:
     address: dict[str, int]  # kind -> its bytes in slot 0
     slot_bytes: int
     slots: int
+    # kind -> the distance between its experts where it is not slot_bytes: a device's stacks of each
+    # kind's experts back to back (ggml's CUDA kernels step between experts in whole blocks)
+    strides: dict[str, int] | None = field(default=None, compare=False)
+
+    def stride(self, kind: str) -> int:
+        return self.slot_bytes if self.strides is None else self.strides[kind]
 
 
 @dataclass(frozen=True)
@@ -133,8 +139,8 @@ def cached_experts(net: Net, p: ExpertTypes, hidden: int, x: int, ids: int, firs
     slots = arena.slots - first
 
     def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
-        t = net.tensor(type_id, [cols, rows, slots], arena.address[kind] + first * arena.slot_bytes)
-        GgmlTensor.from_address(t).nb[2] = arena.slot_bytes  # experts a slot apart
+        t = net.tensor(type_id, [cols, rows, slots], arena.address[kind] + first * arena.stride(kind))
+        GgmlTensor.from_address(t).nb[2] = arena.stride(kind)  # experts a slot apart
         return t
 
     def biased(y: int, kind: str) -> int:  # + the bias row of each token's expert (gpt-oss)
