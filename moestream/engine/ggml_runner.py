@@ -291,8 +291,8 @@ class GgmlRunner(ModelRunner):
         for layer in self._moe_layers:
             p = host[layer]
             arena = p.arena
-            for kind, start in arena.address.items():  # the host slots change: never weights
-                self.memory.forbid(start, arena.slot_bytes * arena.slots, "the expert cache's slots")
+            base, slot_bytes, slots, _ = cache.slot_arena(layer)  # the host slots change: never weights
+            self.memory.forbid(base, slot_bytes * slots, "the expert cache's slots")
             first = whole.first[layer]
             address, strides = {}, {}
             for kind, rows, cols, type_id in (
