@@ -90,7 +90,7 @@ def check(args: argparse.Namespace) -> None:
                     steps=dev.shape[0],
                     repeatable=bool(torch.equal(dev, again)),
                 )
-            except Exception as exc:  # noqa: BLE001  (a family that fails is reported, the rest go on)
+            except Exception as exc:  # a family that fails is reported, the rest go on
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(row), flush=True)
             rows.append(row)
