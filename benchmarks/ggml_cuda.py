@@ -44,6 +44,20 @@ FAMILIES = [
     "qwen3_next",
     "qwen3_5_moe",
 ]
+# the tiny models' shapes changed to what ggml's CUDA flash attention has kernels for (head dims 64,
+# 128, 256; DeepSeek's latent 512 + rope 64), as real models of these families have
+HEAD_64 = dict(head_dim=64)
+MLA_576 = dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    qk_head_dim=128,
+    head_dim=64,
+    num_key_value_heads=4,
+)
+ONE_HEAD = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=64)  # head dim = hidden (64)
+CUDA_SHAPES = {"deepseek_v2": MLA_576, "deepseek_v3": MLA_576, "olmoe": ONE_HEAD}
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 FORCED = [9, 150, 77, 31, 200, 6, 18, 42]
 
@@ -71,7 +85,7 @@ def check(args: argparse.Namespace) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.families.split(","):
-            path = write_tiny(arch, Path(tmp) / arch)
+            path = write_tiny(arch, Path(tmp) / arch, **CUDA_SHAPES.get(arch, HEAD_64))
             extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if "mxfp4" in arch else {}
             model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).float().eval()
             with torch.inference_mode():
