@@ -299,7 +299,7 @@ def test_a_failed_restream_keeps_the_previous_setup(tiny_dir):
                 raise MoestreamError("the new reader failed")
             return Reader(mode, threads)
 
-        engine._make_reader = reader_failing_once
+        engine.loaded.make_reader = reader_failing_once
         with pytest.raises(MoestreamError, match="the new reader failed"):
             engine.restream(io_mode="mmap")
         assert calls == ["mmap", "pagecache"]  # the previous setup was rebuilt
