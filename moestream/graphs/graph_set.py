@@ -10,8 +10,9 @@ from moestream import ggml
 from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.net import Arena, Net
 from moestream.graphs.layers import LayerGraphs, StepBuffers
-from moestream.graphs.moe import ExpertTypes, Whole
+from moestream.graphs.moe import Whole
 from moestream.graphs.spec import ModelSpec
+from moestream.runtime.expert_layers import ExpertTypes
 
 
 class GraphSet:

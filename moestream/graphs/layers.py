@@ -21,9 +21,10 @@ import torch
 
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F32, I32, Net
-from moestream.graphs.moe import ExpertTypes, Whole, cached_experts, moe_sum, route, shared_expert
+from moestream.graphs.moe import Whole, cached_experts, moe_sum, route, shared_expert
 from moestream.graphs.parts import Matrix, Mlp
 from moestream.graphs.spec import Layer, ModelSpec
+from moestream.runtime.expert_layers import ExpertTypes
 
 SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph set serves 256 positions
 

@@ -5,7 +5,8 @@ The router: softmax (or sigmoid) scores, an optional bias for the choice only, D
 argsort, the first K; their weights normalised and scaled as the family says (`parts.Router`). The
 routed experts are not always in the graph: the runner hands the router's choice to the expert cache
 between two graphs, or, where every one is cached, the next graph computes them from the cache's slots
-(`cached_experts`: one ggml_mul_mat_id per matrix kind over a size class's slots).
+(`cached_experts`: one ggml_mul_mat_id per matrix kind over a size class's slots, as `ExpertTypes`
+says, which the runner has from `runtime/expert_layers.py`).
 
 Shapes (ggml order, ne[0] first): H hidden, T tokens, K experts per token, E experts, I the experts'
 intermediate size.
@@ -13,47 +14,15 @@ intermediate size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import SORT_DESC, Net
 from moestream.graphs.parts import Router
+from moestream.runtime.expert_layers import ExpertTypes
 
 _DROPPED = -1e30  # added to the choice of an expert outside the kept groups: never among the top k
-
-
-@dataclass(frozen=True)
-class SlotArena:
-    """Where a layer's cached experts lie: in one size class of the expert cache, each kind at the same
-    place in every slot, so one ggml_mul_mat_id over the whole class computes any of them by slot."""
-
-    address: dict[str, int]  # kind -> its bytes in slot 0
-    slot_bytes: int
-    slots: int
-    # kind -> the distance between its experts where it is not slot_bytes: a device's stacks of each
-    # kind's experts back to back (ggml's CUDA kernels step between experts in whole blocks)
-    strides: dict[str, int] | None = field(default=None, compare=False)
-
-    def stride(self, kind: str) -> int:
-        return self.slot_bytes if self.strides is None else self.strides[kind]
-
-
-@dataclass(frozen=True)
-class ExpertTypes:
-    """One MoE layer's routed experts as the graphs compute them (gate and up [I, H], down [H, I])."""
-
-    gate: int  # ggml types
-    up: int
-    down: int
-    inter: int
-    arena: SlotArena | None  # None: the slots' layout differs between experts (no cached path)
-    # gpt-oss: kind -> f32 [E, out] bias rows by expert id (ggml_add_id), and (alpha, limit) of
-    # ggml_swiglu_oai; else none and ggml_swiglu_split
-    biases: dict[str, torch.Tensor] | None = field(default=None, compare=False)
-    oai: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -119,10 +119,14 @@ def apply_router(router: torch.nn.Module, hidden: torch.Tensor) -> Any:
 class ExpertRuntime:
     """Computes routed experts for every streamed layer over a `DeviceTier`, fed by an `ExpertCache`."""
 
-    def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
+    def __init__(
+        self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily, graph_kernels: bool = False
+    ) -> None:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
-        self._plan(ggml_floats=False)
+        self._plan(ggml_floats=graph_kernels)
+        if graph_kernels:
+            self._graph_kernels()
         self.layer_calls = 0  # forwards whose held experts were computed as one batch
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
@@ -142,13 +146,13 @@ class ExpertRuntime:
             for layer, fmts in by_layer.items()
         }
 
-    def use_graph_kernels(self) -> None:
-        """For the ggml graphs' runner: F32/F16/BF16 experts by ggml too, and every product by
-        ggml_mul_mat_id, the kernel the graphs compute a layer's cached experts with; an expert computed
-        here (a miss, or any expert while a trace or prefetch needs the routing) gives their bits."""
+    def _graph_kernels(self) -> None:
+        """For the ggml graphs' runner (`graph_kernels`, with the formats planned with ggml floats):
+        F32/F16/BF16 experts by ggml too, and every product by ggml_mul_mat_id, the kernel the graphs
+        compute a layer's cached experts with; an expert computed here (a miss, or any expert while a
+        trace or prefetch needs the routing) gives their bits."""
         from moestream.runtime.formats.ggml import Ggml
 
-        self._plan(ggml_floats=True)
         for fmt in self.formats.values():
             if isinstance(fmt, Ggml):
                 fmt.by_id = True

@@ -82,7 +82,10 @@ class ExpertStreaming:
         top_k: int,
         device: torch.device,
         make_reader: ReaderFactory = Reader,
+        graph_kernels: bool = False,
     ) -> None:
+        """`graph_kernels`: the ggml graphs' runner computes the model (`ExpertRuntime`'s mode: every
+        expert product by the graphs' kernel, so that an expert computed here gives their bits)."""
         self.emap, self.config, self.device = emap, config, device
         self.reader = make_reader(config.io_mode, config.io_threads)
         self.tier: DeviceTier | None = None
@@ -94,7 +97,7 @@ class ExpertStreaming:
             for name in emap.files:
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
             self.cache, self.tier = self._tier(top_k, family)
-            self.runtime = ExpertRuntime(self.cache, self.tier, family)
+            self.runtime = ExpertRuntime(self.cache, self.tier, family, graph_kernels)
         except BaseException:
             self.close()
             raise
