@@ -231,3 +231,18 @@ def test_a_backend_without_room_for_every_expert_says_so(tiny_dir, monkeypatch):
     refused = pytest.raises(ggml.GgmlUnavailableError, match="give the expert cache room for all of them")
     with moestream.load(str(path), cache=minimum, trunk="ggml") as engine, refused:
         engine.generate([5, 6, 7], max_tokens=2)
+
+
+def test_a_trace_on_a_backend_says_it_needs_the_host_routing(tiny_dir, monkeypatch, tmp_path):
+    """A trace records each layer's routing on the host, which the device's one-graph step does not give:
+    one sentence, and the same engine generates again once the trace is gone."""
+    import moestream
+
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml") as engine:
+        want = engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True).tokens
+        engine.start_trace(tmp_path / "t.parquet")
+        with pytest.raises(ggml.GgmlUnavailableError, match="need each layer's routing on the host"):
+            engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
+        engine.stop_trace()
+        assert engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True).tokens == want

@@ -39,6 +39,7 @@ from moestream.runtime.expert_layers import ExpertLayers, ExpertTypes, SlotArena
 from moestream.runtime.experts import Routed
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
+DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
 # graph sets kept: prefill shapes (T > 1: the largest buffers; a long prompt's chunks each attend over
 # another span, so an older one is seldom used again) and decode sets (T = 1: the current span's and
 # the previous one's)
@@ -139,8 +140,9 @@ class GgmlRunner(ModelRunner):
         elif cache is not kv:
             raise RuntimeError("the ggml runner continues only its own KV cache")
         logits = None
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start : start + CHUNK]
+        step = CHUNK if self.memory is None else DEVICE_CHUNK
+        for start in range(0, len(ids), step):
+            chunk = ids[start : start + step]
             if kv.tokens + len(chunk) > self.ctx:
                 raise ValueError(f"{kv.tokens + len(chunk)} positions exceed the KV cache's {self.ctx}")
             logits = self._step(chunk, kv.tokens)
@@ -183,10 +185,15 @@ class GgmlRunner(ModelRunner):
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
-        first = self.experts.resident_slots() if self.memory is None else self._on_device()[2].first
+        if self.memory is not None:  # the device: the step one graph over its expert stacks
+            gs.whole_graph(self._on_device()[2]).run()
+            first = {}
+        else:
+            first = self.experts.resident_slots()
+            if first is not None:
+                with kern._lock, kern.hold():  # paused when the step ends
+                    gs.whole_graph(Whole(first)).run()
         if first is not None:
-            with kern._lock, kern.hold():  # paused when the step ends
-                gs.whole_graph(Whole(first)).run()
             if T == 1:  # K distinct experts a layer
                 hits = len(self._moe_layers) * self.spec.top_k
             else:  # as `pin_all_hits` counts them: each layer's distinct experts
@@ -228,17 +235,23 @@ class GgmlRunner(ModelRunner):
         if self.experts.generation != self._generation:  # a restream: the sets read the old copies
             self.close_sets()
             self._generation = self.experts.generation
-        first = self.experts.resident_slots()
-        key = (self._generation, tuple(sorted(first.items())) if first is not None else None)
-        if self._device is not None and self._device[0] == key:
+        kind = self.memory.backend.kind
+        if self.experts.host_routing():
+            raise GgmlUnavailableError(
+                f"ggml's {kind} backend computes a step as one graph: a trace, a routing replay and "
+                "--prefetch need each layer's routing on the host, which it does not give yet (--device cpu)"
+            )
+        key = (self._generation, self.experts.cache_version())
+        if self._device is not None and self._device[0] == key:  # the host slots did not move
             return self._device
+        first = self.experts.resident_slots()
         host = self.experts.graph_types()
         moe = self.experts.layers
         if first is None or any(layer not in host for layer in moe):
             raise GgmlUnavailableError(
-                f"ggml's {self.memory.backend.kind} backend computes a step as one graph with every "
-                "routed expert on the device: give the expert cache room for all of them (the experts "
-                "of this model streamed from disk run on the CPU path: --device cpu)"
+                f"ggml's {kind} backend computes a step as one graph with every routed expert on the "
+                "device: give the expert cache room for all of them (the experts of this model streamed "
+                "from disk run on the CPU path: --device cpu)"
             )
         self._drop_device()
         for base, nbytes in self.experts.slot_regions():  # the host slots change: never weights

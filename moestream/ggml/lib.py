@@ -147,6 +147,7 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_mul": (_P, [_P, _P, _P]),
     "ggml_add": (_P, [_P, _P, _P]),
     "ggml_div": (_P, [_P, _P, _P]),
+    "ggml_clamp": (_P, [_P, _P, _F, _F]),
     "ggml_scale": (_P, [_P, _P, _F]),
     "ggml_sum_rows": (_P, [_P, _P]),
     "ggml_out_prod": (_P, [_P, _P, _P]),

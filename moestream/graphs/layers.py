@@ -53,6 +53,7 @@ class Carry:
     weights: int = 0  # [K, T] the routed experts' weights
     picked: int = 0  # [1, K, T] the routers' probabilities of `top`
     view: int = 0  # picked as [K, T] (weights is this view when nothing normalises or scales)
+    weights3: int = 0  # weights as [1, K, T]
 
 
 @dataclass
@@ -163,7 +164,7 @@ class LayerGraphs:
             first = self.whole.first[prev.index] if self.whole is not None else 0
             moe_in = net.reshape_3d(carry.moe_in, H, 1, T)
             y = cached_experts(net, self.experts[prev.index], H, moe_in, carry.top, first, carry.top)
-            w = net.reshape_3d(carry.weights, 1, K, T)
+            w = carry.weights3
         else:
             if fused:
                 moe_in = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
@@ -206,6 +207,7 @@ class LayerGraphs:
             carry = self._layer(net, layer, self._stream(net, layer.index, carry=carry))
             outputs += carry.writes
             if layer.router is not None:  # the routing, for the cache's counts and the tests
+                outputs.append(carry.weights3)  # the router's nodes in one run (see moe.route)
                 outputs.append(net.fix(net.cont(carry.top), self.buf.routed[moe].data_ptr()))
                 moe += 1
         return [*outputs, *self.head(net, carry=carry)]
@@ -227,7 +229,7 @@ class LayerGraphs:
         shared = shared_expert(self, net, h2, layer.router, spec.hidden)
         if shared is not None:
             resid = net.add(resid, shared)
-        return Carry(writes, resid, h2, c.order, c.top, c.weights, c.picked, c.view)
+        return Carry(writes, resid, h2, c.order, c.top, c.weights, c.picked, c.view, c.weights3)
 
     def head(self, net: Net, fused: bool = False, carry: Carry | None = None) -> list[int]:
         """Final norm and LM head on the last position -> logits [V]."""

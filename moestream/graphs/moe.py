@@ -42,6 +42,7 @@ class Choice:
     weights: int  # [K, T] the routed experts' weights
     picked: int  # [1, K, T] the routers' probabilities of `top`
     view: int  # picked as [K, T] (weights is this view when nothing normalises or scales)
+    weights3: int  # weights as [1, K, T], what the experts' sum multiplies by
 
 
 def route(g: Any, net: Net, h: int, r: Router, tokens: int) -> Choice:
@@ -61,11 +62,13 @@ def route(g: Any, net: Net, h: int, r: Router, tokens: int) -> Choice:
     w = view = net.reshape_2d(picked, r.top_k, T)  # [K, T]
     if r.softmax_top:
         w = net.soft_max(w)
-    if r.normalize:
-        w = net.div(w, net.sum_rows(w))
+    if r.normalize:  # the sum clamped as llama.cpp's build_moe_ffn clamps it
+        w = net.div(w, net.clamp(net.sum_rows(w), 6.103515625e-5, float("inf")))
     if r.scale != 1.0:
         w = net.scale(w, r.scale)
-    return Choice(order, top, w, picked, view)
+    # in llama.cpp's order of nodes (softmax .. argsort .. get_rows .. sum_rows, clamp, div, reshape),
+    # which ggml's CUDA backend computes as one fused kernel where a step is built so (`step`)
+    return Choice(order, top, w, picked, view, net.reshape_3d(w, 1, r.top_k, T))
 
 
 def shared_expert(g: Any, net: Net, h: int, r: Router, hidden: int) -> int | None:
@@ -133,7 +136,10 @@ def moe_sum(net: Net, y: int, w: int, H: int, K: int, T: int) -> int:
     the rounding of y*w) instead of llama.cpp's broadcast ggml_mul, which multiplies a scalar at a time
     (2 ms a token on 6 Qwen3-30B-A3B-shaped layers); ggml_out_prod summing over K (what this did
     before) rounds otherwise, and parted from llama.cpp's greedy tokens on the trained fixture."""
-    weighted = net.out_prod(net.reshape_3d(y, H, 1, K * T), net.reshape_3d(w, 1, 1, K * T))
+    if net.memory is not None:  # a backend's (ggml's CUDA: one kernel; out_prod there is cuBLAS, batched)
+        weighted = net.mul(y, w)  # the same roundings: each y*w once
+    else:
+        weighted = net.out_prod(net.reshape_3d(y, H, 1, K * T), net.reshape_3d(w, 1, 1, K * T))
     summed = net.view_2d(weighted, H, T, 4 * H * K, 0)
     for k in range(1, K):
         summed = net.add(summed, net.view_2d(weighted, H, T, 4 * H * K, 4 * H * k))

@@ -172,6 +172,10 @@ class ExpertLayers:
         self._whole = (cache.version, first)
         return first
 
+    def cache_version(self) -> int:
+        """The expert cache's `version`: bumped whenever a key enters or leaves a slot."""
+        return self._runtime.cache.version
+
     def slot_regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of the host slots the MoE layers' experts sit in (what `graph_types`'
         arenas address): their contents change as the cache evicts and reads."""
