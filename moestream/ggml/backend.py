@@ -282,6 +282,21 @@ class DeviceMemory:
         """Bytes at host `source` into the region at `offset` (synchronous)."""
         self.lib.base.ggml_backend_tensor_set(region.tensor, source, offset, nbytes)
 
+    def host_block(self, nbytes: int) -> tuple[torch.Tensor, Buffer | None]:
+        """`nbytes` of host memory for the step's buffers, page-locked where the device is CUDA (ggml's
+        pinned host buffer type: its copies to and from the device then run asynchronously), and the
+        buffer to free with it (None: torch's own memory)."""
+        if self.backend.kind != "cuda":
+            return torch.zeros(nbytes, dtype=torch.uint8), None
+        b = self.lib.base
+        handle = b.ggml_backend_buft_alloc_buffer(cuda_library().ggml_backend_cuda_host_buffer_type(), nbytes)
+        if not handle:
+            raise MemoryError(f"CUDA could not allocate {nbytes} bytes of pinned host memory")
+        b.ggml_backend_buffer_clear(handle, 0)
+        buffer = Buffer(self.lib, handle, b.ggml_backend_buffer_get_base(handle), nbytes)
+        block = torch.frombuffer((C.c_uint8 * nbytes).from_address(buffer.base), dtype=torch.uint8)
+        return block, buffer
+
     def zero(self, t: torch.Tensor) -> None:
         """Zero the device copy of the registered host tensor `t` (a recurrent state at a new request)."""
         _, _, region = self.translate(t.data_ptr(), t.nbytes)

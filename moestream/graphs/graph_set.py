@@ -38,7 +38,14 @@ class GraphSet:
         tokens, span = shape
         self.buf = StepBuffers.make(spec, tokens, span, experts)
         self.memory = memory  # a backend's (ggml's CUDA): the graphs compute there, the buffers are io
+        self._pinned = None  # the pinned host buffer the step's buffers live in (CUDA)
         if memory is not None:
+
+            def alloc(nbytes: int) -> torch.Tensor:
+                block, self._pinned = memory.host_block(nbytes)
+                return block
+
+            self.buf.gather(alloc)
             for name, t in self.buf.tensors():
                 memory.register(t, "io", name)
         self.pool = pool
@@ -117,6 +124,9 @@ class GraphSet:
         if self.memory is not None:
             for _, t in self.buf.tensors():
                 self.memory.drop(t)
+            if self._pinned is not None:
+                self.buf = None  # its tensors view the pinned buffer
+                self._pinned.free()
             self.memory = None
 
 

@@ -15,6 +15,7 @@ D head dim, N / Nkv query / key-value heads, S positions the step's attention sp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,26 @@ class StepBuffers:
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
         )
+
+    def gather(self, alloc: Callable[[int], torch.Tensor]) -> None:
+        """Move every buffer into one host block of `alloc(bytes)` (uint8): a device's pinned memory, so
+        that its copies to and from the buffers run asynchronously."""
+        parts = self.tensors()
+        offsets, total = [], 0
+        for _, t in parts:
+            offsets.append(total)
+            total += (t.nbytes + 63) // 64 * 64
+        block = alloc(total)
+        moved = {}
+        for (name, t), offset in zip(parts, offsets):
+            view = block[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            moved[id(t)] = view
+        for name, value in vars(self).items():
+            if isinstance(value, tuple):
+                setattr(self, name, tuple(moved.get(id(t), t) for t in value))
+            else:
+                setattr(self, name, moved.get(id(value), value))
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every buffer (of a pair, each), named, non-empty: what a backend mirrors."""
