@@ -137,6 +137,7 @@ def speed(args: argparse.Namespace) -> None:
         vocab = engine.runner.spec.vocab
         gen = torch.Generator().manual_seed(0)
         results = {"load_s": round(load_s, 1)}
+        tokens = {}
         for n in [int(x) for x in args.prompts.split(",")]:
             prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
             for _ in range(args.warmup):
@@ -161,7 +162,16 @@ def speed(args: argparse.Namespace) -> None:
             }
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
-        print(json.dumps(results))
+            tokens[n] = (prompt, out.tokens[: args.compare])
+    if args.compare:  # the same greedy tokens from the CPU graphs (ggml's CPU backend in place)
+        os.environ.pop("MOESTREAM_GGML_BACKEND")
+        with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
+            for n, (prompt, theirs) in tokens.items():
+                ours = engine.generate(prompt, max_tokens=args.compare, ignore_eos=True).tokens
+                same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+                results[f"p{n}"]["cpu_tokens_equal"] = "all" if same is None else f"first {same}"
+                print(f"p{n}: {args.compare} greedy tokens, device vs CPU graphs: first unequal {same}")
+    print(json.dumps(results))
 
 
 def main() -> None:
@@ -179,6 +189,7 @@ def main() -> None:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--backend", default="cuda")
+    s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()
     check(args) if args.cmd == "check" else speed(args)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes as C
+import os
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,9 @@ FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}  # 
 SORT_DESC = 1  # GGML_SORT_ORDER_DESC
 ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: rotate_half, transformers' Llama-style rotary
 _ALIGN = 64
+# every node its own scratch bytes, none reused after its last reader (debugging: a node's output then
+# stays readable after the compute, benchmarks/cuda_graph_bisect.py)
+_REUSE = os.environ.get("MOESTREAM_GGML_SCRATCH_REUSE", "1") != "0"
 
 
 class Net:
@@ -143,7 +147,7 @@ class Net:
                     self._layout.append((t, offsets[ptr]))
             # nodes run one after another: what no later node reads gives its bytes back now
             for dead in last.pop(i, ()):
-                if dead in offsets:
+                if dead in offsets and _REUSE:
                     space.give(offsets[dead], (b.ggml_nbytes(dead) + _ALIGN - 1) // _ALIGN * _ALIGN)
         self.scratch_bytes = space.top
         if self.memory is not None:
