@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream.ggml.lib import (
-    CUDA_HOW,
     GgmlTensor,
     GgmlUnavailableError,
     InitParams,
