@@ -1211,6 +1211,14 @@ PYTHON_STREAM = {
     "seed": "generate --seed",
     "stop": "test_python_api_arguments",
     "ignore_eos": "generate --ignore-eos",
+    "response_format": "tests/test_structured_output.py",
+    "json_schema": "tests/test_structured_output.py",
+    "grammar": "tests/test_tool_calls.py (a forced call's grammar)",
+    "output_grammar": "(derived from the three above: no argument)",
+    "logprobs": "tests/test_structured_output.py",
+    "tools": "tests/test_tool_calls.py",
+    "tool_choice": "tests/test_tool_calls.py",
+    "parallel_tool_calls": "tests/test_tool_calls.py",
 }
 
 
@@ -1326,6 +1334,19 @@ def _text(server: Any, path: str = COMPLETIONS, **body: Any) -> str:
     return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
 
 
+DIGIT_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def _json_text(server: Any, **body: Any) -> str:
+    """A completion held to a JSON format (a grammar ends the output: no ignore_eos)."""
+    return _text(server, ignore_eos=False, max_tokens=60, **body)
+
+
 def _refused_field(field: str, value: Any, path: str = COMPLETIONS, **more: Any) -> Callable[[Any], None]:
     def check(server: Any) -> None:
         res = _post(server, path, **{field: value, **more})
@@ -1438,26 +1459,50 @@ SERVER_FIELDS: dict[str, Callable[[Any], None]] = {
         ),
     ),
     "chat_template_kwargs": _refused_field("chat_template_kwargs", {"enable_thinking": False}, CHAT_PATH),
+    # structured output, log-probabilities, tools (tests/test_server_tools.py covers them in depth)
+    "response_format": both_(
+        lambda server: assert_equal(_json_text(server, response_format={"type": "json_object"})[:1], "{"),
+        _refused_field("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+    ),
+    "json_schema": lambda server: assert_equal(
+        sorted(json.loads(_json_text(server, json_schema=DIGIT_SCHEMA))), ["a"]
+    ),
+    "logprobs": both_(
+        lambda server: assert_equal(
+            len(_post(server, COMPLETIONS, logprobs=2).json()["choices"][0]["logprobs"]["tokens"]), 6
+        ),
+        lambda server: assert_equal(
+            len(_post(server, CHAT_PATH, logprobs=True).json()["choices"][0]["logprobs"]["content"]), 6
+        ),
+    ),
+    "top_logprobs": lambda server: assert_equal(
+        {
+            len(t["top_logprobs"])
+            for t in _post(server, CHAT_PATH, logprobs=True, top_logprobs=3).json()["choices"][0]["logprobs"][
+                "content"
+            ]
+        },
+        {3},
+    ),
+    "tools": _refused_field(
+        "tools", [{"type": "function", "function": {"name": "f"}}], CHAT_PATH
+    ),  # no tools in its template
+    "tool_choice": _refused_field("tool_choice", "required", CHAT_PATH),  # and no tools to call
+    "parallel_tool_calls": lambda server: assert_equal(
+        _text(server, CHAT_PATH, parallel_tool_calls=False), _text(server, CHAT_PATH)
+    ),
     # what the server cannot honour: 400 naming the field
-    "logprobs": _refused_field("logprobs", True),
-    "top_logprobs": _refused_field("top_logprobs", 2),
-    "response_format": _refused_field("response_format", {"type": "json_object"}),
     "functions": _refused_field("functions", [{"name": "f"}], CHAT_PATH),
     "function_call": _refused_field("function_call", "auto", CHAT_PATH),
     "audio": _refused_field("audio", {"voice": "alloy"}, CHAT_PATH),
     "prediction": _refused_field("prediction", {"type": "content", "content": "x"}, CHAT_PATH),
     "web_search_options": _refused_field("web_search_options", {}, CHAT_PATH),
     "modalities": _refused_field("modalities", ["audio"], CHAT_PATH),
-    "tool_choice": _refused_field("tool_choice", "required", CHAT_PATH),
-    "tools": _refused_field("tools", [{"type": "function", "function": {"name": "f"}}], CHAT_PATH),
     # what changes nothing a server computes: accepted, the same text
     "user": lambda server: assert_equal(_text(server, user="u-1"), _text(server)),
     "metadata": lambda server: assert_equal(_text(server, metadata={"k": "v"}), _text(server)),
     "store": lambda server: assert_equal(_text(server, store=False), _text(server)),
     "service_tier": lambda server: assert_equal(_text(server, service_tier="auto"), _text(server)),
-    "parallel_tool_calls": lambda server: assert_equal(
-        _text(server, parallel_tool_calls=False), _text(server)
-    ),
     "repeat_penalty": both_(
         lambda server: assert_equal(
             _text(server, repeat_penalty=1.8, max_tokens=8),

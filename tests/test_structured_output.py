@@ -32,7 +32,9 @@ SCHEMA = {
             "required": ["x", "y"],
             "additionalProperties": False,
         },
-        "note": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "string", "maxLength": 2}]},
+        "note": {
+            "anyOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "string", "maxLength": 2}]
+        },
     },
     "required": ["name", "age", "ok", "kind", "tags", "point", "note"],
     "additionalProperties": False,
@@ -164,7 +166,11 @@ def test_logprobs_are_the_log_softmax_of_the_sampled_distribution(engines, monke
         scores = scores - sampling.get("presence_penalty", 0) * (counts > 0).double()
         reference = torch.log_softmax(scores / temperature, dim=-1)  # float64
         assert entry.token == token
-        assert abs(entry.logprob - float(reference[token])) < 1e-4, (i, entry.logprob, float(reference[token]))
+        assert abs(entry.logprob - float(reference[token])) < 1e-4, (
+            i,
+            entry.logprob,
+            float(reference[token]),
+        )
         best = torch.topk(reference, 5)
         for (t, lp), (rt, rlp) in zip(entry.top, zip(best.indices.tolist(), best.values.tolist())):
             if rlp == float("-inf"):
