@@ -472,6 +472,13 @@ GENERATE: dict[str, Callable[[Walk], None]] = {
     "--seed": both(_seed, _warns("--top-k, --seed only shape sampling")),
     "--ignore-eos": _ignore_eos,
     "--json": _json,
+    "--json-schema": lambda w: assert_equal(
+        sorted(json.loads(_schema_run(w, "-j", DIGITS_JSON).json["text"])), ["a"]
+    ),
+    "--json-schema-file": lambda w: assert_equal(
+        sorted(json.loads(_schema_run(w, "-jf", _schema_file(w)).json["text"])), ["a"]
+    ),
+    "--logprobs": lambda w: assert_equal(len(ok(w.gen("--logprobs", "2")).json["logprobs"]), 4),
     "--replay-routing": _replay,
     "--ctx-size": _in_mode(r"context 64 tokens"),
     "--chat-template": _chat_template,
@@ -479,6 +486,37 @@ GENERATE: dict[str, Callable[[Walk], None]] = {
     "--no-trace-predict": _no_trace_predict,
     **ENGINE_GENERATE,
 }
+
+
+DIGITS_JSON = json.dumps(
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+)
+
+
+def _schema_run(w: Walk, *argv: str) -> Run:
+    """generate held to a JSON schema (no --ignore-eos: the grammar ends the output)."""
+    return ok(w.cli("generate", w.m["st"], *PROMPT, "-n", "60", "--json", "--cache", FULL, *argv))
+
+
+def _schema_file(w: Walk) -> str:
+    path = w.tmp / "schema.json"
+    path.write_text(DIGITS_JSON)
+    return str(path)
+
+
+def _tools_file(w: Walk) -> str:
+    path = w.tmp / "tools.json"
+    path.write_text(json.dumps([{"type": "function", "function": {"name": "f", "description": "d"}}]))
+    return str(path)
+
+
+def _refused_run(run: Run, text: str) -> None:
+    assert run.rc != 0 and text in run.err, run.err[-500:]
 
 
 def assert_differ(a: Any, b: Any) -> None:
@@ -543,6 +581,19 @@ CHAT: dict[str, Callable[[Walk], None]] = {
     "--frequency-penalty": _chat_sampling(["--frequency-penalty", "0.5"], frequency_penalty=0.5),
     "--seed": _chat_sampling(["--temperature", "1", "--seed", "9"], seed=9),
     "--ignore-eos": _chat_sampling(["--ignore-eos"], ignore_eos=True),
+    "--json-schema": _chat_sampling(["-j", DIGITS_JSON], json_schema=json.loads(DIGITS_JSON)),
+    "--json-schema-file": lambda w: assert_equal(
+        chat_params(w, "-jf", _schema_file(w)).json_schema, json.loads(DIGITS_JSON)
+    ),
+    # the tiny model's template renders no tools: refused before the first prompt (tests/test_tool_calls.py
+    # talks to a model whose template has them)
+    "--tools": lambda w: _refused_run(
+        w.cli("chat", w.m["st"], "--cache", FULL, "--tools", _tools_file(w), stdin=""),
+        "does not render tools",
+    ),
+    "--tool-choice": lambda w: _refused_run(
+        w.cli("chat", w.m["st"], "--tool-choice", "required", stdin=""), "--tool-choice needs --tools"
+    ),
     "--chat-template": lambda w: assert_differ(
         _answer(w.chat("--chat-template", w.m["template"]))[1], _answer(w.chat())[1]
     ),
@@ -1212,12 +1263,12 @@ PYTHON_STREAM = {
     "stop": "test_python_api_arguments",
     "ignore_eos": "generate --ignore-eos",
     "response_format": "tests/test_structured_output.py",
-    "json_schema": "tests/test_structured_output.py",
+    "json_schema": "generate --json-schema",
     "grammar": "tests/test_tool_calls.py (a forced call's grammar)",
     "output_grammar": "(derived from the three above: no argument)",
-    "logprobs": "tests/test_structured_output.py",
-    "tools": "tests/test_tool_calls.py",
-    "tool_choice": "tests/test_tool_calls.py",
+    "logprobs": "generate --logprobs",
+    "tools": "chat --tools",
+    "tool_choice": "chat --tool-choice",
     "parallel_tool_calls": "tests/test_tool_calls.py",
 }
 

@@ -5,6 +5,7 @@ call that parses and validates on random weights, and a stream's pieces join to 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -231,3 +232,59 @@ def test_refusals_name_the_field(models, tiny_dir):
         none = engine.generate(messages=USER, tools=TOOLS, tool_choice="none", max_tokens=3, ignore_eos=True)
         plain = engine.generate(messages=USER, max_tokens=3, ignore_eos=True)
         assert none.tokens == plain.tokens and none.prompt_tokens == plain.prompt_tokens  # no tools rendered
+
+
+def test_chat_cli_tools_and_generate_json_schema(models, tmp_path, monkeypatch, capsys):
+    """`moestream chat --tools`: a forced call is shown, /tool answers it and the model goes on;
+    `moestream generate --json-schema --json --logprobs` writes valid JSON and each token's logprob."""
+    import io
+    import sys
+
+    from moestream.cli import main
+
+    model = models("qwen3")
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([ADD]))
+    monkeypatch.setattr(sys, "stdin", io.StringIO('/tool too early\n2 and 40?\n/tool {"sum": 42}\n'))
+    common = ["--cache", "1MiB", "-t", "1", "--temperature", "1", "--seed", "1"]
+    assert main(["chat", str(model), "--tools", str(tools), "--tool-choice", "add", "-n", "60", *common]) == 0
+    out, err = capsys.readouterr()
+    call = re.search(r"\[tool call add (\{.*\})\]", out)
+    assert call and jsonschema.validate(json.loads(call[1]), SCHEMAS["add"]) is None, out
+    assert "[no tool call waits for a result]" in err and "error" not in err
+    assert out.count("[tool call add") == 2  # the second turn (after the result) is forced too
+
+    schema = json.dumps(SCHEMAS["get_weather"])
+    assert (
+        main(
+            [
+                "generate",
+                str(model),
+                "-p",
+                "x",
+                "-n",
+                "200",
+                "-j",
+                schema,
+                "--json",
+                "--logprobs",
+                "2",
+                *common,
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    jsonschema.validate(json.loads(result["text"]), SCHEMAS["get_weather"])
+    assert len(result["logprobs"]) == len(result["tokens"]) and all(
+        len(e["top"]) == 2 for e in result["logprobs"]
+    )
+    for bad, message in [
+        (["-j", "{nope"], "--json-schema is not JSON"),
+        (["-j", '{"type": "wat"}'], "cannot be compiled"),
+        (["--logprobs", "2"], "add --json"),
+    ]:
+        assert main(["generate", str(model), "-p", "x", *bad, *common]) != 0
+        assert message in capsys.readouterr().err
+    assert main(["chat", str(model), "--tool-choice", "required", *common]) != 0
+    assert "--tool-choice needs --tools" in capsys.readouterr().err
