@@ -39,7 +39,7 @@ SCHEMA = {
     "required": ["name", "age", "ok", "kind", "tags", "point", "note"],
     "additionalProperties": False,
 }
-SEEDS = range(24)
+SEEDS = range(16)
 
 
 @pytest.fixture(scope="module")
