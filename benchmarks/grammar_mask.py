@@ -2,6 +2,9 @@
 
     python benchmarks/grammar_mask.py [TOKENIZER] [--runs 20] [--tokens 160] [--threads 1]
 
+xgrammar is no dependency of moestream: `pip install xgrammar` into the environment first (or pass
+`--engines llguidance`).
+
 TOKENIZER is a directory a transformers tokenizer loads from, or a GGUF file (its tokenizer metadata; a
 vocabulary-only GGUF such as llama.cpp's `models/ggml-vocab-qwen2.gguf`, 151,936 tokens, does). Without
 it, the Qwen2 vocabulary is taken from the llama.cpp sources that `make setup` downloads
