@@ -472,6 +472,13 @@ GENERATE: dict[str, Callable[[Walk], None]] = {
     "--seed": both(_seed, _warns("--top-k, --seed only shape sampling")),
     "--ignore-eos": _ignore_eos,
     "--json": _json,
+    "--json-schema": lambda w: assert_equal(
+        sorted(json.loads(_schema_run(w, "-j", DIGITS_JSON).json["text"])), ["a"]
+    ),
+    "--json-schema-file": lambda w: assert_equal(
+        sorted(json.loads(_schema_run(w, "-jf", _schema_file(w)).json["text"])), ["a"]
+    ),
+    "--logprobs": lambda w: assert_equal(len(ok(w.gen("--logprobs", "2")).json["logprobs"]), 4),
     "--replay-routing": _replay,
     "--ctx-size": _in_mode(r"context 64 tokens"),
     "--chat-template": _chat_template,
@@ -479,6 +486,37 @@ GENERATE: dict[str, Callable[[Walk], None]] = {
     "--no-trace-predict": _no_trace_predict,
     **ENGINE_GENERATE,
 }
+
+
+DIGITS_JSON = json.dumps(
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+)
+
+
+def _schema_run(w: Walk, *argv: str) -> Run:
+    """generate held to a JSON schema (no --ignore-eos: the grammar ends the output)."""
+    return ok(w.cli("generate", w.m["st"], *PROMPT, "-n", "60", "--json", "--cache", FULL, *argv))
+
+
+def _schema_file(w: Walk) -> str:
+    path = w.tmp / "schema.json"
+    path.write_text(DIGITS_JSON)
+    return str(path)
+
+
+def _tools_file(w: Walk) -> str:
+    path = w.tmp / "tools.json"
+    path.write_text(json.dumps([{"type": "function", "function": {"name": "f", "description": "d"}}]))
+    return str(path)
+
+
+def _refused_run(run: Run, text: str) -> None:
+    assert run.rc != 0 and text in run.err, run.err[-500:]
 
 
 def assert_differ(a: Any, b: Any) -> None:
@@ -543,6 +581,19 @@ CHAT: dict[str, Callable[[Walk], None]] = {
     "--frequency-penalty": _chat_sampling(["--frequency-penalty", "0.5"], frequency_penalty=0.5),
     "--seed": _chat_sampling(["--temperature", "1", "--seed", "9"], seed=9),
     "--ignore-eos": _chat_sampling(["--ignore-eos"], ignore_eos=True),
+    "--json-schema": _chat_sampling(["-j", DIGITS_JSON], json_schema=json.loads(DIGITS_JSON)),
+    "--json-schema-file": lambda w: assert_equal(
+        chat_params(w, "-jf", _schema_file(w)).json_schema, json.loads(DIGITS_JSON)
+    ),
+    # the tiny model's template renders no tools: refused before the first prompt (tests/test_tool_calls.py
+    # talks to a model whose template has them)
+    "--tools": lambda w: _refused_run(
+        w.cli("chat", w.m["st"], "--cache", FULL, "--tools", _tools_file(w), stdin=""),
+        "does not render tools",
+    ),
+    "--tool-choice": lambda w: _refused_run(
+        w.cli("chat", w.m["st"], "--tool-choice", "required", stdin=""), "--tool-choice needs --tools"
+    ),
     "--chat-template": lambda w: assert_differ(
         _answer(w.chat("--chat-template", w.m["template"]))[1], _answer(w.chat())[1]
     ),
@@ -1211,6 +1262,14 @@ PYTHON_STREAM = {
     "seed": "generate --seed",
     "stop": "test_python_api_arguments",
     "ignore_eos": "generate --ignore-eos",
+    "response_format": "tests/test_structured_output.py",
+    "json_schema": "generate --json-schema",
+    "grammar": "tests/test_tool_calls.py (a forced call's grammar)",
+    "output_grammar": "(derived from the three above: no argument)",
+    "logprobs": "generate --logprobs",
+    "tools": "chat --tools",
+    "tool_choice": "chat --tool-choice",
+    "parallel_tool_calls": "tests/test_tool_calls.py",
 }
 
 
@@ -1326,6 +1385,19 @@ def _text(server: Any, path: str = COMPLETIONS, **body: Any) -> str:
     return choice["text"] if path == COMPLETIONS else choice["message"]["content"]
 
 
+DIGIT_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def _json_text(server: Any, **body: Any) -> str:
+    """A completion held to a JSON format (a grammar ends the output: no ignore_eos)."""
+    return _text(server, ignore_eos=False, max_tokens=60, **body)
+
+
 def _refused_field(field: str, value: Any, path: str = COMPLETIONS, **more: Any) -> Callable[[Any], None]:
     def check(server: Any) -> None:
         res = _post(server, path, **{field: value, **more})
@@ -1438,26 +1510,50 @@ SERVER_FIELDS: dict[str, Callable[[Any], None]] = {
         ),
     ),
     "chat_template_kwargs": _refused_field("chat_template_kwargs", {"enable_thinking": False}, CHAT_PATH),
+    # structured output, log-probabilities, tools (tests/test_server_tools.py covers them in depth)
+    "response_format": both_(
+        lambda server: assert_equal(_json_text(server, response_format={"type": "json_object"})[:1], "{"),
+        _refused_field("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}),
+    ),
+    "json_schema": lambda server: assert_equal(
+        sorted(json.loads(_json_text(server, json_schema=DIGIT_SCHEMA))), ["a"]
+    ),
+    "logprobs": both_(
+        lambda server: assert_equal(
+            len(_post(server, COMPLETIONS, logprobs=2).json()["choices"][0]["logprobs"]["tokens"]), 6
+        ),
+        lambda server: assert_equal(
+            len(_post(server, CHAT_PATH, logprobs=True).json()["choices"][0]["logprobs"]["content"]), 6
+        ),
+    ),
+    "top_logprobs": lambda server: assert_equal(
+        {
+            len(t["top_logprobs"])
+            for t in _post(server, CHAT_PATH, logprobs=True, top_logprobs=3).json()["choices"][0]["logprobs"][
+                "content"
+            ]
+        },
+        {3},
+    ),
+    "tools": _refused_field(
+        "tools", [{"type": "function", "function": {"name": "f"}}], CHAT_PATH
+    ),  # no tools in its template
+    "tool_choice": _refused_field("tool_choice", "required", CHAT_PATH),  # and no tools to call
+    "parallel_tool_calls": lambda server: assert_equal(
+        _text(server, CHAT_PATH, parallel_tool_calls=False), _text(server, CHAT_PATH)
+    ),
     # what the server cannot honour: 400 naming the field
-    "logprobs": _refused_field("logprobs", True),
-    "top_logprobs": _refused_field("top_logprobs", 2),
-    "response_format": _refused_field("response_format", {"type": "json_object"}),
     "functions": _refused_field("functions", [{"name": "f"}], CHAT_PATH),
     "function_call": _refused_field("function_call", "auto", CHAT_PATH),
     "audio": _refused_field("audio", {"voice": "alloy"}, CHAT_PATH),
     "prediction": _refused_field("prediction", {"type": "content", "content": "x"}, CHAT_PATH),
     "web_search_options": _refused_field("web_search_options", {}, CHAT_PATH),
     "modalities": _refused_field("modalities", ["audio"], CHAT_PATH),
-    "tool_choice": _refused_field("tool_choice", "required", CHAT_PATH),
-    "tools": _refused_field("tools", [{"type": "function", "function": {"name": "f"}}], CHAT_PATH),
     # what changes nothing a server computes: accepted, the same text
     "user": lambda server: assert_equal(_text(server, user="u-1"), _text(server)),
     "metadata": lambda server: assert_equal(_text(server, metadata={"k": "v"}), _text(server)),
     "store": lambda server: assert_equal(_text(server, store=False), _text(server)),
     "service_tier": lambda server: assert_equal(_text(server, service_tier="auto"), _text(server)),
-    "parallel_tool_calls": lambda server: assert_equal(
-        _text(server, parallel_tool_calls=False), _text(server)
-    ),
     "repeat_penalty": both_(
         lambda server: assert_equal(
             _text(server, repeat_penalty=1.8, max_tokens=8),

@@ -44,6 +44,8 @@ COMPLETION_CASES = [
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": [7] * (CONTEXT + 4)}, "prompt"),
     ({"prompt": [True]}, "prompt"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
@@ -71,9 +73,9 @@ SHARED_CASES = [  # fields of both endpoints
     ({"stop": ["a"] * 17}, "stop"),
     ({"n": 2}, "n"),
     ({"n": "1"}, "n"),
-    ({"logprobs": 5}, "logprobs"),
     ({"model": 7}, "model"),
     ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ]
 UNKNOWN_MODELS = ["gpt-4", "/etc/passwd", "../../../etc/hosts", "", "x" * 5000]
 CHAT_CASES = [
@@ -95,7 +97,19 @@ CHAT_CASES = [
         "messages.0.content",
     ),
     ({"messages": [USER[0], 5]}, "messages.1"),
-    ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": USER, "logprobs": 5}, "logprobs"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": USER, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        {
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
+        },
+        "response_format",
+    ),
+    ({"messages": USER, "json_schema": {"$ref": "#/nowhere"}}, "json_schema"),
     ({"messages": [{"role": "user", "content": "word " * 4200}]}, "messages"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_tokens"),
 ]

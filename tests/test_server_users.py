@@ -249,11 +249,9 @@ def test_chat_template_file_and_kwargs(server, tokenizer):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("logprobs", True),
-        ("top_logprobs", 2),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]),
+        ("audio", {"voice": "alloy"}),
+        ("modalities", ["audio"]),
         ("n", 2),
     ],
 )

@@ -43,6 +43,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int | No
     parser.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
     )
+    parser.add_argument(
+        "-j",
+        "--json-schema",
+        metavar="SCHEMA",
+        default=None,
+        help="hold the output to valid JSON of this JSON schema (constrained decoding; '{}': any JSON)",
+    )
+    parser.add_argument(
+        "-jf", "--json-schema-file", metavar="FILE", default=None, help="--json-schema read from a file"
+    )
 
 
 def sampling_params(args: argparse.Namespace, **override: Any) -> Any:
@@ -65,6 +75,7 @@ def sampling_params(args: argparse.Namespace, **override: Any) -> Any:
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        json_schema=_json_schema(args),
     )
     try:
         params = SamplingParams(**{**settings, **override})
@@ -77,3 +88,24 @@ def sampling_params(args: argparse.Namespace, **override: Any) -> Any:
             f"{flags} only shape sampling: with --temperature 0 (greedy) they change nothing", stacklevel=2
         )
     return params
+
+
+def _json_schema(args: argparse.Namespace) -> Any:
+    """The schema of --json-schema or --json-schema-file (one of them), or None."""
+    import json
+
+    text, where = args.json_schema, "--json-schema"
+    if args.json_schema_file is not None:
+        if text is not None:
+            raise MoestreamError("give --json-schema or --json-schema-file, not both")
+        try:
+            with open(args.json_schema_file, encoding="utf-8") as f:
+                text, where = f.read(), args.json_schema_file
+        except OSError as exc:
+            raise MoestreamError(f"cannot read {args.json_schema_file}: {exc.strerror}") from None
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise MoestreamError(f"{where} is not JSON: {exc}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import select
 import signal
@@ -29,6 +30,8 @@ from moestream.errors import MoestreamError
 
 PROMPT = ">>> "
 COMMANDS = """\
+/tool TEXT  the result of the model's (oldest unanswered) tool call; with every call answered, the model
+        goes on (--tools)
 /stats  this turn's prompt (tokens from the prompt cache), speed, bytes read and hit rate
 /reset  start a new conversation (the --system message stays)
 /quit   exit (so do /exit, /bye and Ctrl-D)
@@ -48,6 +51,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_argument(p)
     p.add_argument("--system", metavar="TEXT", default=None, help="a system message opening the conversation")
+    p.add_argument(
+        "--tools",
+        metavar="FILE",
+        default=None,
+        help="a JSON list of tools in OpenAI's shape, rendered by the chat template; the model's calls "
+        "are shown and /tool TEXT answers them",
+    )
+    p.add_argument(
+        "--tool-choice",
+        default="auto",
+        metavar="auto|required|none|NAME",
+        help="with --tools: let the model choose (default), force a call, or force this function",
+    )
     add_sampling_arguments(p, max_tokens=None)
     add_context_arguments(p)
     add_engine_arguments(p)
@@ -57,34 +73,82 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 class Conversation:
     """The messages so far and the engine they run on; one `ask` per turn."""
 
-    def __init__(self, engine: Any, params: Any, max_tokens: int | None, system: str | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        params: Any,
+        max_tokens: int | None,
+        system: str | None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = "auto",
+    ) -> None:
         self.engine, self.params, self.max_tokens = engine, params, max_tokens
+        self.tools, self.tool_choice = tools, tool_choice
         self.opening = [{"role": "system", "content": system}] if system else []
-        self.messages: list[dict[str, str]] = list(self.opening)
+        self.messages: list[dict[str, Any]] = list(self.opening)
+        self.pending: list[Any] = []  # tool calls of the last answer without a result yet
         self.last: Any = None  # the last turn's Generation, for /stats
 
     def check(self) -> None:
         """Render a first turn, so that a checkpoint without a tokenizer or chat template (or a template
-        that rejects a system message) is refused before the first prompt, in the engine's words."""
-        self.engine.encode_messages([*self.messages, {"role": "user", "content": "Hi"}])
+        that rejects a system message, or renders no tools) is refused before the first prompt, in the
+        engine's words."""
+        from moestream.engine.tools import tool_session
+
+        self.engine.encode_messages([*self.messages, {"role": "user", "content": "Hi"}], None, self.tools)
+        tool_session(self.engine.tokenizer, self.tools, self.tool_choice, True)
 
     def reset(self) -> None:
-        self.messages = list(self.opening)
+        self.messages, self.pending = list(self.opening), []
 
-    def ask(self, text: str, cancelled: Any) -> Any:
-        """Stream the answer to `text` to stdout and add both to the conversation; the answer stopped by
-        `cancelled` too (what was shown is what the next turn sees)."""
-        messages = [*self.messages, {"role": "user", "content": text}]
-        ids = self.engine.encode_messages(messages)
+    def ask(self, text: str | None, cancelled: Any) -> Any:
+        """Stream the answer to `text` (None: to the tool results just given) to stdout and add both to
+        the conversation; the answer stopped by `cancelled` too (what was shown is what the next turn
+        sees). Tool calls are shown one a line and wait for /tool."""
+        messages = self.messages if text is None else [*self.messages, {"role": "user", "content": text}]
+        rendered = self.tools if self.tool_choice != "none" else None
+        ids = self.engine.encode_messages(messages, None, rendered)
         params = dataclasses.replace(self.params, max_tokens=self._room(len(ids)))
         gen = None
-        for gen in self.engine.stream(ids, params, cache_prompt=True, cancelled=cancelled):
+        for gen in self.engine.stream(
+            ids,
+            params,
+            cache_prompt=True,
+            cancelled=cancelled,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+        ):
             print(gen.piece, end="", flush=True)
-        if not gen.text.endswith("\n"):
+        if gen.text and not gen.text.endswith("\n"):
             print(flush=True)
-        self.messages = [*messages, {"role": "assistant", "content": gen.text}]
+        answer: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        if gen.tool_calls:
+            answer["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                }
+                for c in gen.tool_calls
+            ]
+            for call in gen.tool_calls:
+                print(f"[tool call {call.name} {call.arguments}]", flush=True)
+        self.messages, self.pending = [*messages, answer], list(gen.tool_calls)
         self.last = gen
         return gen
+
+    def tool_result(self, text: str) -> bool:
+        """Add the result of the oldest unanswered call; True once every call has one (the model then
+        goes on).
+
+        Raises:
+            MoestreamError: no call waits for a result.
+        """
+        if not self.pending:
+            raise MoestreamError("no tool call waits for a result")
+        call = self.pending.pop(0)
+        self.messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
+        return not self.pending
 
     def _room(self, prompt_n: int) -> int:
         """Tokens the answer may have: -n, at most the context the conversation leaves."""
@@ -136,13 +200,35 @@ def run(args: argparse.Namespace) -> int:
     # checked before the model loads, which can take minutes; max_tokens is set per turn
     params = sampling_params(args, max_tokens=args.max_tokens or 1)
     path, template = model_path(args), read_chat_template(args)
+    tools, choice = _tools(args)
     with moestream.load(path, **engine_kwargs(args)) as engine:
         use_chat_template(engine, template)
-        chat = Conversation(engine, params, args.max_tokens, args.system)
+        chat = Conversation(engine, params, args.max_tokens, args.system, tools, choice)
         chat.check()
         print(engine.mode_line(), file=sys.stderr, flush=True)
         _note("/help lists the commands; Ctrl-C stops an answer, Ctrl-D or /quit exits")
         return _loop(chat)
+
+
+def _tools(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, Any]:
+    """--tools (a JSON list read from the file) and --tool-choice (a function's name: that function)."""
+    choice = (
+        args.tool_choice if args.tool_choice in ("auto", "required", "none") else {"name": args.tool_choice}
+    )
+    if args.tools is None:
+        if args.tool_choice != "auto":
+            raise MoestreamError("--tool-choice needs --tools")
+        return None, "auto"
+    try:
+        with open(args.tools, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as exc:
+        raise MoestreamError(f"cannot read {args.tools}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MoestreamError(f"{args.tools} is not JSON: {exc}") from None
+    if not isinstance(tools, list):
+        raise MoestreamError(f"{args.tools} must hold a JSON list of tools")
+    return tools, choice
 
 
 def _read_line(prompt: str) -> str:
@@ -205,11 +291,19 @@ def _command(chat: Conversation, line: str) -> None:
         _note("new conversation")
     elif line == "/help":
         print(COMMANDS, flush=True)
+    elif line.split()[0] == "/tool":
+        try:
+            ready = chat.tool_result(line[len("/tool") :].strip())
+        except MoestreamError as exc:
+            _note(str(exc))
+            return
+        if ready:
+            _turn(chat, None)
     else:
         _note(f"unknown command {line.split()[0]} (/help lists them)")
 
 
-def _turn(chat: Conversation, text: str) -> None:
+def _turn(chat: Conversation, text: str | None) -> None:
     """One question and its answer; an error the user can act on (a full context, a checkpoint changed on
     disk) is one line, and the conversation goes on without that turn."""
     try:

@@ -34,6 +34,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_sampling_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        default=None,
+        help="with --json: every token's log-probability and the N likeliest alternatives' (0..20)",
+    )
+    p.add_argument(
         "--replay-routing",
         metavar="TRACE",
         help="BENCHMARK ONLY: run the trace's requests with its routing (and with --prefetch its stale-gate "
@@ -63,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         )
     warn_trace_predict(args)
     # everything a user can get wrong is checked before the model loads, which can take minutes
-    params = sampling_params(args)
+    if args.logprobs is not None and not args.json:
+        raise MoestreamError("--logprobs are reported in the --json object: add --json")
+    params = sampling_params(args, logprobs=args.logprobs)
     path, template = model_path(args), read_chat_template(args)
     if args.trace:
         from moestream.trace.atomic import check_output_path
@@ -104,6 +113,11 @@ def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
                     "tokens": gen.tokens,
                     "prompt_tokens": gen.prompt_tokens,
                     "finish_reason": gen.finish_reason,
+                    **(
+                        {"logprobs": [_logprob(engine, e) for e in gen.logprobs]}
+                        if args.logprobs is not None
+                        else {}
+                    ),
                     "mode": engine.mode_line(),
                     "stats": gen.stats.to_dict(),
                 }
@@ -113,6 +127,18 @@ def _print(args: argparse.Namespace, engine: Any, gen: Any) -> None:
     else:
         print(flush=True)
     print(gen.stats.line(), file=sys.stderr, flush=True)
+
+
+def _logprob(engine: Any, entry: Any) -> dict[str, Any]:
+    def text(token: int) -> str:
+        return engine.tokenizer.decode([token], skip_special_tokens=False) if engine.tokenizer else ""
+
+    return {
+        "token": entry.token,
+        "text": text(entry.token),
+        "logprob": entry.logprob,
+        "top": [{"token": t, "text": text(t), "logprob": lp} for t, lp in entry.top],
+    }
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -21,10 +21,13 @@ def reserved_template_kwargs(tokenizer: Any) -> set[str]:
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Ids of `messages` with the assistant turn opened; `template_kwargs` become template variables
-    (e.g. Qwen3's `enable_thinking`).
+    (e.g. Qwen3's `enable_thinking`); `tools` (OpenAI's shape) are rendered by the template itself.
 
     Raises:
         MoestreamError: no tokenizer or chat template, a reserved variable name, or the template rejected
@@ -50,7 +53,9 @@ def render_chat(
             "variable, so it would change nothing"
         )
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+        out = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, **extra
+        )
     except Exception as exc:  # templates raise on message orders they do not accept (jinja exceptions)
         raise MoestreamError(f"the chat template rejected the messages: {exc}") from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
@@ -72,12 +77,19 @@ def template_variables(template: Any, default: set[str]) -> set[str]:
 
 
 def render_chat_text(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The text `render_chat` tokenizes (what the template renders), e.g. to count a long one first."""
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **dict(template_kwargs or {})
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **dict(template_kwargs or {}),
         )
     except Exception as exc:
         raise MoestreamError(f"the chat template rejected the messages: {exc}") from None

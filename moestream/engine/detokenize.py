@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _incremental(tokenizer: Any) -> Any:
+def _incremental(tokenizer: Any, skip_special: bool) -> Any:
     """A DecodeStream when it gives what `tokenizer.decode` gives: a fast tokenizer without the
     transformers-side clean-up of spaces (which DecodeStream does not do)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -22,21 +22,23 @@ def _incremental(tokenizer: Any) -> Any:
         from tokenizers.decoders import DecodeStream
     except ImportError:  # tokenizers < 0.21
         return None
-    return DecodeStream(skip_special_tokens=True)
+    return DecodeStream(skip_special_tokens=skip_special)
 
 
 class TextStream:
     """Feed generated tokens with `push`; `text` is the text so far (cut before a stop string once one
-    appears), `piece()` the new text that is safe to hand out, `finish()` the rest."""
+    appears), `piece()` the new text that is safe to hand out, `finish()` the rest. `skip_special`
+    False keeps special tokens in the text (a tool-call format whose markers are special tokens)."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self.stops = [s for s in stops if s]
         self.text = ""
         self.tokens: list[int] = []
         self.stopped = False
         self.sent = 0  # characters of `text` already handed out
-        self._stream = _incremental(tokenizer) if tokenizer is not None else None
+        self._stream = _incremental(tokenizer, skip_special) if tokenizer is not None else None
 
     def push(self, token: int) -> bool:
         """Add one generated token; True when a stop string has completed (the text is then final)."""
@@ -56,7 +58,7 @@ class TextStream:
         return self._cut(settled)
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
 
     def _cut(self, settled: int) -> bool:
         """Cut the text before the first stop string; text up to `settled` was searched before."""
@@ -76,6 +78,10 @@ class TextStream:
                     held = n
                     break
         return held
+
+    def settled(self) -> str:
+        """The text that will not change any more (without the held-back tail)."""
+        return self.text if self.stopped else self.text[: len(self.text) - self._held()]
 
     def piece(self) -> str:
         """The new text that is safe to hand out now (it will not change)."""

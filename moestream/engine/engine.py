@@ -16,17 +16,20 @@ import torch
 
 from moestream.cache.expert_cache import ExpertCache
 from moestream.engine.chat import render_chat
+from moestream.engine.grammar import Grammars
 from moestream.engine.loaded import LoadedModel, context_length
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import PromptCache
 from moestream.engine.prompts import check_context, prompt_ids
-from moestream.engine.requests import Generation, run_request
+from moestream.engine.requests import Generation, eos_ids, run_request
 from moestream.engine.runners import ModelRunner
 from moestream.engine.sampling import SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters
+from moestream.engine.tools import tool_session, with_grammar
 from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
 from moestream.io.reader import Reader
+from moestream.model.arch import text_config
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
 from moestream.store.experts import ExpertMap
@@ -100,6 +103,8 @@ class Engine:
         try:
             self.prompt_cache = PromptCache()
             self.sampling_defaults = model_sampling_defaults(self.path)  # the model's own
+            vocab = int(text_config(self.config).vocab_size)  # the grammars' view of the tokenizer
+            self.grammars = Grammars(self.tokenizer, vocab, eos_ids(self.model, self.tokenizer))
             self.recorder: Any = None
             self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
             self._requests = 0
@@ -276,10 +281,13 @@ class Engine:
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [self._bos_or_eos()]
 
     def encode_messages(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Chat messages -> token ids through the chat template, the assistant turn opened."""
-        return render_chat(self.tokenizer, messages, template_kwargs)
+        """Chat messages (and tools) -> token ids through the chat template, the assistant turn opened."""
+        return render_chat(self.tokenizer, messages, template_kwargs, tools)
 
     def _bos_or_eos(self) -> int:
         tok = self.tokenizer
@@ -315,6 +323,9 @@ class Engine:
         keep_cache: bool | None = None,
         cancelled: Callable[[], bool] | None = None,
         request_id: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
         **sampling: Any,
     ) -> Iterator[Generation]:
         """Yields the growing `Generation` after every token, its `piece` the new text; the last one is final.
@@ -324,10 +335,16 @@ class Engine:
         is reused for the longest common prefix. This request's cache is kept for the next one when
         `keep_cache` (default: `cache_prompt`); at most one is held, and a request that reuses none frees
         the held one before it starts.
-        Keyword args build SamplingParams (max_tokens, temperature, top_p, top_k, min_p, ..., stop).
+        Keyword args build SamplingParams (max_tokens, temperature, top_p, top_k, min_p, ..., stop,
+        response_format / json_schema, logprobs).
+        `tools` (OpenAI's shape) are rendered by the chat template and the calls the model writes are
+        read into `Generation.tool_calls` (`text` is then the content beside them); `tool_choice` is
+        "auto", "none", "required" or {"name": ...} (the last two hold the output to a call by a
+        grammar), `parallel_tool_calls` False ends the answer after its first call.
 
         Raises:
-            MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context.
+            MoestreamError: bad sampling values, an empty prompt, or prompt + max_tokens beyond the context,
+                a schema or tool that cannot be used.
         """
         self.check_usable()
         if params is not None and sampling:
@@ -345,7 +362,10 @@ class Engine:
                 "(temperature 0) does not use them",
                 stacklevel=2,
             )
-        ids = prompt_ids(self, prompt, messages, chat, chat_template_kwargs)
+        session = tool_session(self.tokenizer, tools, tool_choice, parallel_tool_calls)
+        if session is not None and session.grammar is not None:
+            params = with_grammar(params, session.grammar)
+        ids = prompt_ids(self, prompt, messages, chat, chat_template_kwargs, tools if session else None)
         self.check_context(len(ids), params.max_tokens)
         self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output
         if self.streaming.suspect:  # changed, then restored: slots may hold bytes read in between
@@ -359,6 +379,7 @@ class Engine:
             request_id or f"req-{self._requests}",
             cache_prompt,
             cache_prompt if keep_cache is None else keep_cache,
+            session,
         )
 
     @property

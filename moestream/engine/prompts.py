@@ -27,8 +27,10 @@ def prompt_ids(
     messages: list[dict[str, Any]] | None,
     chat: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """`Engine.stream`'s prompt, text or token ids, or its chat messages, as token ids the model takes.
+    """`Engine.stream`'s prompt, text or token ids, or its chat messages (and tools), as token ids the
+    model takes.
 
     Raises:
         MoestreamError: neither or both given, template variables for no template, chat=True with
@@ -46,10 +48,15 @@ def prompt_ids(
         raise MoestreamError(
             "chat=True renders a text prompt through the chat template; token ids are used as given"
         )
+    if tools and isinstance(prompt, str) and not templated:
+        raise MoestreamError(
+            "tools are rendered by the chat template, and this text prompt goes through none (give "
+            "messages, or chat=True; token ids already rendered with the tools are taken as they are)"
+        )
     if messages is None and chat:
         messages = [{"role": "user", "content": prompt}]
     if messages is not None:
-        ids = engine.encode_messages(messages, template_kwargs)
+        ids = engine.encode_messages(messages, template_kwargs, tools)
     else:
         ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:

@@ -15,8 +15,9 @@ import torch
 from moestream.engine.detokenize import TextStream
 from moestream.engine.loop import ContinuationError, token_stream
 from moestream.engine.prompt_cache import KVState
-from moestream.engine.sampling import Sampler, SamplingParams
+from moestream.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from moestream.engine.stats import GenerationStats, PhaseStats
+from moestream.engine.tools import ToolCall, ToolSession
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Generation:
     piece: str = ""  # the text new since the previous yield; the pieces join to exactly `text`
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache (not computed again)
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, with params.logprobs
+    # with tools: the calls read so far (`text` and `piece` are then the content beside them)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def run_request(
@@ -42,6 +46,7 @@ def run_request(
     request_id: str,
     cache_prompt: bool,
     keep: bool,
+    tools: ToolSession | None = None,
 ) -> Iterator[Generation]:
     """Run one request (`Engine.stream` checked it): the GPU floor held, the prompt cache taken and
     kept, the trace flushed at the end; yields the growing `Generation`."""
@@ -54,7 +59,7 @@ def run_request(
     try:
         try:
             yield from _tokens(
-                engine, ids, params, cancelled, _stepper(engine, request_id, len(state.ids)), state
+                engine, ids, params, cancelled, _stepper(engine, request_id, len(state.ids)), state, tools
             )
         except ContinuationError as exc:  # raised before the first token: run the request cold instead
             engine.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
@@ -62,7 +67,7 @@ def run_request(
                 f"the prompt cache is off for this model: {engine.prompt_cache.disabled}", stacklevel=2
             )
             state = KVState()
-            yield from _tokens(engine, ids, params, cancelled, _stepper(engine, request_id, 0), state)
+            yield from _tokens(engine, ids, params, cancelled, _stepper(engine, request_id, 0), state, tools)
     finally:
         if keep:
             engine.prompt_cache.keep(state)
@@ -99,16 +104,23 @@ def _tokens(
     cancelled: Callable[[], bool],
     step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
     state: KVState,
+    tools: ToolSession | None = None,
 ) -> Iterator[Generation]:
-    eos = _eos_ids(engine.model, engine.tokenizer)
+    eos = eos_ids(engine.model, engine.tokenizer)
     start, before = time.perf_counter(), engine.counters()
     cached = len(state.ids)
     tokens: list[int] = []
-    text = TextStream(engine.tokenizer, params.stop)
+    text = TextStream(engine.tokenizer, params.stop, skip_special=tools is None or not tools.keep_special)
     gen = Generation("", tokens, len(ids), GenerationStats(PhaseStats(), PhaseStats()), cached_tokens=cached)
+    sent = 0  # with tools: characters of the content handed out
+    if tools is not None:
+        gen.tool_calls = tools.calls
     prefill_end, after_prefill = start, before
     step = engine.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
-    for token, _ in token_stream(step, ids[cached:], Sampler(params, len(ids)), params.max_tokens, state):
+    grammar = params.output_grammar
+    constraint = engine.grammars.constraint(grammar) if grammar is not None else None
+    sampler = Sampler(params, len(ids), constraint)
+    for token, _ in token_stream(step, ids[cached:], sampler, params.max_tokens, state):
         now = time.perf_counter()
         if not tokens:
             prefill_end, after_prefill = now, engine.counters()
@@ -119,25 +131,39 @@ def _tokens(
             gen.finish_reason = "stop"
             break
         tokens.append(token)
+        if sampler.last_logprob is not None:
+            gen.logprobs.append(sampler.last_logprob)
         stopped = text.push(token)
         gen.text = text.text
-        if stopped:
+        if stopped or (constraint is not None and constraint.stopped):  # a stop string, or the grammar done
             gen.finish_reason = "stop"
             break
         if cancelled():
             gen.finish_reason = "cancelled"
             break
-        gen.piece = text.piece()
+        if tools is None:
+            gen.piece = text.piece()
+        else:
+            tools.update(text.settled(), final=False)
+            if tools.done:  # parallel_tool_calls off: the first call is the answer
+                gen.finish_reason = "stop"
+                break
+            gen.text, gen.piece, sent = tools.content, tools.content[sent:], len(tools.content)
         yield gen
     gen.piece = text.finish()
     gen.text, gen.done = text.text, True
+    if tools is not None:
+        tools.update(text.text, final=True)
+        gen.text, gen.piece = tools.content, tools.content[sent:]  # what no yield carried yet
+        if tools.calls and gen.finish_reason == "stop":
+            gen.finish_reason = "tool_calls"
     gen.stats.gpu_floor = (
         "off" if engine.floor is None else ("active" if engine.floor.was_active else "inactive")
     )
     yield gen
 
 
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     ids = getattr(model.generation_config, "eos_token_id", None) or getattr(
         model.config, "eos_token_id", None
     )

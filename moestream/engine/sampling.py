@@ -22,6 +22,9 @@ MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_pena
 # OpenAI's ranges
 PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+# a log-probability of -inf (a token the grammar, top-k or top-p excluded) as JSON can carry it (vLLM's)
+NO_PROBABILITY = -9999.0
 
 
 @dataclass
@@ -41,6 +44,16 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # the output's format: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema",
+    # "json_schema": {"schema": {...}}}), llama-server's json_schema (a schema), or a llguidance grammar
+    # text (what the tool calls' formats build); one of the three
+    response_format: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
+    # the log-probability of every token drawn, and of the `logprobs` most likely (0: the drawn one's only)
+    logprobs: int | None = None
+    # the grammar the output is held to: `grammar`, or the one response_format / json_schema compile to
+    output_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +78,18 @@ class SamplingParams:
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self.output_grammar = self.grammar
+        if self.response_format is not None or self.json_schema is not None:
+            from moestream.engine.grammar import GrammarError, response_format_grammar
+
+            formatted = response_format_grammar(self.response_format, self.json_schema)
+            if formatted is not None and self.grammar is not None:
+                raise GrammarError("give response_format (or json_schema) or a grammar, not both")
+            self.output_grammar = formatted or self.grammar
+        if self.output_grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a response format: the grammar ends it")
 
     def unused_when_greedy(self) -> list[str]:
         """The sampling-only settings given (top_p, top_k, min_p, seed) that greedy decoding (temperature
@@ -130,11 +155,26 @@ def _shift_to_zero_max(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.T
     return scores - scores.max(dim=-1, keepdim=True).values
 
 
-class Sampler:
-    """Picks the next token from last-position logits [V], given every token so far (prompt + generated)."""
+@dataclass
+class TokenLogprob:
+    """A drawn token's log-probability under the distribution it was drawn from (after the grammar's
+    mask, penalties and temperature), and the `top` most likely tokens' (id, log-probability), best first."""
 
-    def __init__(self, params: SamplingParams, prompt_len: int = 0) -> None:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Sampler:
+    """Picks the next token from last-position logits [V], given every token so far (prompt + generated).
+
+    With a `constraint` (engine/grammar.py) every token the grammar forbids is masked first and the
+    token drawn is fed to it; with `params.logprobs` set, `last_logprob` is the drawn token's."""
+
+    def __init__(self, params: SamplingParams, prompt_len: int = 0, constraint: Any = None) -> None:
         self.params = params
+        self.constraint = constraint
+        self.last_logprob: TokenLogprob | None = None
         self.processors = build_processors(params, prompt_len)
         self.generator = torch.Generator()
         if params.seed is not None:
@@ -144,15 +184,37 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, context: list[int] | None = None) -> int:
-        scores = logits.float()[None]  # [1, V]
+        if self.constraint is None:
+            scores = logits.float()[None]  # [1, V]
+        else:  # masked in place: never the runner's own buffer
+            scores = logits.to(torch.float32, copy=True)[None]
+            self.constraint.mask(scores[0])
         if self.processors:
             ids = torch.tensor([context or []], dtype=torch.long)  # [1, L]
             for processor in self.processors:
                 scores = processor(ids, scores)
         if is_greedy(self.params.temperature):
-            return int(torch.argmax(scores[0]))
-        probs = torch.softmax(scores[0], dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(torch.argmax(scores[0]))
+        else:
+            probs = torch.softmax(scores[0], dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.params.logprobs is not None:
+            self.last_logprob = token_logprob(scores[0], token, self.params.logprobs)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
+
+
+def token_logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """log_softmax of the processed scores [V]: the drawn token's value and the `top` largest."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = [] if best is None else list(zip(best.indices.tolist(), best.values.tolist()))
+    return TokenLogprob(token, _finite(float(logprobs[token])), [(t, _finite(v)) for t, v in pairs])
+
+
+def _finite(value: float) -> float:
+    return value if value != float("-inf") else NO_PROBABILITY
 
 
 def model_sampling_defaults(path: Path) -> dict[str, Any]:

@@ -13,8 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from moestream.engine.grammar import GrammarError
 from moestream.engine.requests import Generation
 from moestream.engine.sampling import SamplingParams
+from moestream.engine.tools import ToolSession, with_grammar
+from moestream.errors import MoestreamError
 from moestream.server.access import AccessRecord
 from moestream.server.errors import APIError, from_validation
 from moestream.server.protocol import ChatRequest, CompletionRequest
@@ -50,16 +53,32 @@ async def submit(
     unavailable = state.engine.unavailable
     if unavailable is not None:
         raise APIError(503, f"the model cannot be served: {unavailable}", code="engine_unavailable")
+    tools, choice = (req.tool_list(), req.choice()) if chat else ([], "none")
+    session = await _tool_session(state, tools, choice, req.parallel_tool_calls if chat else True)
+    rendered = tools if session is not None else None  # tool_choice none: the tools are not rendered
     if chat:
-        ids = await state.prompts.chat(req.template_messages(), req.chat_template_kwargs)
+        ids = await state.prompts.chat(req.template_messages(), req.chat_template_kwargs, rendered)
         max_tokens = state.prompts.budget(len(ids), req.limit(), None, param="messages")
     else:
         ids = await state.prompts.completion(req.prompt)
         max_tokens = state.prompts.budget(len(ids), req.limit(), COMPLETION_DEFAULT_MAX_TOKENS)
     state.prompts.check_bias(req.logit_bias)
     params = _params(req, max_tokens, state.engine.sampling_defaults)
-    shape = Shape(state.model_id, chat, include_usage=req.include_usage())
-    job = Job(ids, params, shape.id, asyncio.get_running_loop(), cache_prompt=req.cache_prompt)
+    if session is not None and session.grammar is not None:
+        _guarded(lambda: with_grammar(params, session.grammar))
+    shape = Shape(
+        state.model_id, chat, include_usage=req.include_usage(), logprobs=params.logprobs is not None
+    )
+    job = Job(
+        ids,
+        params,
+        shape.id,
+        asyncio.get_running_loop(),
+        cache_prompt=req.cache_prompt,
+        tools=rendered,
+        tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls if chat else True,
+    )
     try:
         state.worker.submit(job)
     except Busy as exc:
@@ -97,9 +116,28 @@ def _validate(state: ServerState, body: dict[str, Any], chat: bool) -> ChatReque
 def _params(
     req: ChatRequest | CompletionRequest, max_tokens: int, model_defaults: dict[str, Any]
 ) -> SamplingParams:
+    return _guarded(lambda: req.sampling(max_tokens, model_defaults))
+
+
+async def _tool_session(
+    state: ServerState, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool
+) -> ToolSession | None:
+    """Checks the tools against the chat template before the request is queued (the worker builds its
+    own session from the same fields)."""
     try:
-        return req.sampling(max_tokens, model_defaults)
-    except ValueError as exc:  # SamplingParams has the last word on values
+        return await state.prompts.tool_session(tools, choice, parallel)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+
+
+def _guarded(fn: Any) -> Any:
+    """`fn()`, its user errors as a 400: SamplingParams has the last word on values, the grammar engine
+    on schemas, the chat template on tools."""
+    try:
+        return fn()
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+    except (ValueError, MoestreamError) as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
 
 
@@ -127,12 +165,12 @@ async def answer(state: ServerState, pending: Pending, request: Request) -> Resp
         final.cancel()
         state.metrics.requests.labels(pending.endpoint, "499").inc()
         return Response(status_code=499)
-    gen = final.result()  # raises the APIError of a failed generation
-    _record(state, pending, 200, gen)
-    return JSONResponse(pending.shape.whole(gen))
+    done = final.result()  # raises the APIError of a failed generation
+    _record(state, pending, 200, done.gen)
+    return JSONResponse(pending.shape.whole(done.gen, done.logprobs, done.tool_calls))
 
 
-async def _final(state: ServerState, pending: Pending) -> Generation:
+async def _final(state: ServerState, pending: Pending) -> Done:
     first = True
     while True:
         event = await pending.job.events.get()
@@ -142,7 +180,7 @@ async def _final(state: ServerState, pending: Pending) -> Generation:
             state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
             first = False
         if isinstance(event, Done):
-            return event.gen
+            return event
 
 
 async def _sse(state: ServerState, pending: Pending, request: Request) -> AsyncIterator[str]:
@@ -170,12 +208,14 @@ async def _sse(state: ServerState, pending: Pending, request: Request) -> AsyncI
                 state.metrics.ttft.labels(pending.endpoint).observe(time.perf_counter() - pending.started)
                 first = False
             if isinstance(event, Token):
-                if event.piece:
-                    yield shape.delta(event.piece)
+                chunk = shape.delta(event.piece, event.logprobs, event.tool_calls)
+                if chunk is not None:
+                    yield chunk
             elif isinstance(event, Done):
                 finished = True
                 _record(state, pending, 200, event.gen)
-                yield shape.last(event.gen.piece, event.gen)
+                rest = event.logprobs[event.new_logprobs :], event.tool_calls[event.new_calls :]
+                yield shape.last(event.gen.piece, event.gen, *rest)
                 yield SSE_DONE
                 return
     finally:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from moestream.engine.chat import TemplateKwargsError, render_chat, render_chat_text
 from moestream.engine.engine import Engine
+from moestream.engine.tools import ToolSession, tool_session
 from moestream.errors import MoestreamError
 from moestream.server.errors import APIError
 
@@ -76,9 +78,14 @@ class Prompts:
         self._need_tokenizer("prompt")
         return await self._on_lane(len(prompt), self._encode, prompt)
 
-    async def chat(self, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
-        """Ids of the messages rendered by the tokenizer's chat template, with the assistant turn opened;
-        `template_kwargs` are the request's chat_template_kwargs."""
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Ids of the messages (and tools) rendered by the tokenizer's chat template, with the assistant
+        turn opened; `template_kwargs` are the request's chat_template_kwargs."""
         self._need_tokenizer("messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
@@ -87,7 +94,21 @@ class Prompts:
                 param="messages",
                 code="no_chat_template",
             )
-        return await self._on_lane(_content_size(messages), self._render, messages, template_kwargs)
+        size = _content_size(messages) + (len(json.dumps(tools)) if tools else 0)
+        return await self._on_lane(size, self._render, messages, template_kwargs, tools)
+
+    async def tool_session(
+        self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool
+    ) -> ToolSession | None:
+        """The request's tool calls checked against the chat template (`engine.tools.tool_session`), on
+        the tokenizing thread that owns this tokenizer copy.
+
+        Raises:
+            GrammarError: a tool or tool_choice that cannot be used (`param` names which).
+        """
+        if not tools and choice in ("none", "auto"):
+            return None
+        return await self._on_lane(0, _tool_session, tools, choice, parallel)
 
     def check_bias(self, logit_bias: dict[str, float]) -> None:
         """logit_bias keys must be token ids of the vocabulary."""
@@ -113,11 +134,18 @@ class Prompts:
             ) from None
         return ids or [tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id]
 
-    def _render(self, tok: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any]) -> list[int]:
+    def _render(
+        self,
+        tok: Any,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         try:
             if _content_size(messages) > LONG:
-                self._count_within_context(tok, render_chat_text(tok, messages, template_kwargs), "messages")
-            return render_chat(tok, messages, template_kwargs)
+                text = render_chat_text(tok, messages, template_kwargs, tools)
+                self._count_within_context(tok, text, "messages")
+            return render_chat(tok, messages, template_kwargs, tools)
         except MoestreamError as exc:
             param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
@@ -188,7 +216,11 @@ class Prompts:
         self._long.shutdown(wait=False)
 
 
-def _content_size(messages: list[dict[str, str]]) -> int:
+def _tool_session(tok: Any, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> Any:
+    return tool_session(tok, tools, choice, parallel)
+
+
+def _content_size(messages: list[dict[str, Any]]) -> int:
     """Characters of the messages' contents (what decides a chat request's lane)."""
     return sum(len(str(m.get("content") or "")) for m in messages)
 

@@ -2,18 +2,19 @@
 
 `null` for an optional field means its default, as the openai package and its wrappers send it. Fields
 that change nothing here (user, metadata, store, ...: `IGNORED`) are accepted and ignored; fields whose
-meaning we cannot honour (n > 1, logprobs, tools, response_format, ...) and fields this server does not
+meaning we cannot honour (n > 1, audio, the deprecated functions, ...) and fields this server does not
 know (another server's sampling knobs: typical_p, mirostat, ...) are refused with a message naming the
 field, so a client never silently gets something other than what it asked for.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from moestream.engine.sampling import SamplingParams
+from moestream.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 # the range torch.Generator.manual_seed accepts
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -23,22 +24,17 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "
 # fields of OpenAI's API that ask for something this server does not do: refused when set to anything
 # but their "off" values
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
-    "functions": (),
+    "functions": (),  # the deprecated form of tools
     "function_call": ("none",),
     "audio": (),
     "prediction": (),
     "web_search_options": (),
     "modalities": (["text"],),
-    "tool_choice": ("none", "auto"),
-    "tools": ([],),
 }
 
-# fields of OpenAI's API that change nothing a server computes (bookkeeping, and parallel_tool_calls: no
-# tools run here), and llama.cpp's name of a field we have: accepted
-IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "repeat_penalty"})
+# fields of OpenAI's API that change nothing a server computes (bookkeeping), and llama.cpp's name of a
+# field we have: accepted
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "repeat_penalty"})
 
 
 class StreamOptions(BaseModel):
@@ -70,6 +66,10 @@ class _Sampling(BaseModel):
     n: int = 1
     ignore_eos: bool = False  # llama-server's extension: fixed-length runs for benchmarks
     cache_prompt: bool = True  # llama-server's: reuse the previous request's KV cache for the common prefix
+    # OpenAI's output format ({"type": "json_object"}, {"type": "json_schema", "json_schema": {...}}), or
+    # llama-server's json_schema (the schema itself): checked by SamplingParams (engine/grammar.py)
+    response_format: dict[str, Any] | None = None
+    json_schema: Any = None  # a schema (an object, or true) is checked by SamplingParams
 
     @model_validator(mode="before")
     @classmethod
@@ -129,11 +129,16 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def alternatives(self) -> int | None:
+        """Alternatives per token to report with their log-probabilities: None for no log-probabilities."""
+        return None
+
     def sampling(self, max_tokens: int, model_defaults: dict[str, Any]) -> SamplingParams:
         """SamplingParams of this request; unset fields from `model_defaults`, then OpenAI's.
 
         Raises:
             ValueError: a value SamplingParams refuses.
+            GrammarError: a response_format or json_schema that cannot be compiled.
         """
         chosen = {
             name: getattr(self, name)
@@ -149,6 +154,9 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()},
+            response_format=self.response_format,
+            json_schema=self.json_schema,
+            logprobs=self.alternatives(),
             **chosen,
         )
 
@@ -160,6 +168,10 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the legacy API's: alternatives per token
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -184,13 +196,50 @@ class CompletionRequest(_Sampling):
         return super().refusal()
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, as a client sends it back in the conversation."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: Function
+
+
 class ChatMessage(BaseModel):
-    """One message; content is text or a list of text parts."""
+    """One message; content is text or a list of text parts. An assistant message may carry the
+    tool_calls it made, a tool message the tool_call_id it answers."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -211,22 +260,97 @@ class ChatMessage(BaseModel):
         raise ValueError("must be a string or a list of text parts")
 
 
+class _Name(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one function: {"type": "function", "function": {"name": ...}}."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: _Name
+
+
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions: messages rendered through the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)  # template variables (vLLM's)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError:
+                pass
+        raise ValueError(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def refusal(self) -> tuple[str, str] | None:
         both = (self.max_tokens, self.max_completion_tokens)
         if None not in both and both[0] != both[1]:
             return "max_tokens", "max_tokens and max_completion_tokens are one setting: give one value"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         return super().refusal()
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template expects them."""
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools in OpenAI's shape, as chat templates read them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def choice(self) -> str | dict[str, Any]:
+        """tool_choice as the engine takes it: none, auto, required, or {"name": ...}; OpenAI's default
+        is auto with tools and none without."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {"name": self.tool_choice.function.name}
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates expect them (a call's arguments as an object where they parse)."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            out.append(message)
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text

@@ -16,12 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from moestream.engine.engine import Engine
 from moestream.engine.requests import Generation
-from moestream.engine.sampling import SamplingParams
+from moestream.engine.sampling import SamplingParams, TokenLogprob
 from moestream.errors import MoestreamError
 
 log = logging.getLogger("moestream.server")
@@ -29,17 +30,26 @@ log = logging.getLogger("moestream.server")
 
 @dataclass
 class Token:
-    """The engine produced a token; `piece` is the new text that is safe to send (may be empty)."""
+    """The engine produced a token; `piece` is the new text that is safe to send (may be empty), with the
+    log-probabilities of the tokens new since the last event and the tool calls completed since."""
 
     piece: str
     n_tokens: int
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
 class Done:
-    """The request finished; `gen` is final (done=True)."""
+    """The request finished; `gen` is final (done=True). `logprobs` holds every token's (the whole
+    response's), of which those from `new_logprobs` on and `tool_calls` from `new_calls` on were in no
+    Token event yet."""
 
     gen: Generation
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    new_logprobs: int = 0
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    new_calls: int = 0
 
 
 @dataclass
@@ -73,6 +83,9 @@ class Job:
     request_id: str
     loop: asyncio.AbstractEventLoop
     cache_prompt: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered into `ids` already; read back from the output
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -174,6 +187,8 @@ class Worker:
 
         # every request keeps its KV cache for the next one, as llama-server's slot does; cache_prompt
         # says whether this one reuses the previous request's
+        logprobs: list[dict[str, Any]] = []
+        calls = 0
         for gen in self.engine.stream(
             job.ids,
             job.params,
@@ -181,10 +196,17 @@ class Worker:
             keep_cache=True,
             cancelled=cancelled,
             request_id=job.request_id,
+            tools=job.tools,
+            tool_choice=job.tool_choice,
+            parallel_tool_calls=job.parallel_tool_calls,
         ):
             # the same Generation object grows: read what we need now, before the next token changes it
+            sent = len(logprobs)
+            logprobs += [self._logprob(entry) for entry in gen.logprobs[sent:]]
             if not gen.done:
-                job.emit(Token(gen.piece, len(gen.tokens)))
+                new_calls = [c.openai() for c in gen.tool_calls[calls:]]
+                calls = len(gen.tool_calls)
+                job.emit(Token(gen.piece, len(gen.tokens), logprobs[sent:], new_calls))
                 continue
             if self.on_done is not None:
                 self.on_done(gen)
@@ -198,4 +220,18 @@ class Worker:
                     )
                 )
             else:
-                job.emit(Done(gen))
+                every = [c.openai() for c in gen.tool_calls]
+                job.emit(Done(gen, logprobs, sent, every, calls))
+
+    def _logprob(self, entry: TokenLogprob) -> dict[str, Any]:
+        """A token's log-probability with the text of it and of its alternatives (decoded here, on the
+        thread that owns the engine's tokenizer)."""
+        return {
+            "token": self._text(entry.token),
+            "logprob": entry.logprob,
+            "top": [(self._text(t), lp) for t, lp in entry.top],
+        }
+
+    def _text(self, token: int) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
