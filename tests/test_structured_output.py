@@ -152,7 +152,7 @@ def _captured_logits(engine):
 def test_logprobs_are_the_log_softmax_of_the_sampled_distribution(engines, monkeypatch, sampling):
     engine = engines("qwen3_moe")
     seen, step = _captured_logits(engine)
-    monkeypatch.setattr(engine, "runner", step)
+    monkeypatch.setattr(engine.loaded, "runner", step)
     out = engine.generate("Hello world", max_tokens=12, logprobs=5, **sampling)
     assert len(out.logprobs) == len(out.tokens) and len(seen) >= len(out.tokens)
     temperature = sampling.get("temperature", 1.0)
