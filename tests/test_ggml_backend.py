@@ -6,6 +6,8 @@ in one sentence; and without a CUDA library or GPU, asking for ggml's CUDA backe
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -246,3 +248,24 @@ def test_a_trace_on_a_backend_says_it_needs_the_host_routing(tiny_dir, monkeypat
             engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True)
         engine.stop_trace()
         assert engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True).tokens == want
+
+
+def test_cuda_graphs_are_on_but_for_linear_attention_and_when_asked(monkeypatch):
+    """ggml's CUDA graphs: on by default; off (ggml's own variable set before it first computes) for a
+    model with Gated DeltaNet layers or with MOESTREAM_CUDA_GRAPHS=0; a variable set already is kept."""
+    from moestream.ggml.backend import cuda_graphs
+
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS", raising=False)
+    monkeypatch.delenv("MOESTREAM_CUDA_GRAPHS", raising=False)
+    assert cuda_graphs(recurrent=False) == (True, "")
+    assert "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
+    assert cuda_graphs(recurrent=True) == (False, "not checked on linear attention yet")
+    assert os.environ["GGML_CUDA_DISABLE_GRAPHS"] == "1"
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
+    monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "1")
+    assert cuda_graphs(recurrent=True) == (True, "")
+    monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "0")
+    assert cuda_graphs(recurrent=False) == (False, "MOESTREAM_CUDA_GRAPHS=0")
+    monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "yes")
+    with pytest.raises(ggml.GgmlUnavailableError, match="say 0 or 1"):
+        cuda_graphs(recurrent=False)

@@ -66,7 +66,8 @@ def make_runner(
     if spec is not None:
         from moestream.engine.ggml_runner import GgmlRunner
 
-        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads))
+        recurrent = any(layer.linear is not None for layer in spec.layers)
+        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads, recurrent))
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"
         if no_graph is not None:
@@ -86,7 +87,7 @@ def make_runner(
     return runner
 
 
-def _backend(threads: int) -> Any:
+def _backend(threads: int, recurrent: bool) -> Any:
     """The ggml backend the graphs compute on other than the CPU in place: MOESTREAM_GGML_BACKEND=cuda
     (ggml's CUDA backend; experimental while issue 31 is open: every routed expert must fit on the GPU)
     or =cpu (ggml's CPU backend through the same device path, which the tests check it by)."""
@@ -98,7 +99,7 @@ def _backend(threads: int) -> Any:
     if not name:
         return None
     if name == "cuda":
-        return cuda_backend()
+        return cuda_backend(recurrent=recurrent)
     if name == "cpu":
         return cpu_backend(threads)
     raise MoestreamError(f"MOESTREAM_GGML_BACKEND={name!r}: say cuda or cpu")

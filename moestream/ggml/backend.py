@@ -111,15 +111,28 @@ class Buffer:
             self.handle = 0
 
 
-def cuda_backend(device: int = 0) -> Backend:
-    """ggml's CUDA backend on GPU `device`. Raises GgmlUnavailableError in one sentence: no library (and
-    how to get one), or no GPU that it can see."""
+def cuda_graphs(recurrent: bool) -> tuple[bool, str]:
+    """Whether ggml's CUDA backend replays a step's kernels as CUDA graphs (once per process: ggml reads
+    GGML_CUDA_DISABLE_GRAPHS when it first computes), and why. On by default; off where the model has
+    Gated DeltaNet layers (`recurrent`: Qwen3-Next / Qwen3.5), whose replayed steps gave other tokens than
+    launched ones on the H200 (2026-12-04, benchmarks/ggml_cuda.py check); MOESTREAM_CUDA_GRAPHS=0|1 says."""
+    asked = os.environ.get("MOESTREAM_CUDA_GRAPHS", "").strip()
+    if asked not in ("", "0", "1"):
+        raise GgmlUnavailableError(f"MOESTREAM_CUDA_GRAPHS={asked!r}: say 0 or 1")
+    if os.environ.get("GGML_CUDA_DISABLE_GRAPHS") is not None:
+        return False, "GGML_CUDA_DISABLE_GRAPHS is set"
+    if asked == "0" or (not asked and recurrent):
+        os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"
+        return False, "MOESTREAM_CUDA_GRAPHS=0" if asked else "not checked on linear attention yet"
+    return True, ""
+
+
+def cuda_backend(device: int = 0, recurrent: bool = False) -> Backend:
+    """ggml's CUDA backend on GPU `device` (`recurrent`: the model has linear-attention layers, see
+    `cuda_graphs`). Raises GgmlUnavailableError in one sentence: no library (and how to get one), or no
+    GPU that it can see."""
     lib = library()
-    if os.environ.get("MOESTREAM_CUDA_GRAPHS") != "1":
-        # ggml's CUDA graphs (a step's kernels replayed as one) give wrong attention outputs on the tiny
-        # models of the suite once replayed (2026-12-04, benchmarks/ggml_cuda.py check: every family
-        # with standard attention); until that is understood, a step's kernels are launched one by one
-        os.environ.setdefault("GGML_CUDA_DISABLE_GRAPHS", "1")
+    graphs, why = cuda_graphs(recurrent)
     cuda = cuda_library()
     count = cuda.ggml_backend_cuda_get_device_count()
     if count == 0:
@@ -135,7 +148,9 @@ def cuda_backend(device: int = 0) -> Backend:
     text = C.create_string_buffer(256)
     cuda.ggml_backend_cuda_get_device_description(device, text, 256)
     buft = cuda.ggml_backend_cuda_buffer_type(device)
-    return Backend(lib, handle, buft, "cuda", text.value.decode(errors="replace"), device)
+    name = text.value.decode(errors="replace")
+    name += ", CUDA graphs" if graphs else f", no CUDA graphs: {why}"
+    return Backend(lib, handle, buft, "cuda", name, device)
 
 
 def cpu_backend(threads: int) -> Backend:

@@ -110,6 +110,14 @@ class Net:
             if region.role == "io":  # a leaf is read by the graph, a result written (see `finish`)
                 self._io.append((t, region, device - region.device, nbytes))
 
+    def query(self, q: int) -> int:
+        """The query of a flash attention, q [D, N, T] as [D, T, N]: a permuted view on the CPU, a
+        contiguous copy on a backend (ggml's CUDA graphs, replayed, computed flash attention over the
+        permuted view otherwise than launched one by one: wrong tokens; found 2026-12-04 on the H200 by
+        benchmarks/cuda_graph_bisect.py; the copy is D x N x T floats)."""
+        q = self.permute(q, 0, 2, 1, 3)
+        return q if self.memory is None else self.cont(q)
+
     def __getattr__(self, name: str):
         """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
         fn = getattr(self.lib.base, f"ggml_{name}")

@@ -134,7 +134,7 @@ def attention_graph(g: Any, net: Net, h: int, a: Attention, index: int) -> tuple
     values = net.view_3d(v_all, D, S, Nkv, row, D * size, 0)
     mask = g.buf.window if a.window else g.buf.mask  # a sliding window: its own mask
     mask = net.tensor(F16, [S, T], mask.data_ptr())
-    out = net.flash_attn_ext(net.permute(q, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
+    out = net.flash_attn_ext(net.query(q), keys, values, mask, a.scale, 0.0, 0.0)
     if a.sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
         net.lib.base.ggml_flash_attn_ext_add_sinks(out, net.weight(a.sinks, [N]))
     out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]

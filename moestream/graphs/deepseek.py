@@ -155,7 +155,7 @@ def mla_graph(g: Any, net: Net, h: int, a: Mla, index: int) -> tuple[list[int], 
     keys = net.view_3d(every, L + R, S, 1, (L + R) * size, (L + R) * size * S, 0)  # [L + R, S, 1]
     values = net.view_3d(every, L, S, 1, (L + R) * size, (L + R) * size * S, 0)  # [L, S, 1]
     mask = net.tensor(F16, [S, T], g.buf.mask.data_ptr())
-    out = net.flash_attn_ext(net.permute(query, 0, 2, 1, 3), keys, values, mask, a.scale, 0.0, 0.0)
+    out = net.flash_attn_ext(net.query(query), keys, values, mask, a.scale, 0.0, 0.0)
     # out [L, N, T]: each head's mix of latents -> its values through kv_b's V rows [L, Dv, N]
     size = a.kv_b.element_size()
     v_b = net.tensor(FLOAT_TYPES[a.kv_b.dtype], [L, Dv, N], a.kv_b.data_ptr() + Dn * L * size)
