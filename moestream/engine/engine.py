@@ -29,7 +29,7 @@ from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
 from moestream.ggml.host import default_threads
-from moestream.io.reader import Reader
+from moestream.io.reader import CheckpointFiles, Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, streaming_modules, trunk_tensors
 from moestream.runtime.checks import check_experts
@@ -126,6 +126,10 @@ class Engine:
         )
         # before anything is read or locked: a run that cannot fit is refused with the numbers
         self.options = plan_memory(self, self.options, stored)
+        # every expert file held open from before the trunk is read until close: the reader (and every
+        # reader a restream builds) reads the files the model was loaded from, even once they are
+        # replaced on disk (said once: `notices`)
+        self.files = CheckpointFiles(self.emap.files)
         dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
         dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model = build_model(self.source, self.config, self.arch, dtype, stored)
@@ -145,6 +149,7 @@ class Engine:
             self.streaming = build_streaming(self)
         except BaseException:
             self.trunk.unlock()
+            self.files.close()
             raise
         try:
             # what computes the steps, chosen once: it owns the static cache, graphs, ggml KV cache
@@ -165,6 +170,7 @@ class Engine:
         except BaseException:
             self.streaming.close()
             self.trunk.unlock()
+            self.files.close()
             raise
         self._init_generation()
         self.floor = self._make_floor()
@@ -241,6 +247,13 @@ class Engine:
         rebuild_streaming(self, **changes)
 
     @property
+    def notices(self) -> list[str]:
+        """What was said once about the checkpoint files while the engine serves on: a file replaced on
+        disk or removed since it was opened (the engine reads the file it opened; a restart loads the new
+        one)."""
+        return list(self.files.notices.values())
+
+    @property
     def unavailable(self) -> str | None:
         """Why this engine cannot serve a request (closed, or left without a working streaming setup), or
         None when it can."""
@@ -266,6 +279,7 @@ class Engine:
         except BaseException:
             self.streaming.close()
             self.trunk.unlock()
+            self.files.close()
             raise
 
     # --- description -------------------------------------------------------------------------
@@ -418,6 +432,7 @@ class Engine:
                 try:
                     self.streaming.close()
                 finally:
+                    self.files.close()
                     self.trunk.unlock()
                     self.prompt_cache.clear()
                     self.runner.close()  # its graphs and static cache: their GPU memory back at once

@@ -27,6 +27,7 @@ def build_streaming(engine: Any) -> ExpertStreaming:
         top_k=engine.top_k,
         device=engine.device,
         make_reader=engine._make_reader,
+        files=engine.files,
     )
     if engine._spec is not None:
         streaming.runtime.use_graph_kernels()
