@@ -114,12 +114,16 @@ test-latest:
 	$(MAKE) test VENV=.venv-latest LOCK= TORCH_SPEC=torch
 
 # the oldest releases that pyproject.toml allows for every direct dependency (uv's lowest-direct
-# resolution; transitive ones at their newest), with overrides in requirements/oldest-overrides.txt
+# resolution; transitive ones at their newest), with requirements/oldest-overrides.txt winning over what
+# those ask for (pip cannot override: the resolution is installed as it is, --no-deps)
 test-oldest: $(UV)
-	rm -rf .venv-oldest && mkdir -p .venv-oldest
+	rm -rf .venv-oldest && python3 -m venv .venv-oldest
 	$(UV) pip compile -q pyproject.toml --extra test --resolution lowest-direct --python python3 \
 		--override requirements/oldest-overrides.txt --output-file .venv-oldest/oldest.txt
-	$(MAKE) test VENV=.venv-oldest LOCK=.venv-oldest/oldest.txt TORCH_SPEC=
+	.venv-oldest/bin/python -m pip install -q --no-deps -r .venv-oldest/oldest.txt
+	.venv-oldest/bin/python -m pip install -q --no-deps -e .
+	touch .venv-oldest/.moestream-installed
+	$(MAKE) test VENV=.venv-oldest LOCK=.venv-oldest/oldest.txt
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-oldest $(UV_VENV) .moestream build *.egg-info
