@@ -3,6 +3,7 @@
 #   make test   same set-up, then ruff (lint + format check) and the test suite
 #   make native build ggml's CPU backend for this CPU (AVX512/VNNI, dotprod, ...) from the llama-cpp-python
 #               sdist; moestream then uses it instead of the prebuilt libggml-python (AVX2 / armv8.0).
+#               CUDA=1 adds ggml's CUDA backend (nvcc needed), for this GPU or CUDA_ARCH (87: Jetson Orin).
 #               `make setup` does this by itself where the prebuilt library leaves the CPU's features unused.
 # and for whoever changes the dependencies (none of these runs in CI):
 #   make lock         refresh requirements/test.lock (uv pip compile) after pyproject.toml or
@@ -87,8 +88,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check moestream tests benchmarks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# make native CUDA=1 [CUDA_ARCH=87]: also ggml's CUDA backend, for this machine's GPU or the named architecture
 native: $(STAMP)
-	$(PY) -m moestream.ggml.build --sdist-dir $(SDIST_DIR)
+	$(PY) -m moestream.ggml.build --sdist-dir $(SDIST_DIR) $(if $(CUDA),--cuda) $(if $(CUDA_ARCH),--cuda-arch $(CUDA_ARCH))
 
 $(UV):
 	python3 -m venv $(UV_VENV)

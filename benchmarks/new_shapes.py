@@ -13,7 +13,7 @@ import argparse
 import time
 
 import moestream
-from moestream.engine import graph_set
+from moestream.graphs import graph_set
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def load(path: Path, before: bool) -> moestream.Engine:
     out_proj = type(engine.model.model.layers[0].linear_attn.out_proj).__name__
     name = "before" if before else "after"
     blocks = block_bytes(engine.model)
-    print(f"{name}: trunk {engine.trunk.nbytes} B, {blocks} B of it blocks, out_proj {out_proj}")
+    print(f"{name}: trunk {engine.loaded.trunk.nbytes} B, {blocks} B of it blocks, out_proj {out_proj}")
     return engine
 
 

@@ -38,8 +38,9 @@ def synth96(tmp_path_factory) -> Path:
 
 
 # The child is started in its own cgroup. A first load with no limit learns what the room must keep
-# besides the cache (the parts of `engine.auto`); then the limit is set to what the child cannot give back
-# plus those parts plus `share` x every expert (0: too small for the smallest cache), and it loads again.
+# besides the cache (the parts of `engine.loaded.auto`); then the limit is set to what the child cannot
+# give back plus those parts plus `share` x every expert (0: too small for the smallest cache), and it
+# loads again.
 CHILD = """
     import contextlib, io, json, re, sys
     from pathlib import Path
@@ -60,8 +61,8 @@ CHILD = """
 
     ckpt, group, share = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     with moestream.load(ckpt) as probe:  # no limit yet: every expert fits, the parts are what counts
-        parts = sum(n for name, n in probe.auto[0].kept if not name.startswith("a margin"))
-        every = probe.auto[0].every
+        parts = sum(n for name, n in probe.loaded.auto[0].kept if not name.startswith("a margin"))
+        every = probe.loaded.auto[0].every
     room = (parts + share * every) * 32 / 31 if share else parts / 2
     limit = unreclaimable(group) + int(room) + (8 << 20)
     (group / "memory.limit_in_bytes").write_text(str(limit))
@@ -76,7 +77,7 @@ CHILD = """
         out["cli_stderr"] = err.getvalue()
         print(json.dumps(out))
         sys.exit(0)
-    budget = engine.auto[0]
+    budget = engine.loaded.auto[0]
     out.update(
         chosen=engine.options.cache, room=budget.room.nbytes, why=budget.room.why, kept=dict(budget.kept),
         every=budget.every, allocated=engine.cache.allocated_bytes, capacity=engine.cache.capacity,
@@ -89,7 +90,7 @@ CHILD = """
     out["generated"] = len(gen.tokens)
     engine.close()
     with moestream.load(ckpt, cache="4MiB") as explicit:  # an explicit size wins
-        out["explicit"] = [explicit.options.cache, len(explicit.auto), explicit.mode_line()]
+        out["explicit"] = [explicit.options.cache, len(explicit.loaded.auto), explicit.mode_line()]
     print(json.dumps(out))
 """
 
@@ -187,7 +188,7 @@ def test_the_eager_trunk_keeps_a_full_context_prefill(tiny_dir):
     import moestream
 
     with moestream.load(str(tiny_dir("qwen3_moe")), trunk="eager", ctx_size=256) as engine:
-        kept = dict(engine.auto[0].kept)
+        kept = dict(engine.loaded.auto[0].kept)
         cfg = engine.config
         hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         assert kept["activations"] == 4 * 256 * (16 * hidden + 3 * k * inter)

@@ -188,14 +188,14 @@ def test_the_trunk_is_locked_with_the_cache_and_unlocked_by_close(tiny_dir):
     with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", io_mode="pagecache") as engine:
         if not engine.cache.locked:
             pytest.skip("this process may not lock memory (RLIMIT_MEMLOCK without CAP_IPC_LOCK)")
-        trunk = engine.trunk
+        trunk = engine.loaded.trunk
         assert trunk.locked and trunk.nbytes > 200_000  # every non-expert tensor of the tiny model
         locked = _status("VmLck") - before
         assert locked >= engine.cache.allocated_bytes + trunk.nbytes
         assert f"trunk {trunk.nbytes / 1024:.1f} KiB (locked)" in engine.mode_line()
     assert _status("VmLck") == before and not trunk.locked
     with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", lock_memory=False) as engine:
-        assert not engine.trunk.locked and "(unlocked)" in engine.mode_line()
+        assert not engine.loaded.trunk.locked and "(unlocked)" in engine.mode_line()
         assert _status("VmLck") == before
 
 
@@ -343,6 +343,6 @@ def test_the_planned_trunk_is_the_trunk_held(tmp_path, tiny_dir, trunk_dtype):
     gguf_path = write_gguf(tiny_dir("qwen3_moe"), tmp_path / "model.gguf", ftype=Q.Q8_0)
     for path in (gguf_path, tiny_dir("qwen3_moe")):
         with moestream.load(str(path), cache="4MiB", trunk_dtype=trunk_dtype) as engine:
-            planned = dict(memory_need(engine, engine.options).parts)["the trunk"]
-            held = engine.trunk.nbytes
+            planned = dict(memory_need(engine.loaded.description, engine.options).parts)["the trunk"]
+            held = engine.loaded.trunk.nbytes
         assert abs(planned - held) <= 0.02 * held, (path, planned, held)

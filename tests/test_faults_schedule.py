@@ -29,6 +29,7 @@ import torch
 
 import moestream
 from moestream.errors import ExpertReadError
+from moestream.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello there, how are you?"
@@ -299,10 +300,40 @@ def test_a_failed_restream_keeps_the_previous_setup(tiny_dir):
                 raise MoestreamError("the new reader failed")
             return Reader(mode, threads)
 
-        engine._make_reader = reader_failing_once
+        engine.loaded.make_reader = reader_failing_once
         with pytest.raises(MoestreamError, match="the new reader failed"):
             engine.restream(io_mode="mmap")
         assert calls == ["mmap", "pagecache"]  # the previous setup was rebuilt
         assert engine.unavailable is None and engine.options.io_mode == "pagecache"
+        assert _generate(engine) == fresh
+        assert_nothing_held(engine)
+
+
+@pytest.mark.timeout(60)
+def test_a_restream_that_fails_after_its_build_closes_what_it_built(tiny_dir, monkeypatch):
+    """A new setup built, then a failed read of every expert at load: that setup's reader and cache are
+    closed (not left to the garbage collector, its I/O threads running), and the previous one is rebuilt."""
+    import moestream.engine.loaded as loaded
+
+    with moestream.load(str(tiny_dir("qwen3_moe")), **TIERS["cpu"]) as engine:
+        fresh = _generate(engine)
+        built = []
+        build = loaded.LoadedModel._build_streaming
+
+        def recording(self):
+            built.append(build(self))
+            return built[-1]
+
+        def failing(cache):
+            raise ExpertReadError("injected: the read at load failed")
+
+        monkeypatch.setattr(loaded.LoadedModel, "_build_streaming", recording)
+        monkeypatch.setattr(loaded, "read_all", failing)
+        with pytest.raises(ExpertReadError, match="injected"):
+            engine.restream(cache="64MiB")  # holds every expert: read at load
+        assert len(built) == 2 and built[0].closed and not built[1].closed
+        assert engine.streaming is built[1] and engine.unavailable is None
+        assert engine.options.cache == parse_size(TIERS["cpu"]["cache"])
+        monkeypatch.undo()
         assert _generate(engine) == fresh
         assert_nothing_held(engine)

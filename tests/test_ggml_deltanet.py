@@ -237,11 +237,11 @@ def _exact_in_q8(rows: int, cols: int, group: int, g: torch.Generator) -> torch.
 
 
 def _graph_out_projection(d, x: torch.Tensor) -> torch.Tensor:
-    """ggml_deltanet.out_projection alone, one graph on x [T, Hv D] (ggml [D, Hv, T]) -> [T, hidden]."""
+    """graphs.qwen3_next.out_projection alone, one graph on x [T, Hv D] (ggml [D, Hv, T]) -> [T, hidden]."""
     from ggml_graph import run_once
 
-    from moestream.engine.ggml_deltanet import out_projection
     from moestream.ggml.net import F32
+    from moestream.graphs.qwen3_next import out_projection
 
     T = x.shape[0]
 
@@ -263,7 +263,7 @@ def test_out_proj_kept_as_the_files_blocks_its_input_permuted(tiny_gguf):
 
     import gguf
 
-    from moestream.model.graph_parts import NoGraph, matrix
+    from moestream.graphs.parts import NoGraph, matrix
     from moestream.model.quantized import QuantLinear
     from moestream.store.gguf import GgufSource
     from moestream.store.gguf_trunk import Trunk

@@ -25,7 +25,7 @@ from tiny_gguf import perturb_vectors, write_gguf
 from tiny_models import write_tiny
 
 import moestream
-from moestream.model.mla_spec import ROPE_NEOX, ROPE_NORM
+from moestream.graphs.deepseek import ROPE_NEOX, ROPE_NORM
 
 # DeepSeek-V2-Lite's shape: q projected directly (no q_lora_rank), a K/V per head; V2's group-limited
 # greedy routing with one group of two kept (top-2 of 8: the groups decide) and a scaling factor

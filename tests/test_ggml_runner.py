@@ -25,12 +25,12 @@ from gguf import GGMLQuantizationType as Q
 import moestream
 from moestream.cache.size_classes import budget_requirements
 from moestream.cli import main
-from moestream.engine import ggml_layers, ggml_runner
+from moestream.engine import ggml_runner
 from moestream.engine.ggml_runner import GgmlRunner
 from moestream.engine.runners import EagerRunner
 from moestream.errors import MoestreamError
 from moestream.ggml.net import Net
-from moestream.model.graph_spec import GRAPH_FAMILIES, ModelSpec
+from moestream.graphs import GRAPH_FAMILIES, ModelSpec, layers, moe
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 FORCED = [9, 150, 77, 31, 200, 6, 18, 42]  # teacher-forced decode steps
@@ -107,7 +107,7 @@ def _small_steps(monkeypatch) -> None:
     its decoding crosses spans (graph sets built and dropped)."""
     monkeypatch.setattr(ggml_runner, "CHUNK", 5)
     monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
-    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    monkeypatch.setattr(layers, "SPAN_STEP", 8)
 
 
 def _count_runs(monkeypatch) -> list[int]:
@@ -281,7 +281,7 @@ def test_gpt_oss_sliding_window_across_chunks_and_spans(tiny_dir, monkeypatch):
     window (every layer seeing every position) do not, so the window is what makes them match."""
     monkeypatch.setattr(ggml_runner, "CHUNK", 7)
     monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
-    monkeypatch.setattr(ggml_layers, "SPAN_STEP", 8)
+    monkeypatch.setattr(layers, "SPAN_STEP", 8)
     prompt = PROMPT * 3
     path = tiny_dir("gpt_oss")
     ref = _stock_logits(path, prompt)
@@ -414,14 +414,15 @@ def test_routers_are_computed_in_float32(tiny_dir):
         assert len(gates) == 2 * len(routers)  # qwen2_moe: the router and the shared expert's gate
         assert {m.type_id for m in gates} == {f32}
         assert spec.copied_bytes == sum(4 * m.rows * m.cols for m in gates) > 0
-        assert ("the routers in float32", spec.copied_bytes) in _runner_parts(engine, ("kv", 0))
+        parts = _runner_parts(engine.loaded.description, ("kv", 0))
+        assert ("the routers in float32", spec.copied_bytes) in parts
         assert spec.layers[0].attention.q.type_id != f32  # the rest stays as the model holds it
     with moestream.load(str(tiny_dir("qwen2_moe")), cache="64MiB", dtype="float32") as engine:
         assert _spec(engine).copied_bytes == 0  # a float32 model's own routers: no copy
 
 
 def _graph_moe_sum(y: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
-    """ggml_layers.moe_sum alone: y [T, K, H], w [T, K] -> [T, H] by one graph."""
+    """graphs.moe.moe_sum alone: y [T, K, H], w [T, K] -> [T, H] by one graph."""
     from ggml_graph import run_once
 
     from moestream.ggml.net import F32
@@ -430,7 +431,7 @@ def _graph_moe_sum(y: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tens
 
     def build(net):
         yt, wt = net.tensor(F32, [H, K, T], y.data_ptr()), net.tensor(F32, [1, K, T], w.data_ptr())
-        return net.cont(ggml_layers.moe_sum(net, yt, wt, H, K, T))
+        return net.cont(moe.moe_sum(net, yt, wt, H, K, T))
 
     return run_once(build, torch.empty(T, H), threads)
 

@@ -1,5 +1,6 @@
 """The package's import graph: no circles, and imports point downward through the layers of the design
-(cli/server/bench -> engine -> model -> runtime -> cache/io/store), with the simulator's side torch-free."""
+(cli/server/bench -> engine -> graphs -> model -> runtime -> cache/io/store), with the simulator's side
+torch-free."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ LAYERS = {
     "cache": 2,
     **dict.fromkeys(("trace", "runtime"), 3),
     **dict.fromkeys(("model", "synth"), 4),
-    "engine": 5,
-    **dict.fromkeys(("bench", "server"), 6),
-    "cli": 7,
-    **dict.fromkeys(("__main__", ""), 8),
+    "graphs": 5,
+    "engine": 6,
+    **dict.fromkeys(("bench", "server"), 7),
+    "cli": 8,
+    **dict.fromkeys(("__main__", ""), 9),
 }
 
 

@@ -129,10 +129,10 @@ def test_a_failed_forward_drops_the_cache_and_the_engine_stays_usable(tiny_dir, 
                 raise RuntimeError("read error")
             return step(ids, cache)
 
-        monkeypatch.setattr(engine, "runner", failing)
+        monkeypatch.setattr(engine.loaded, "runner", failing)
         with pytest.raises(RuntimeError):
             engine.generate(FIRST + [1, 2], max_tokens=6, ignore_eos=True, cache_prompt=True)
-        monkeypatch.setattr(engine, "runner", step)
+        monkeypatch.setattr(engine.loaded, "runner", step)
         after = engine.generate(FIRST + [1, 2], max_tokens=6, ignore_eos=True, cache_prompt=True)
         assert after.cached_tokens == 0 and engine.prompt_cache.tokens == len(FIRST) + 2 + 5
         # a request without cache_prompt frees the held cache, and keeps none unless asked to

@@ -231,7 +231,7 @@ def test_health_reports_an_engine_that_cannot_serve(tiny_dir):
             def failing_reader(mode, threads):
                 raise MoestreamError("no reader today")
 
-            engine._make_reader = failing_reader
+            engine.loaded.make_reader = failing_reader
             with pytest.raises(MoestreamError, match="no reader today"):
                 engine.restream(cache="2MiB")
             health = http.get("/health")

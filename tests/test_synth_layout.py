@@ -185,9 +185,10 @@ def test_meta_model_is_free():
 
 
 def test_gpt_oss_mxfp4_loads_in_stock_transformers(tmp_path):
-    """transformers' MXFP4 quantizer needs accelerate; on CPU it dequantizes the blocks to bf16."""
+    """transformers reads the synthetic's MXFP4 blocks and scales through its own dequantizing path (no
+    hub: since 5.25, without `dequantize=True` its CPU path fetches a Triton kernel from the hub)."""
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     out = synthesize(
         tmp_path / "mx",
@@ -199,7 +200,12 @@ def test_gpt_oss_mxfp4_loads_in_stock_transformers(tmp_path):
         moe_intermediate=64,
         mxfp4=True,
     )
-    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        out,
+        dtype=torch.float32,
+        output_loading_info=True,
+        quantization_config=Mxfp4Config(dequantize=True),
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 64, 128)
     assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)

@@ -24,7 +24,7 @@ from moestream.cli import main
 from moestream.engine.ggml_runner import GgmlRunner
 from moestream.engine.runners import EagerRunner, StaticRunner
 from moestream.errors import MoestreamError
-from moestream.model.graph_spec import GRAPH_FAMILIES
+from moestream.graphs import GRAPH_FAMILIES
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 25]
 FEED = [3, 19, 44, 101, 6, 8, 12, 60]  # fed after the prompt, one token a step

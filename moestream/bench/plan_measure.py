@@ -60,7 +60,7 @@ def load_for_measuring(path: str, **options: Any) -> Any:
 
 def auto_choice(engine: Any) -> tuple[int, str]:
     """The auto budget the engine was sized with, and the mode line's account of it."""
-    account = next((a for a in engine.auto if a.tier == "cache"), None)
+    account = next((a for a in engine.loaded.auto if a.tier == "cache"), None)
     return engine.options.cache, account.describe() if account is not None else "auto"
 
 

@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)
         return 130
+    except (
+        BrokenPipeError
+    ):  # `moestream ... | head`: the reader left; say nothing more (Python's docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
 
 
 if __name__ == "__main__":

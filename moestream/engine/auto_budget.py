@@ -41,6 +41,7 @@ from moestream.engine.memory import (
     memory_rooms,
     process_status,
 )
+from moestream.engine.model_description import ModelDescription
 from moestream.engine.options import AUTO, EngineOptions
 from moestream.model.arch import text_config
 from moestream.units import format_size
@@ -135,41 +136,41 @@ def mapped_file_bytes(root: Path = Path("/")) -> int:
     return int(process_status(root).get("RssFile", "0 kB").split()[0]) * 1024
 
 
-def size_auto(engine: Any, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
-    """`options` with every auto budget sized for the loaded `engine` (its trunk read, its family made;
-    unlocked where RLIMIT_MEMLOCK forbids locking what was chosen), and the budgets' accounts for the
-    mode line; unchanged (and no accounts) without auto.
+def size_auto(model: ModelDescription, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
+    """`options` with every auto budget sized for the loaded `model` (its trunk read, its family made:
+    the description made after the build; unlocked where RLIMIT_MEMLOCK forbids locking what was
+    chosen), and the budgets' accounts for the mode line; unchanged (and no accounts) without auto.
 
     Raises:
         MemoryBudgetError: the machine has no room for the smallest cache.
     """
     if not options.auto:
         return options, []
-    sized, accounts = _size(engine, options)
-    return _lock_check(engine, sized), accounts
+    sized, accounts = _size(model, options)
+    return _lock_check(model, sized), accounts
 
 
-def _size(engine: Any, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
-    emap, top_k = engine.emap, engine.top_k
+def _size(model: ModelDescription, options: EngineOptions) -> tuple[EngineOptions, list[AutoBudget]]:
+    emap, top_k = model.emap, model.top_k
     host_every = planned_bytes(emap, _EVERY, top_k)
     host_minimum = budget_requirements(emap, top_k)[0]
     fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
     libraries = [("the libraries' mapped files", mapped_file_bytes()), ("working memory", WORKING_BYTES)]
     # the tightest limit; where none could be read, nothing bounds the cache but the experts
     room = min(memory_rooms(), key=lambda r: r.nbytes, default=Room(_EVERY, "no memory limit could be read"))
-    kv = (f"the KV cache at {engine.ctx_size} tokens", engine._kv_bytes())
-    one_tier = engine.device.type != "cuda"
+    kv = (f"the KV cache at {model.ctx_size} tokens", model.kv_bytes)
+    one_tier = model.device.type != "cuda"
     if not one_tier:
         from moestream.runtime.streaming import uses_unified_memory
 
-        activations = ("activations", activation_bytes(engine.config, engine.ctx_size))
-        if not uses_unified_memory(options.unified, engine.device):
-            return _size_cuda(engine, options, room, [kv, activations], libraries)
+        activations = ("activations", activation_bytes(model.config, model.ctx_size))
+        if not uses_unified_memory(options.unified, model.device):
+            return _size_cuda(model, options, room, [kv, activations], libraries)
     if options.cache != AUTO:  # an explicit size wins (the CUDA tier sizes do not apply to one tier)
         return dataclasses.replace(options, gpu_cache=options.cache, host_cache=0), []
     if one_tier:
         cache = largest_fit(
-            "cache", room, [*_runner_parts(engine, kv), *libraries], host_every, host_minimum, fit
+            "cache", room, [*_runner_parts(model, kv), *libraries], host_every, host_minimum, fit
         )
     else:  # unified memory: the KV cache and the activations are in the same memory as the cache
         kept = [kv, activations, *libraries]
@@ -178,7 +179,7 @@ def _size(engine: Any, options: EngineOptions) -> tuple[EngineOptions, list[Auto
 
 
 def _size_cuda(
-    engine: Any,
+    model: ModelDescription,
     options: EngineOptions,
     host_room: Room,
     gpu_kept: list[tuple[str, int]],
@@ -189,9 +190,9 @@ def _size_cuda(
 
     from moestream.runtime.cuda import gpu_layout
 
-    emap, top_k = engine.emap, engine.top_k
-    slot = max(gpu_layout(emap, key, engine.family.fusions)[1] for key in emap.units)
-    free, total = torch.cuda.mem_get_info(engine.device)
+    emap, top_k = model.emap, model.top_k
+    slot = max(gpu_layout(emap, key, model.fusions)[1] for key in emap.units)
+    free, total = torch.cuda.mem_get_info(model.device)
     gpu_room = Room(free, f"{format_size(free)} of the GPU's {format_size(total)} free")
     gpu_auto = options.gpu_cache == AUTO
     gpu, host = cuda_split(
@@ -212,25 +213,24 @@ def _size_cuda(
     return sized, accounts
 
 
-def _runner_parts(engine: Any, kv: tuple[str, int]) -> list[tuple[str, int]]:
+def _runner_parts(model: ModelDescription, kv: tuple[str, int]) -> list[tuple[str, int]]:
     """What the CPU trunk takes after the cache: the KV cache and the ggml graphs' buffers, or, under
     transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations."""
-    if engine._spec is None:
-        return [kv, ("activations", activation_bytes(engine.config, engine.ctx_size))]
+    if model.spec is None:
+        return [kv, ("activations", activation_bytes(model.config, model.ctx_size))]
     from moestream.engine.ggml_runner import planned_bytes as runner_bytes
     from moestream.model.arch import num_experts
 
-    cfg = text_config(engine.config)
+    cfg = text_config(model.config)
     inter = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
-    kv_bytes, graphs = runner_bytes(
-        engine._spec, engine.ctx_size, num_experts(engine.config), inter, engine.threads
-    )
+    experts = num_experts(model.config)
+    kv_bytes, graphs = runner_bytes(model.spec, model.ctx_size, experts, inter, model.threads)
     parts = [
-        (f"the F16 KV cache at {engine.ctx_size} tokens", kv_bytes),
+        (f"the F16 KV cache at {model.ctx_size} tokens", kv_bytes),
         ("the ggml graphs' buffers", graphs),
     ]
-    if engine._spec.copied_bytes:
-        parts.append(("the routers in float32", engine._spec.copied_bytes))
+    if model.spec.copied_bytes:
+        parts.append(("the routers in float32", model.spec.copied_bytes))
     return parts
 
 
@@ -247,14 +247,14 @@ def activation_bytes(config: Any, ctx_size: int) -> int:
     return 4 * ctx_size * (16 * hidden + 3 * k * inter)
 
 
-def _lock_check(engine: Any, options: EngineOptions) -> EngineOptions:
+def _lock_check(model: ModelDescription, options: EngineOptions) -> EngineOptions:
     """As `plan_memory`'s lock check, for the host slots the budget was sized to: unlocked (said once)
     where RLIMIT_MEMLOCK forbids locking them."""
     from moestream.runtime.streaming import host_cache_bytes
 
     if not options.lock_memory:
         return options
-    host = host_cache_bytes(engine.emap, options.stream_config(), engine.top_k, engine.device)
+    host = host_cache_bytes(model.emap, options.stream_config(), model.top_k, model.device)
     if lock_allowed(MemoryNeed([("the expert cache", host)], locked=host), memlock_room()):
         return options
     return dataclasses.replace(options, lock_memory=False)

@@ -1,9 +1,10 @@
-"""The mode line: what a loaded engine runs (model, device, experts and their formats, cache, budgets,
+"""The mode line: what a loaded model runs (model, device, experts and their formats, cache, budgets,
 threads, dtype, trunk, GPU floor, context), printed at the start of every run so nobody benchmarks the
 wrong thing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,52 +15,49 @@ from moestream.runtime.formats import describe_formats
 from moestream.units import format_size
 
 
-def describe(engine: Any) -> str:
-    """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
+def describe(loaded: Any, notes: Sequence[str] = ()) -> str:
+    """What `loaded` (a `LoadedModel`) runs, printed at the start of every run so nobody benchmarks the
+    wrong thing; `notes` (the `Engine`'s: a routing replay) after the GPU floor's part."""
     return (
-        f"moestream: {engine.config.model_type} on {engine.device} | {engine.streaming.describe()} of "
-        f"{len(engine.emap.units)} experts ({format_size(engine.emap.expert_bytes)}, "
-        f"{describe_formats(engine.runtime.formats)}) | "
-        + "".join(f"{budget.describe()} | " for budget in engine.auto)
-        + f"{_threads_part(engine)} | dtype {str(engine.dtype).removeprefix('torch.')} | "
-        f"{_trunk_part(engine)}{engine.trunk_line} | "
-        f"{engine.floor.describe() if engine.floor is not None else 'gpu floor off'}"
+        f"moestream: {loaded.config.model_type} on {loaded.device} | {loaded.streaming.describe()} of "
+        f"{len(loaded.emap.units)} experts ({format_size(loaded.emap.expert_bytes)}, "
+        f"{describe_formats(loaded.runtime.formats)}) | "
+        + "".join(f"{budget.describe()} | " for budget in loaded.auto)
+        + f"{_threads_part(loaded)} | dtype {str(loaded.dtype).removeprefix('torch.')} | "
+        f"{_trunk_part(loaded)}{loaded.trunk_line} | "
+        f"{loaded.floor.describe() if loaded.floor is not None else 'gpu floor off'}"
+        + "".join(f" | {note}" for note in notes)
         + (
-            f" | ROUTING REPLAYED from {engine.replay.name} (benchmark only: outputs are not the model's)"
-            if engine.replay is not None
+            f" | LOSSY: {loaded.top_k} experts per token instead of the model's {loaded.model_top_k}"
+            if loaded.top_k != loaded.model_top_k
             else ""
         )
-        + (
-            f" | LOSSY: {engine.top_k} experts per token instead of the model's {engine.model_top_k}"
-            if engine.top_k != engine.model_top_k
-            else ""
-        )
-        + f" | {engine.context_line()}"
+        + f" | {loaded.context_line()}"
     )
 
 
-def _threads_part(engine: Any) -> str:
-    if engine.runner.owns_compute_pool:
-        return f"threads {engine.threads} (one ggml pool; torch 1)"
+def _threads_part(loaded: Any) -> str:
+    if loaded.runner.owns_compute_pool:
+        return f"threads {loaded.threads} (one ggml pool; torch 1)"
     return f"threads {torch.get_num_threads()}"
 
 
-def _trunk_part(engine: Any) -> str:
+def _trunk_part(loaded: Any) -> str:
     """The trunk in host memory (read into memory the process owns, not mapped), and on a GPU what
     moestream holds in GPU memory: the trunk, the GPU tier, the KV cache when full."""
-    blocks = block_bytes(engine.model)
+    blocks = block_bytes(loaded.model)
     kept = f", {format_size(blocks)} of it in GGUF block types" if blocks else ""
     text = ""
-    if engine.trunk.nbytes:
-        lock = "locked" if engine.trunk.locked else "unlocked"
-        where = kept if engine.device.type == "cpu" else ""
-        text = f"trunk {format_size(engine.trunk.nbytes)} ({lock}{where}) | "
-    if engine.device.type != "cuda":
+    if loaded.trunk.nbytes:
+        lock = "locked" if loaded.trunk.locked else "unlocked"
+        where = kept if loaded.device.type == "cpu" else ""
+        text = f"trunk {format_size(loaded.trunk.nbytes)} ({lock}{where}) | "
+    if loaded.device.type != "cuda":
         return text
-    trunk = sum(storage_ranges(engine.model, "cuda").values())
-    tier = engine.runtime.tier.gpu_bytes
-    kv = engine._kv_bytes()
+    trunk = sum(storage_ranges(loaded.model, "cuda").values())
+    tier = loaded.runtime.tier.gpu_bytes
+    kv = loaded.kv_bytes
     return text + (
         f"GPU memory {format_size(trunk + tier + kv)}: trunk {format_size(trunk)}{kept} + GPU tier "
-        f"{format_size(tier)} + KV cache {format_size(kv)} at {engine.ctx_size} tokens | "
+        f"{format_size(tier)} + KV cache {format_size(kv)} at {loaded.ctx_size} tokens | "
     )

@@ -1,4 +1,9 @@
-"""`load` and `Engine`: a transformers model whose routed experts stream from disk."""
+"""`load` and `Engine`: a transformers model whose routed experts stream from disk.
+
+The `Engine` keeps what requests need: the tokenizer, prompts and the context check, the prompt cache,
+sampling, traces and routing replays, and the token loop (engine/requests.py). What the load took (the
+model, the expert streaming, the runner, ...) is its `LoadedModel` (engine/loaded.py), `engine.loaded`;
+the attributes many callers read are properties here."""
 
 from __future__ import annotations
 
@@ -10,34 +15,22 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
-from moestream.engine.auto_budget import size_auto
 from moestream.engine.chat import render_chat
-from moestream.engine.describe import describe
-from moestream.engine.kvcache import kv_cache_bytes
-from moestream.engine.memory import TrunkLock
-from moestream.engine.memory_plan import plan_memory
+from moestream.engine.loaded import LoadedModel, context_length
 from moestream.engine.options import EngineOptions
 from moestream.engine.prompt_cache import PromptCache
-from moestream.engine.prompts import check_context, context_size, prompt_ids
+from moestream.engine.prompts import check_context, prompt_ids
 from moestream.engine.requests import Generation, run_request
 from moestream.engine.runners import ModelRunner
 from moestream.engine.sampling import SamplingParams, model_sampling_defaults
 from moestream.engine.stats import Counters
-from moestream.engine.streaming_setup import build_streaming, read_resident, rebuild_streaming
-from moestream.engine.trunk import ggml_spec, make_runner
 from moestream.engine.unused import refuse_unused, warn_unused
 from moestream.errors import MoestreamError
-from moestream.ggml.graphs import set_threads as ggml_threads
-from moestream.ggml.host import default_threads
-from moestream.io.reader import CheckpointFiles, Reader
-from moestream.model.arch import arch_for, num_experts, text_config, top_k
-from moestream.model.loader import build_model, streaming_modules, trunk_tensors
-from moestream.runtime.checks import check_experts
+from moestream.io.reader import Reader
 from moestream.runtime.experts import ExpertRuntime
-from moestream.runtime.families import make_family
-from moestream.runtime.streaming import ReaderFactory
-from moestream.store.source import open_source
-from moestream.units import format_size
+from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
+from moestream.store.experts import ExpertMap
+from moestream.store.source import CheckpointSource, open_source
 
 
 def load(
@@ -99,97 +92,87 @@ class Engine:
     def __init__(
         self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None
     ) -> None:
-        self.options = options
-        self._make_reader = make_reader or Reader
-        # -t: compute threads in total; by default the physical cores (llama.cpp's rule)
-        self.threads = options.threads or default_threads()
-        torch.set_num_threads(self.threads)
-        ggml_threads(self.threads)
-        self.source = open_source(path)
-        self.path = self.source.path
-        self.config = self.source.config()
-        self.tokenizer = self.source.tokenizer()  # before the model: a broken tokenizer fails in a second
-        self.arch = arch_for(self.config)
-        self.model_top_k = top_k(self.config)
-        if options.experts_per_token is not None:
-            _override_top_k(self.config, options.experts_per_token)
-        self.emap = self.source.expert_map(self.arch.family, num_experts(self.config))
-        check_experts(self.emap, self.config)  # before the trunk is read: a bad expert fails at once
-        self.top_k = top_k(self.config)
-        self.device = torch.device(options.device)
-        self.ctx_size = context_size(options.ctx_size, self.context_length)
-        self.closed, self.broken = False, None  # see `unavailable`
-        keep = options.trunk_dtype is None
-        stored = trunk_tensors(self.source, self.config, self.arch, self.emap, keep)  # nothing read yet
-        self.has_block_trunk = _has_blocks(
-            stored if keep else trunk_tensors(self.source, self.config, self.arch, self.emap)
-        )
-        # before anything is read or locked: a run that cannot fit is refused with the numbers
-        self.options = plan_memory(self, self.options, stored)
-        # every expert file held open from before the trunk is read until close: the reader (and every
-        # reader a restream builds) reads the files the model was loaded from, even once they are
-        # replaced on disk (said once: `notices`)
-        self.files = CheckpointFiles(self.emap.files)
-        dtype = options.trunk_dtype or options.dtype  # a dequantized trunk is computed in its dtype
-        dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
-        self.model = build_model(self.source, self.config, self.arch, dtype, stored)
-        if self.device.type == "cuda":
-            self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
-        # the ggml graphs' view of the model, when they run it (before the experts' formats are chosen)
-        self._spec, self._no_graph = ggml_spec(self.model, options.trunk, self.device)
-        self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
-        if self.options.lock_memory:
-            self.trunk.lock()
+        source = open_source(path)
+        config = source.config()
+        self.path = source.path
+        self.tokenizer = source.tokenizer()  # before the model: a broken tokenizer fails in a second
+        self.loaded = LoadedModel(source, config, options, make_reader)
         try:
-            self._modules = streaming_modules(self.model)
-            self.emap.restrict([layer for layer, _ in self._modules])
-            self.family = make_family(self.config, self.emap, self.device, self.dtype)
-            # an auto budget: what the memory leaves now that the trunk is in (refused if below the minimum)
-            self.options, self.auto = size_auto(self, self.options)
-            self.streaming = build_streaming(self)
+            self.prompt_cache = PromptCache()
+            self.sampling_defaults = model_sampling_defaults(self.path)  # the model's own
+            self.recorder: Any = None
+            self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
+            self._requests = 0
+            self._closed = False
+            warn_unused(self.loaded)
         except BaseException:
-            self.trunk.unlock()
-            self.files.close()
+            self.loaded.close()
             raise
-        try:
-            # what computes the steps, chosen once: it owns the static cache, graphs, ggml KV cache
-            self.runner: ModelRunner = make_runner(
-                self.model,
-                self.options.trunk,
-                self._modules,
-                self.device,
-                self.ctx_size,
-                self.threads,
-                self._spec,
-                self._no_graph,
-            )
-            self._trunk_base = self.runner.describe()
-            if self.runner.owns_compute_pool:  # one pool: ggml's; torch only runs glue in between
-                torch.set_num_threads(1)
-            self.trunk_line = self._trunk_base + read_resident(self)
-        except BaseException:
-            self.streaming.close()
-            self.trunk.unlock()
-            self.files.close()
-            raise
-        self._init_generation()
-        self.floor = self._make_floor()
-        self.recorder: Any = None
-        self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
-        self._requests = 0
-        warn_unused(self)
+
+    # --- what the load took (`LoadedModel`), read by many callers ---------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The transformers model (its routed experts `StreamingExperts` modules)."""
+        return self.loaded.model
+
+    @property
+    def config(self) -> Any:
+        return self.loaded.config
+
+    @property
+    def source(self) -> CheckpointSource:
+        return self.loaded.source
+
+    @property
+    def options(self) -> EngineOptions:
+        """The options in use (auto budgets sized, a lock refused turned off)."""
+        return self.loaded.options
+
+    @property
+    def emap(self) -> ExpertMap:
+        return self.loaded.emap
+
+    @property
+    def top_k(self) -> int:
+        """Experts per token in use (the model's, or --experts-per-token)."""
+        return self.loaded.top_k
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def ctx_size(self) -> int:
+        return self.loaded.ctx_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.loaded.dtype
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.loaded.runner
+
+    @property
+    def floor(self) -> Any:
+        return self.loaded.floor
+
+    @property
+    def streaming(self) -> ExpertStreaming:
+        return self.loaded.streaming
 
     @property
     def cache(self) -> ExpertCache:
-        return self.streaming.cache
+        return self.loaded.streaming.cache
 
     @property
     def runtime(self) -> ExpertRuntime:
-        return self.streaming.runtime
+        return self.loaded.streaming.runtime
 
     @property
     def reader(self) -> Reader:
-        return self.streaming.reader
+        return self.loaded.streaming.reader
 
     def start_trace(self, path: str | Path, predict: bool = True) -> None:
         """Record every layer's routing (and the stale-gate prediction) of the next requests to `path`."""
@@ -243,23 +226,31 @@ class Engine:
     def restream(self, **changes: Any) -> None:
         """Rebuild reader, cache and runtime with other `cache`, `io_mode`, `io_threads`, `piece`,
         `lock_memory`, `policy`, `prefetch`, `preload` or the CUDA tiers, keeping the loaded model:
-        side-by-side comparisons without reloading."""
-        rebuild_streaming(self, **changes)
+        side-by-side comparisons without reloading (`LoadedModel.restream`; a trace being recorded goes
+        on in the new setup)."""
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.detach(self.runtime)
+        try:
+            self.loaded.restream(**changes)
+        finally:
+            if recorder is not None and self.loaded.broken is None:
+                recorder.attach(self)
 
     @property
     def notices(self) -> list[str]:
         """What was said once about the checkpoint files while the engine serves on: a file replaced on
         disk or removed since it was opened (the engine reads the file it opened; a restart loads the new
         one)."""
-        return list(self.files.notices.values())
+        return list(self.loaded.files.notices.values())
 
     @property
     def unavailable(self) -> str | None:
         """Why this engine cannot serve a request (closed, or left without a working streaming setup), or
         None when it can."""
-        if self.closed:
+        if self._closed:
             return "the engine is closed"
-        return self.broken
+        return self.loaded.unavailable
 
     def check_usable(self) -> None:
         """Raises MoestreamError when the engine cannot serve (see `unavailable`)."""
@@ -267,50 +258,21 @@ class Engine:
         if reason is not None:
             raise MoestreamError(reason)
 
-    def _make_floor(self) -> Any:
-        from moestream.power.floor import make_engine_floor
-
-        try:
-            return make_engine_floor(
-                self.options.gpu_floor,
-                sysfs_root=self.options.sysfs_root,
-                experts_off_gpu=self.options.device == "cpu",
-            )
-        except BaseException:
-            self.streaming.close()
-            self.trunk.unlock()
-            self.files.close()
-            raise
-
     # --- description -------------------------------------------------------------------------
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
 
     def mode_line(self) -> str:
         """What is being run, printed at the start of every run so nobody benchmarks the wrong thing."""
-        return describe(self)
+        notes = []
+        if self.replay is not None:
+            name = self.replay.name
+            notes.append(f"ROUTING REPLAYED from {name} (benchmark only: outputs are not the model's)")
+        return self.loaded.describe(notes)
 
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
-        c = self.streaming.counters()
-        return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used)
+        return self.loaded.counters()
 
     # --- generation --------------------------------------------------------------------------
-
-    def _init_generation(self) -> None:
-        """Prompt cache and the model's own sampling defaults."""
-        self.prompt_cache = PromptCache()
-        self.sampling_defaults = model_sampling_defaults(self.path)
-
-    def _kv_bytes(self) -> int:
-        """The KV cache's memory at the full context."""
-        return kv_cache_bytes(self.config, self.ctx_size, torch.tensor([], dtype=self.dtype).element_size())
-
-    def context_line(self) -> str:
-        """The context part of the mode line: tokens, and the KV cache's memory when it is full."""
-        return f"context {self.ctx_size} tokens, KV cache {format_size(self._kv_bytes())} when full"
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Prompt text -> token ids (through the tokenizer's chat template when `chat`)."""
@@ -409,56 +371,29 @@ class Engine:
     @property
     def context_length(self) -> int | None:
         """Positions the model was trained for (`max_position_embeddings`; None when the config has none)."""
-        value = getattr(text_config(self.config), "max_position_embeddings", None)
-        return int(value) if value else None
+        return context_length(self.config)
 
     def check_context(self, prompt_n: int, max_tokens: int) -> None:
         """Refuse a prompt and max_tokens that do not fit the context (`prompts.check_context`)."""
         check_context(prompt_n, max_tokens, self.ctx_size, self.context_length)
 
     def close(self) -> None:
-        """Finish the trace, stop the I/O threads, close the checkpoint files, restore the GPU clock floor;
-        the expert cache and the trunk are unlocked and the cache's memory freed at once."""
-        if self.closed:
+        """Finish the trace, drop the prompt cache, then close what the load took (`LoadedModel.close`:
+        the GPU clock floor restored, the I/O threads stopped, the checkpoint files closed, the expert
+        cache and the trunk unlocked and the cache's memory freed at once)."""
+        if self._closed:
             return
-        self.closed = True
+        self._closed = True
         try:
             self.stop_trace()
         finally:
             try:
-                if self.floor is not None:
-                    self.floor.close()
+                self.prompt_cache.clear()
             finally:
-                try:
-                    self.streaming.close()
-                finally:
-                    self.files.close()
-                    self.trunk.unlock()
-                    self.prompt_cache.clear()
-                    self.runner.close()  # its graphs and static cache: their GPU memory back at once
-                    if torch.cuda.is_initialized():
-                        torch.cuda.empty_cache()
-                    ggml_threads(None)  # ggml's later computes outside an engine: torch's count again
+                self.loaded.close()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _has_blocks(tensors: dict[str, Any]) -> bool:
-    """Whether the trunk stores weights in GGUF block types (what --trunk-dtype dequantizes)."""
-    from moestream.store.tensors import QuantizedTensor
-
-    return any(isinstance(t, QuantizedTensor) for t in tensors.values())
-
-
-def _override_top_k(config: Any, k: int) -> None:
-    """Route every token to `k` experts instead of the model's top-k (lossy; the routers read it at build)."""
-    cfg = text_config(config)
-    if k > num_experts(config):
-        raise MoestreamError(
-            f"--experts-per-token {k} exceeds the model's {num_experts(config)} routed experts"
-        )
-    cfg.num_experts_per_tok = k

@@ -4,38 +4,42 @@ It owns the KV cache (F16 ggml tensors of the whole context, as llama.cpp keeps 
 attention over F32 keys and values gave wrong logits on the trained fixture), the graphs of the step
 shapes in use and their buffers. transformers keeps the configs, the tokenizer, the chat template and
 the routers' modules (the stale gate of `--prefetch`), and is the oracle of the tests. A step runs, per
-layer, one graph (attention, router, shared expert; `engine/ggml_layers.py`); the layer's routed
+layer, one graph (attention, router, shared expert; `graphs/layers.py`); the layer's routed
 experts then go either into the next graph (every one cached: mul_mat_ids over the cache's slots) or
-through the same `ExpertRuntime` as every other path (cache misses as their bytes land, prefetch,
-traces, routing replay), whose outputs the next graph sums in with the same nodes. When the cache
+through the same schedule as every other path (cache misses as their bytes land, prefetch, traces,
+routing replay), whose outputs the next graph sums in with the same nodes. The runner reaches the
+experts through one door, `ExpertLayers` (runtime/expert_layers.py). When the cache
 holds every expert of the model (read at load) and nothing needs the routing on the host, a step
 (a decoded token, a prefill chunk) is one graph: the routers' ids address the slots inside it (expert
 e of a layer in slot first + e), so nothing returns to Python between layers; the same nodes, so the
 same bits. Every compute, graphs and experts alike, runs on ggml's one threadpool; torch runs
 single-threaded glue in between.
 
-A graph set (`engine/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
+A graph set (`graphs/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
 prefill piece) and an attention span S (positions, a multiple of 256); the few most recent sets are kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moestream import ggml
-from moestream.cache.policy import execution_order
-from moestream.engine.ggml_deltanet import layer_caches, recurrent_bytes
-from moestream.engine.ggml_layers import SPAN_STEP, ExpertTypes, SlotArena, StepBuffers, Whole
-from moestream.engine.graph_set import GraphSet, set_bytes
 from moestream.engine.runners import ModelRunner
-from moestream.model.graph_spec import ModelSpec
-from moestream.runtime.experts import ExpertRuntime, Routed
+from moestream.ggml.backend import Backend, DeviceMemory, Region
+from moestream.ggml.lib import GgmlUnavailableError
+from moestream.graphs.graph_set import GraphSet, set_bytes
+from moestream.graphs.layers import SPAN_STEP, StepBuffers, layer_caches, recurrent_bytes
+from moestream.graphs.moe import Whole
+from moestream.graphs.spec import ModelSpec
+from moestream.runtime.expert_layers import ExpertLayers, ExpertTypes, SlotArena
+from moestream.runtime.experts import Routed
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
+DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
 # graph sets kept: prefill shapes (T > 1: the largest buffers; a long prompt's chunks each attend over
 # another span, so an older one is seldom used again) and decode sets (T = 1: the current span's and
 # the previous one's)
@@ -84,28 +88,43 @@ class GgmlRunner(ModelRunner):
     def __init__(
         self,
         spec: ModelSpec,
-        runtime: Callable[[int], ExpertRuntime],
+        experts: ExpertLayers,
         ctx_size: int,
-        experts: int,
         threads: int,
+        backend: Backend | None = None,
     ) -> None:
-        self.spec, self.runtime, self.experts, self.threads = spec, runtime, experts, threads
+        self.spec, self.experts, self.threads = spec, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
         self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
+        # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
+        # routed expert in stacks of its own (`_on_device`), the step one graph
+        self.memory = DeviceMemory(backend) if backend is not None else None
+        self._device: tuple[tuple, dict[int, ExpertTypes], Whole] | None = None  # (key, types, slots)
+        self._stacks: list[Region] = []  # the experts' stacks on the device
+        if self.memory is not None:
+            for i, pair in enumerate(self.kv):
+                for j, t in enumerate(pair):
+                    if t.numel():
+                        self.memory.register(t, "device", f"kv{i}.{j}")
         recurrent = recurrent_bytes(spec, self.kv)
         self.state = GgmlKV((self.kv_bytes - recurrent) // self.ctx, recurrent)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
-        self._cache: Any = None  # the expert cache the graph sets read slots of
-        self._whole: tuple[int, Whole | None] | None = None  # (cache version, slots) last looked up
+        self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
-        self._types_of: tuple[Any, dict[int, ExpertTypes]] | None = None  # (expert cache, `_types`)
 
     @property
     def kv_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv)
 
     def describe(self) -> str:
-        if self._types():
+        if self.memory is not None:
+            backend = self.memory.backend
+            return (
+                f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
+                f"{self.spec.family}: one graph a step, every routed expert on the device), "
+                f"KV cache F16 of {self.ctx} positions there"
+            )
+        if self.experts.graph_types():
             whole = "; one graph a step while every expert is cached"
         else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
@@ -121,8 +140,9 @@ class GgmlRunner(ModelRunner):
         elif cache is not kv:
             raise RuntimeError("the ggml runner continues only its own KV cache")
         logits = None
-        for start in range(0, len(ids), CHUNK):
-            chunk = ids[start : start + CHUNK]
+        step = CHUNK if self.memory is None else DEVICE_CHUNK
+        for start in range(0, len(ids), step):
+            chunk = ids[start : start + step]
             if kv.tokens + len(chunk) > self.ctx:
                 raise ValueError(f"{kv.tokens + len(chunk)} positions exceed the KV cache's {self.ctx}")
             logits = self._step(chunk, kv.tokens)
@@ -131,11 +151,9 @@ class GgmlRunner(ModelRunner):
 
     def _set(self, tokens: int, span: int, last: bool = False) -> GraphSet:
         kern = ggml.kernels(self.threads)
-        cache = self.runtime(self._moe_layers[0]).cache
-        if cache is not self._cache:  # a restream: the graphs read the old cache's slots
+        if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
-            self._cache = cache
-            self._whole = None
+            self._generation = self.experts.generation
         key = (tokens, span)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
@@ -143,8 +161,9 @@ class GgmlRunner(ModelRunner):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            types = self._types()
-            gs = GraphSet(self.spec, self.kv, key, self.experts, types, self.threads, kern.pool, last)
+            types = self.experts.graph_types() if self.memory is None else self._on_device()[1]
+            experts = self.experts.num_experts
+            gs = GraphSet(self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -152,79 +171,44 @@ class GgmlRunner(ModelRunner):
         self._sets.move_to_end(key)
         return gs
 
-    def _types(self) -> dict[int, ExpertTypes]:
-        """MoE layer -> how the graphs see its experts, where the expert runtime computes them with the
-        graphs' kernels (ggml_mul_mat_id); with their slots' layout when cached ones can be computed in
-        the next graph. Worked out once per expert cache (a restream makes a new one): the slots' layout
-        walks every expert's parts (on the trained fixture, 12 ms of a new prompt length's 20-40)."""
-        cache = self.runtime(self._moe_layers[0]).cache
-        if self._types_of is None or self._types_of[0] is not cache:
-            self._types_of = (cache, self._work_out_types())
-        return self._types_of[1]
-
-    def _work_out_types(self) -> dict[int, ExpertTypes]:
-        from moestream.runtime.formats.ggml import Ggml
-
-        types = {}
-        for layer in self._moe_layers:
-            rt = self.runtime(layer)
-            terms = rt.family.graph_terms(layer)
-            kinds = ("gate_up", "down") if terms is not None and terms.halves else ("gate", "up", "down")
-            fmts = [rt.formats.get((layer, kind)) for kind in kinds]
-            if terms is None or not all(isinstance(f, Ggml) and f.by_id for f in fmts):
-                continue  # the expert runtime computes them, always
-            inter = fmts[0].rows // 2 if terms.halves else fmts[0].rows
-            arena = rt.cache.slot_arena(layer)
-            if arena is not None:
-                base, slot_bytes, slots, offsets = arena
-                address = {kind: base + off for kind, off in offsets.items()}
-                # blocks as GGUF aligns them; floats (a safetensors file's odd header) by element
-                align = max({0: 4, 1: 2, 30: 2}.get(f.type.id, ggml.WEIGHT_ALIGNMENT) for f in fmts)
-                aligned = not any(a % align for a in address.values())
-                if terms.halves:  # up's rows right after gate's (blocks, which ggml reads unaligned)
-                    gate_up = address.pop("gate_up")
-                    address.update(gate=gate_up, up=gate_up + inter * fmts[0].row_bytes)
-                arena = SlotArena(address, slot_bytes, slots) if aligned else None
-            ids = [f.type.id for f in fmts]
-            ids = [ids[0], *ids] if terms.halves else ids
-            types[layer] = ExpertTypes(*ids, inter, arena, terms.biases, terms.oai)
-        return types
-
     def _step(self, ids: list[int], position: int) -> torch.Tensor:
         T = len(ids)
-        gs = self._set(T, _round_up(position + T, SPAN_STEP), self._host_free())
+        gs = self._set(T, _round_up(position + T, SPAN_STEP), not self.experts.every_position())
         if position == 0:  # a request from scratch: linear-attention states start at zero
             for layer, (conv, state) in zip(self.spec.layers, self.kv):
                 if layer.linear is not None:
-                    conv.zero_()
-                    state.zero_()
+                    for t in (conv, state):
+                        t.zero_() if self.memory is None else self.memory.zero(t)
         b = gs.buf
         b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
         torch.arange(position, position + T, out=b.rows)
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
-        whole = self._resident()
-        if whole is not None:
-            with kern._lock, kern.hold():  # paused when the step ends
-                gs.whole_graph(whole).run()
+        if self.memory is not None:  # the device: the step one graph over its expert stacks
+            gs.whole_graph(self._on_device()[2]).run()
+            first = {}
+        else:
+            first = self.experts.resident_slots()
+            if first is not None:
+                with kern._lock, kern.hold():  # paused when the step ends
+                    gs.whole_graph(Whole(first)).run()
+        if first is not None:
             if T == 1:  # K distinct experts a layer
                 hits = len(self._moe_layers) * self.spec.top_k
             else:  # as `pin_all_hits` counts them: each layer's distinct experts
                 rows = [gs.rows(layer) for layer in self._moe_layers]
                 hits = sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(b.routed, rows))
-            self._cache.count_hits(hits)
-            for layer in self._moe_layers:
-                self.runtime(layer).layer_calls += 1
+            self.experts.count_resident(hits)
             return b.logits
-        pinned: tuple[Any, int, list[int]] | None = None  # (cache, layer, experts) to unpin
+        pinned: tuple[int, list[int]] | None = None  # (layer, experts) to unpin
         with kern._lock, kern.hold():
             try:
                 graphs, fused = gs.layer_graphs()
                 for i, net in enumerate(graphs):
                     (fused[i] if pinned is not None else net).run()
                     if pinned is not None:
-                        pinned[0].unpin_hits(pinned[1], pinned[2])
+                        self.experts.unpin(*pinned)
                         pinned = None
                     if i == len(self.spec.layers) or self.spec.layers[i].router is None:
                         continue
@@ -234,74 +218,91 @@ class GgmlRunner(ModelRunner):
                         self._place(self._experts(i, b, gs.rows(i)), b)
             finally:
                 if pinned is not None:
-                    pinned[0].unpin_hits(pinned[1], pinned[2])
+                    self.experts.unpin(*pinned)
         return b.logits
 
-    def _host_free(self) -> bool:
-        """Whether nothing needs every position's routing on the host (a trace, a routing replay: they
-        record or replay each position's): then past the last layer's attention a prefill chunk goes on
-        with its last position only (prefetch reads ahead for the positions the layer would have had,
-        and is told the one it routes)."""
-        for layer in self._moe_layers:
-            rt = self.runtime(layer)
-            if rt.replay is not None or rt.observers:
-                return False
-        return True
+    def _on_device(self) -> tuple[tuple, dict[int, ExpertTypes], Whole]:
+        """(key, each MoE layer's experts as the device's graphs see them, their Whole): every routed
+        expert copied out of the expert cache (which holds them all, read at load) into stacks on the
+        device, one per matrix kind and layer, expert e at e times the matrix's bytes (ggml's CUDA
+        kernels step between experts in whole blocks, which the host slots' stride is not). Made again
+        when the streaming or its slots change (a restream).
 
-    def _resident(self) -> Whole | None:
-        """Where every MoE layer's experts lie when the step can be one graph: every expert cached for
-        good (the cache holds them all), each layer's in slots first + id, and nothing needs the routing
-        on the host (a trace, a replay, prefetch); else None."""
-        cache = self._cache
-        for layer in self._moe_layers:
-            rt = self.runtime(layer)
-            if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
-                return None
-        if self._whole is not None and self._whole[0] == cache.version:
-            return self._whole[1]
-        whole = None
-        if cache.holds_all():
-            types = self._types()
-            first = {}
-            for layer in self._moe_layers:
-                slot = (
-                    cache.first_slot(layer, self.experts) if types.get(layer) and types[layer].arena else None
-                )
-                if slot is None:
-                    break
-                first[layer] = slot
-            else:
-                whole = Whole(first)
-        self._whole = (cache.version, whole)
-        return whole
+        Raises:
+            GgmlUnavailableError: the cache does not hold every expert in place (on a backend the step
+                is one graph: experts streamed from disk between layers are not computed there yet).
+        """
+        if self.experts.generation != self._generation:  # a restream: the sets read the old copies
+            self.close_sets()
+            self._generation = self.experts.generation
+        kind = self.memory.backend.kind
+        if self.experts.host_routing():
+            raise GgmlUnavailableError(
+                f"ggml's {kind} backend computes a step as one graph: a trace, a routing replay and "
+                "--prefetch need each layer's routing on the host, which it does not give yet (--device cpu)"
+            )
+        key = (self._generation, self.experts.cache_version())
+        if self._device is not None and self._device[0] == key:  # the host slots did not move
+            return self._device
+        first = self.experts.resident_slots()
+        host = self.experts.graph_types()
+        moe = self.experts.layers
+        if first is None or any(layer not in host for layer in moe):
+            raise GgmlUnavailableError(
+                f"ggml's {kind} backend computes a step as one graph with every routed expert on the "
+                "device: give the expert cache room for all of them (the experts of this model streamed "
+                "from disk run on the CPU path: --device cpu)"
+            )
+        self._drop_device()
+        for base, nbytes in self.experts.slot_regions():  # the host slots change: never weights
+            self.memory.forbid(base, nbytes, "the expert cache's slots")
+        types = {}
+        n = self.experts.num_experts
+        for layer in moe:
+            p = host[layer]
+            arena = p.arena
+            address, strides = {}, {}
+            for kind, rows, cols, type_id in (
+                ("gate", p.inter, self.spec.hidden, p.gate),
+                ("up", p.inter, self.spec.hidden, p.up),
+                ("down", self.spec.hidden, p.inter, p.down),
+            ):
+                nbytes = rows * ggml.row_bytes(type_id, cols)
+                stack = self.memory.alloc(nbytes * n, f"experts{layer}.{kind}")
+                self._stacks.append(stack)
+                for e in range(n):
+                    src = arena.address[kind] + (first[layer] + e) * arena.slot_bytes
+                    self.memory.write(stack, e * nbytes, src, nbytes)
+                address[kind], strides[kind] = stack.device, nbytes
+            types[layer] = dataclasses.replace(p, arena=SlotArena(address, 0, n, strides))
+        self._device = (key, types, Whole(dict.fromkeys(moe, 0)))
+        return self._device
 
-    def _cached(self, layer: int, b: StepBuffers, n: int) -> tuple[Any, int, list[int]] | None:
+    def _drop_device(self) -> None:
+        for stack in self._stacks:
+            self.memory.release(stack)
+        self._stacks = []
+        self._device = None
+
+    def _cached(self, layer: int, b: StepBuffers, n: int) -> tuple[int, list[int]] | None:
         """The step's experts of `layer` when the cache holds every one and nothing else needs the
         routing on the host (a trace, a replay, prefetch): pinned, each token's slots in `b.slots`,
-        for the next graph to compute (the first `n` tokens' rows). Returns (cache, layer, experts) to
-        unpin, or None to run the expert runtime instead."""
-        rt = self.runtime(layer)
-        if rt.replay is not None or rt.observers or rt.prefetch is not None or not rt.tier.in_place:
+        for the next graph to compute (the first `n` tokens' rows). Returns (layer, experts) to unpin,
+        or None to run the schedule instead."""
+        if self.experts.host_routing():
             return None
         rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-        experts = execution_order(rows)
-        uses = dict.fromkeys(experts, 0)
-        for row in rows:
-            for e in row:
-                uses[e] += 1
-        pinned = rt.cache.pin_all_hits(layer, experts, list(uses.values()), len(rows))
-        if pinned is None:
+        slot = self.experts.pin(layer, rows)
+        if slot is None:
             return None
-        rt.layer_calls += 1
-        slot = {e: s for e, (s, _) in zip(experts, pinned)}
         b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
-        return rt.cache, layer, experts
+        return layer, list(slot)
 
     def _experts(self, layer: int, b: StepBuffers, n: int) -> Routed:
-        """The expert runtime on the first `n` tokens' rows."""
+        """The schedule on the first `n` tokens' rows."""
         weights = b.weights[layer % 2][:n]
         k = weights.shape[1]
-        routed = self.runtime(layer).experts(layer, b.moe_in[:n], b.order[:n, :k], weights)
+        routed = self.experts.compute(layer, b.moe_in[:n], b.order[:n, :k], weights)
         if routed.weights is not weights:  # a routing replay gives the trace's weights
             weights.copy_(routed.weights)
         return routed
@@ -326,9 +327,14 @@ class GgmlRunner(ModelRunner):
         self._sets.clear()
 
     def close(self) -> None:
-        """The graph sets and the KV cache freed at once."""
+        """The graph sets and the KV cache freed at once (and on a backend, everything it holds there)."""
         self.close_sets()
         self.kv = []
+        if self.memory is not None:
+            self._stacks = []
+            self.memory.close()
+            self.memory.backend.close()
+            self.memory = None
 
 
 def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""What an engine's run will hold in host memory, checked before the trunk is read or the cache taken."""
+"""What a run will hold in host memory, checked before the trunk is read or the cache taken (from the
+model's frozen description, `ModelDescription`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.size_classes import budget_requirements
 from moestream.engine.kvcache import kv_cache_bytes
 from moestream.engine.memory import (
@@ -17,6 +19,7 @@ from moestream.engine.memory import (
     memlock_room,
     memory_rooms,
 )
+from moestream.engine.model_description import ModelDescription
 from moestream.engine.options import AUTO, EngineOptions
 from moestream.model.loader import trunk_tensors
 from moestream.runtime.streaming import host_cache_bytes
@@ -48,60 +51,64 @@ def _element_bytes(tensors: dict[str, Any], dtype: torch.dtype | None) -> int:
     return stored.itemsize
 
 
-def memory_need(engine: Any, options: EngineOptions, tensors: dict[str, Any] | None = None) -> MemoryNeed:
-    """The engine's expert cache (or pinned staging slots), trunk, KV cache and working memory
+def memory_need(
+    model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
+) -> MemoryNeed:
+    """The run's expert cache (or pinned staging slots), trunk, KV cache and working memory
     (`tensors`: the trunk as `trunk_tensors` gives it for these options, looked up when None)."""
     name = options.trunk_dtype or options.dtype
     dtype = None if name == "auto" else getattr(torch, name)
     keep = options.trunk_dtype is None
     if tensors is None:
-        tensors = trunk_tensors(engine.source, engine.config, engine.arch, engine.emap, keep)
+        tensors = trunk_tensors(model.source, model.config, model.arch, model.emap, keep)
     config = options.stream_config()
-    host = host_cache_bytes(engine.emap, config, engine.top_k, engine.device)
+    host = host_cache_bytes(model.emap, config, model.top_k, model.device)
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
-    on_host = engine.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
-    kv = kv_cache_bytes(engine.config, engine.ctx_size, _element_bytes(tensors, dtype)) if on_host else 0
+    on_host = model.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
+    kv = kv_cache_bytes(model.config, model.ctx_size, _element_bytes(tensors, dtype)) if on_host else 0
     parts = [
         (CACHE if on_host else "the pinned staging slots", host),
         ("the trunk", trunk),
-        (f"the KV cache at {engine.ctx_size} tokens", kv),
+        (f"the KV cache at {model.ctx_size} tokens", kv),
         ("working memory", WORKING_BYTES),
     ]
     return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
 
 
-def plan_memory(engine: Any, options: EngineOptions, tensors: dict[str, Any] | None = None) -> EngineOptions:
+def plan_memory(
+    model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
+) -> EngineOptions:
     """Refuse a run that cannot fit (MemoryBudgetError); the options to run with (unlocked where
     RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`. An auto budget is checked at its
     smallest here, before anything is read, and sized once the trunk is in (`auto_budget.size_auto`)."""
-    part = CACHE if engine.device.type != "cuda" else "the pinned staging slots"
+    part = CACHE if model.device.type != "cuda" else "the pinned staging slots"
     if options.auto:
-        minimum = budget_requirements(engine.emap, engine.top_k)[0]
+        minimum = budget_requirements(model.emap, model.top_k)[0]
         smallest = {
             name: minimum if value == AUTO else value
             for name, value in (("cache", options.cache), ("gpu_cache", options.gpu_cache))
         }
         host = 0 if options.host_cache == AUTO else options.host_cache
         smallest = dataclasses.replace(options, **smallest, host_cache=host)
-        check_memory(memory_need(engine, smallest, tensors), memory_rooms(), part, minimum=minimum)
+        check_memory(memory_need(model, smallest, tensors), memory_rooms(), part, minimum=minimum)
         return options  # locking is checked for the size chosen
-    need = memory_need(engine, options, tensors)
+    need = memory_need(model, options, tensors)
     check_memory(need, memory_rooms(), part)
     if options.lock_memory and not lock_allowed(need, memlock_room()):
         return dataclasses.replace(options, lock_memory=False)
     return options
 
 
-def plan_restream(engine: Any, options: EngineOptions) -> EngineOptions:
+def plan_restream(model: ModelDescription, options: EngineOptions, cache: ExpertCache) -> EngineOptions:
     """As `plan_memory` for a new streaming setup: its cache against the room, plus what the current
-    cache gives back when it is closed first (the trunk and KV cache are held already)."""
-    current = engine.cache.allocated_bytes
-    new = host_cache_bytes(engine.emap, options.stream_config(), engine.top_k, engine.device)
+    `cache` gives back when it is closed first (the trunk and KV cache are held already)."""
+    current = cache.allocated_bytes
+    new = host_cache_bytes(model.emap, options.stream_config(), model.top_k, model.device)
     need = MemoryNeed([(CACHE, new)], locked=new if options.lock_memory else 0)
     rooms = [dataclasses.replace(r, nbytes=r.nbytes + current) for r in memory_rooms()]
     check_memory(need, rooms)
     lock = memlock_room()
-    if lock is not None and engine.cache.locked:
+    if lock is not None and cache.locked:
         lock = dataclasses.replace(lock, nbytes=lock.nbytes + current)
     if options.lock_memory and not lock_allowed(need, lock):
         return dataclasses.replace(options, lock_memory=False)

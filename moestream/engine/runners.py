@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
-from moestream.runtime.resident import ResidentExperts, unavailable
+from moestream.runtime.expert_layers import ExpertLayers
 
 
 class ModelRunner(ABC):
@@ -53,7 +53,7 @@ class ModelRunner(ABC):
     def before_restream(self) -> None:
         """The expert streaming is about to be closed and rebuilt: drop whatever reads its buffers."""
 
-    def resident_part(self, top_k: int, hidden_size: int) -> str:
+    def resident_part(self, hidden_size: int) -> str:
         """(Re)build what computes the step from every expert held resident, where the runner has such a
         step and the streaming bound now holds them all (at load, and after each restream); returns the
         mode line's words for it ("" when there is none)."""
@@ -117,13 +117,19 @@ class StaticRunner(TransformersRunner):
     at load that the model's step runs over it (`check`); here they are never replayed."""
 
     def __init__(
-        self, model: torch.nn.Module, ctx_size: int, modules: dict[int, Any], device: torch.device
+        self,
+        model: torch.nn.Module,
+        ctx_size: int,
+        modules: dict[int, Any],
+        device: torch.device,
+        experts: ExpertLayers,
     ) -> None:
         super().__init__(model)
         self.ctx_size = ctx_size
         cache = static_cache(model, ctx_size)
         self.static: Any = None  # set once the check passed: the cache every request runs in
-        self.graphs: Any = DecodeGraphs(lambda ids: self.logits(ids, cache)[0], cache, modules, device)
+        forward = lambda ids: self.logits(ids, cache)[0]  # noqa: E731
+        self.graphs: Any = DecodeGraphs(forward, cache, modules, device, experts)
 
     def check(self) -> None:
         """Run the step eagerly over the static cache (positions 0 and 1, the experts answering zeros).
@@ -154,7 +160,7 @@ class StaticRunner(TransformersRunner):
 class CudaGraphRunner(StaticRunner):
     """`StaticRunner` whose one-token steps replay CUDA graphs (`engine/trunk_graphs.py`) instead of
     launching the trunk's ops one by one; with `one_graph`, the whole step is one graph when every
-    expert is in the GPU tier (`resident_part`)."""
+    expert is in the GPU tier (`resident_part`: the device slot tables `experts` gives)."""
 
     def __init__(
         self,
@@ -162,10 +168,11 @@ class CudaGraphRunner(StaticRunner):
         ctx_size: int,
         modules: dict[int, Any],
         device: torch.device,
+        experts: ExpertLayers,
         one_graph: bool,
     ) -> None:
-        super().__init__(model, ctx_size, modules, device)
-        self.one_graph = one_graph
+        super().__init__(model, ctx_size, modules, device, experts)
+        self.experts, self.one_graph = experts, one_graph
 
     def check(self) -> None:
         """Warm up, capture and check the per-layer graphs.
@@ -189,9 +196,9 @@ class CudaGraphRunner(StaticRunner):
     def before_restream(self) -> None:
         self.graphs.drop_whole()  # it reads the slot buffer closed next
 
-    def resident_part(self, top_k: int, hidden_size: int) -> str:
-        """(Re)build the one-graph step over every expert resident in the GPU tier, where the tier the
-        experts modules are bound to now can hold them all; "" when it cannot or `one_graph` is off.
+    def resident_part(self, hidden_size: int) -> str:
+        """(Re)build the one-graph step over every expert resident in the GPU tier, where the tier bound
+        now can hold them all; "" when it cannot or `one_graph` is off.
 
         Raises:
             ExpertReadError: reading an expert failed (the split graphs stay in use).
@@ -200,10 +207,9 @@ class CudaGraphRunner(StaticRunner):
         if graphs is None or not self.one_graph:
             return ""
         graphs.drop_whole()
-        runtime = next(iter(graphs.modules.values())).runtime
-        if unavailable(runtime, top_k) is not None:
+        resident = self.experts.device_tables()
+        if resident is None:
             return ""
-        resident = ResidentExperts(runtime, top_k)
         resident.load_all(hidden_size, next(self.model.parameters()).dtype)
         try:
             graphs.capture_whole(resident)

@@ -13,7 +13,7 @@ import torch
 
 from moestream.cache.slots import slot_bytes as slot_size
 from moestream.model.loader import router_modules
-from moestream.runtime.experts import LayerRouting
+from moestream.runtime.experts import LayerRouting, apply_router
 from moestream.trace import TraceError, TraceHeader, TraceWriter
 
 
@@ -77,7 +77,7 @@ class TraceRecorder:
 
     def _apply(self, layer: int, hidden: torch.Tensor) -> Any:
         router = self.routers.get(layer)
-        return None if router is None else router(hidden)
+        return None if router is None else apply_router(router, hidden)
 
     def _predict(self, out: Any) -> tuple[list, list]:
         logits = out if isinstance(out, torch.Tensor) else out[0]  # routers return (logits, weights, indices)

@@ -22,6 +22,7 @@ import torch
 from moestream.engine.runners import CudaGraphRunner, EagerRunner, ModelRunner, StaticRunner
 from moestream.engine.trunk_graphs import GraphsUnavailable
 from moestream.errors import MoestreamError
+from moestream.runtime.expert_layers import ExpertLayers
 
 
 def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[Any, str | None]:
@@ -33,7 +34,7 @@ def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[
     """
     if mode not in ("auto", "ggml") or device.type != "cpu":
         return None, None
-    from moestream.model.graph_spec import NoGraph, graph_spec
+    from moestream.graphs import NoGraph, graph_spec
 
     try:
         return graph_spec(model, model.config), None
@@ -49,12 +50,13 @@ def make_runner(
     modules: list[tuple[int, Any]],
     device: torch.device,
     ctx_size: int,
+    experts: ExpertLayers,
     threads: int = 1,
     spec: Any = None,
     no_graph: str | None = None,
 ) -> ModelRunner:
-    """The runner `mode` asks for (its `describe()`: the mode line's trunk words). `spec`, `no_graph`:
-    what `ggml_spec` said.
+    """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
+    experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said.
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
@@ -62,7 +64,9 @@ def make_runner(
     """
     asked = mode
     if spec is not None:
-        return _ggml_runner(model, spec, dict(modules), ctx_size, threads)
+        from moestream.engine.ggml_runner import GgmlRunner
+
+        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads))
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"
         if no_graph is not None:
@@ -70,9 +74,9 @@ def make_runner(
     if mode == "eager":
         return EagerRunner(model)
     if mode == "static":
-        runner: StaticRunner = StaticRunner(model, ctx_size, dict(modules), device)
+        runner: StaticRunner = StaticRunner(model, ctx_size, dict(modules), device, experts)
     else:
-        runner = CudaGraphRunner(model, ctx_size, dict(modules), device, one_graph=mode == "graphs")
+        runner = CudaGraphRunner(model, ctx_size, dict(modules), device, experts, one_graph=mode == "graphs")
     try:
         runner.check()
     except GraphsUnavailable as exc:
@@ -82,12 +86,19 @@ def make_runner(
     return runner
 
 
-def _ggml_runner(
-    model: torch.nn.Module, spec: Any, modules: dict[int, Any], ctx_size: int, threads: int
-) -> ModelRunner:
-    """The ggml graphs' runner of `model`, whose routed experts stream through `modules`' runtimes."""
-    from moestream.engine.ggml_runner import GgmlRunner
-    from moestream.model.arch import num_experts
+def _backend(threads: int) -> Any:
+    """The ggml backend the graphs compute on other than the CPU in place: MOESTREAM_GGML_BACKEND=cuda
+    (ggml's CUDA backend; experimental while issue 31 is open: every routed expert must fit on the GPU)
+    or =cpu (ggml's CPU backend through the same device path, which the tests check it by)."""
+    import os
 
-    experts = num_experts(model.config)
-    return GgmlRunner(spec, lambda layer: modules[layer].runtime, ctx_size, experts, threads)
+    from moestream.ggml.backend import cpu_backend, cuda_backend
+
+    name = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
+    if not name:
+        return None
+    if name == "cuda":
+        return cuda_backend()
+    if name == "cpu":
+        return cpu_backend(threads)
+    raise MoestreamError(f"MOESTREAM_GGML_BACKEND={name!r}: say cuda or cpu")

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from moestream.runtime.expert_layers import ExpertLayers
+
 EAGER_CHECK_TOKENS = (0, 1)  # the capture check feeds these ids at positions 0 and 1
 
 
@@ -95,8 +97,9 @@ class DecodeGraphs:
     """The captured decode step: `forward(ids [1,1])` runs the model over `cache` (a transformers
     StaticCache, the one every request runs in) and returns the logits [V] float32 on the device.
 
-    `modules` maps each MoE layer to its StreamingExperts module; at replay each layer's experts run on
-    the runtime the module is bound to then (a restream rebinds it; the graphs do not change).
+    `modules` maps each MoE layer to its StreamingExperts module (which the splitter stands in for
+    while the graphs are built); at replay each layer's experts run through `experts`, the door to the
+    streaming bound then (a restream rebinds it; the graphs do not change).
     """
 
     def __init__(
@@ -105,8 +108,10 @@ class DecodeGraphs:
         cache: Any,
         modules: dict[int, Any],
         device: torch.device,
+        experts: ExpertLayers,
     ) -> None:
         self.forward, self.cache, self.modules, self.device = forward, cache, modules, device
+        self.experts = experts
         self.ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)  # the graphs' input
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_ExpertsCall] = []
@@ -284,7 +289,7 @@ class DecodeGraphs:
         return self.whole_logits
 
     def _streamed(self, call: _ExpertsCall) -> torch.Tensor:
-        return self.modules[call.layer].runtime.forward(call.layer, call.hidden, call.index, call.weights)
+        return self.experts.forward(call.layer, call.hidden, call.index, call.weights)
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 MoestreamError) or, where it is harmless, warned about once with the reason (`warnings.warn`, which the
 CLI prints as one line).
 
-`refuse_unused` looks at the options alone (before anything is read); `warn_unused` at the loaded engine
+`refuse_unused` looks at the options alone (before anything is read); `warn_unused` at the loaded model
 (what the checkpoint stores, what the cache holds).
 """
 
@@ -69,45 +69,45 @@ def _bytes(size: Any) -> Any:
         return size  # EngineOptions names the bad size
 
 
-def warn_unused(engine: Any) -> None:
-    """Warn once about options the loaded engine honours in name only."""
-    options = engine.options
-    if options.trunk_dtype is not None and not engine.has_block_trunk:
+def warn_unused(loaded: Any) -> None:
+    """Warn once about options the loaded model (a `LoadedModel`) honours in name only."""
+    options = loaded.options
+    if options.trunk_dtype is not None and not loaded.has_block_trunk:
         warnings.warn(
-            f"--trunk-dtype {options.trunk_dtype}: {engine.path.name} stores no non-expert weight in GGUF "
+            f"--trunk-dtype {options.trunk_dtype}: {loaded.path.name} stores no non-expert weight in GGUF "
             f"block types, so there is nothing to dequantize; the trunk is computed in "
             f"{options.trunk_dtype}, as --dtype {options.trunk_dtype} would do",
             stacklevel=3,
         )
-    if engine.device.type == "cuda" and not options.lock_memory:
+    if loaded.device.type == "cuda" and not options.lock_memory:
         warnings.warn(
             "--no-mlock: on a CUDA device the host slots are page-locked for the copies to the GPU "
             "(cudaHostRegister) whatever it says, and the trunk lives on the GPU",
             stacklevel=3,
         )
     # the tier experts are computed from: the host cache (CPU, unified memory) or the GPU slots
-    capacity = getattr(engine.runtime.tier, "capacity", engine.cache.capacity)
-    holds_all = capacity >= len(engine.emap.units)
-    if options.experts_per_token is not None and engine.top_k == engine.model_top_k:
+    capacity = getattr(loaded.runtime.tier, "capacity", loaded.cache.capacity)
+    holds_all = capacity >= len(loaded.emap.units)
+    if options.experts_per_token is not None and loaded.top_k == loaded.model_top_k:
         warnings.warn(
             f"--experts-per-token {options.experts_per_token} is the model's own top-k: nothing changes",
             stacklevel=3,
         )
     if not options.preload and not holds_all:
         warnings.warn(
-            f"--no-preload: the expert cache holds {capacity} of {len(engine.emap.units)} experts, so none "
+            f"--no-preload: the expert cache holds {capacity} of {len(loaded.emap.units)} experts, so none "
             "is read at load anyway (only a cache that holds them all is)",
             stacklevel=3,
         )
     if holds_all and options.prefetch != "off":
         warnings.warn(
-            f"--prefetch {options.prefetch}: the expert cache holds all {len(engine.emap.units)} experts, "
+            f"--prefetch {options.prefetch}: the expert cache holds all {len(loaded.emap.units)} experts, "
             "so once each was read there is nothing left to read ahead",
             stacklevel=3,
         )
     if holds_all and options.policy != "lru":
         warnings.warn(
-            f"--policy {options.policy}: the expert cache holds all {len(engine.emap.units)} experts, so "
+            f"--policy {options.policy}: the expert cache holds all {len(loaded.emap.units)} experts, so "
             "nothing is ever evicted and the policy never chooses",
             stacklevel=3,
         )

@@ -147,6 +147,7 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_mul": (_P, [_P, _P, _P]),
     "ggml_add": (_P, [_P, _P, _P]),
     "ggml_div": (_P, [_P, _P, _P]),
+    "ggml_clamp": (_P, [_P, _P, _F, _F]),
     "ggml_scale": (_P, [_P, _P, _F]),
     "ggml_sum_rows": (_P, [_P, _P]),
     "ggml_out_prod": (_P, [_P, _P, _P]),
@@ -187,6 +188,69 @@ _GATED_DELTA_NET_API = {
     "ggml_repeat_4d": (_P, [_P, _P, _I64, _I64, _I64, _I64]),
     "ggml_reshape_4d": (_P, [_P, _P, _I64, _I64, _I64, _I64]),
     "ggml_gated_delta_net": (_P, [_P, _P, _P, _P, _P, _P, _P, _I64]),
+}
+# ggml's backend API (ggml-backend.h, in ggml-base): a device's buffers, graph compute and events, and
+# the scheduler across devices (moestream/ggml/backend.py)
+_BACKEND_API = {
+    "ggml_backend_name": (C.c_char_p, [_P]),
+    "ggml_backend_free": (None, [_P]),
+    "ggml_backend_get_default_buffer_type": (_P, [_P]),
+    "ggml_backend_get_device": (_P, [_P]),
+    "ggml_backend_synchronize": (None, [_P]),
+    "ggml_backend_graph_compute": (_I, [_P, _P]),
+    "ggml_backend_graph_compute_async": (_I, [_P, _P]),
+    "ggml_backend_supports_op": (_B, [_P, _P]),
+    "ggml_backend_tensor_set": (None, [_P, _P, _SZ, _SZ]),
+    "ggml_backend_tensor_get": (None, [_P, _P, _SZ, _SZ]),
+    "ggml_backend_tensor_set_async": (None, [_P, _P, _P, _SZ, _SZ]),
+    "ggml_backend_tensor_get_async": (None, [_P, _P, _P, _SZ, _SZ]),
+    "ggml_backend_tensor_memset": (None, [_P, C.c_uint8, _SZ, _SZ]),
+    "ggml_backend_tensor_alloc": (_I, [_P, _P, _P]),
+    "ggml_backend_view_init": (_I, [_P]),
+    "ggml_backend_buft_name": (C.c_char_p, [_P]),
+    "ggml_backend_buft_alloc_buffer": (_P, [_P, _SZ]),
+    "ggml_backend_buft_get_alignment": (_SZ, [_P]),
+    "ggml_backend_buft_get_alloc_size": (_SZ, [_P, _P]),
+    "ggml_backend_buft_is_host": (_B, [_P]),
+    "ggml_backend_buffer_free": (None, [_P]),
+    "ggml_backend_buffer_get_base": (_P, [_P]),
+    "ggml_backend_buffer_get_size": (_SZ, [_P]),
+    "ggml_backend_buffer_clear": (None, [_P, C.c_uint8]),
+    "ggml_backend_buffer_set_usage": (None, [_P, _I]),
+    "ggml_backend_cpu_buffer_type": (_P, []),
+    "ggml_backend_cpu_buffer_from_ptr": (_P, [_P, _SZ]),
+    "ggml_backend_dev_description": (C.c_char_p, [_P]),
+    "ggml_backend_event_new": (_P, [_P]),
+    "ggml_backend_event_free": (None, [_P]),
+    "ggml_backend_event_record": (None, [_P, _P]),
+    "ggml_backend_event_synchronize": (None, [_P]),
+    "ggml_backend_event_wait": (None, [_P, _P]),
+    "ggml_backend_sched_new": (_P, [C.POINTER(_P), C.POINTER(_P), _I, _SZ, _B, _B]),
+    "ggml_backend_sched_free": (None, [_P]),
+    "ggml_backend_sched_reserve": (_B, [_P, _P]),
+    "ggml_backend_sched_alloc_graph": (_B, [_P, _P]),
+    "ggml_backend_sched_graph_compute": (_I, [_P, _P]),
+    "ggml_backend_sched_get_n_splits": (_I, [_P]),
+    "ggml_backend_sched_get_tensor_backend": (_P, [_P, _P]),
+    "ggml_backend_sched_set_tensor_backend": (None, [_P, _P, _P]),
+    "ggml_backend_sched_reset": (None, [_P]),
+    "ggml_op_name": (C.c_char_p, [_I]),
+}
+_CPU_BACKEND_API = {
+    "ggml_backend_cpu_init": (_P, []),
+    "ggml_backend_cpu_set_n_threads": (None, [_P, _I]),
+    "ggml_backend_cpu_set_threadpool": (None, [_P, _P]),
+}
+# libggml-cuda (ggml-cuda.h): loaded only when a CUDA backend is asked for (`cuda_library`)
+_CUDA_API = {
+    "ggml_backend_cuda_init": (_P, [_I]),
+    "ggml_backend_cuda_get_device_count": (_I, []),
+    "ggml_backend_cuda_buffer_type": (_P, [_I]),
+    "ggml_backend_cuda_host_buffer_type": (_P, []),
+    "ggml_backend_cuda_get_device_description": (None, [_I, C.c_char_p, _SZ]),
+    "ggml_backend_cuda_get_device_memory": (None, [_I, C.POINTER(_SZ), C.POINTER(_SZ)]),
+    "ggml_backend_cuda_register_host_buffer": (_B, [_P, _SZ]),
+    "ggml_backend_cuda_unregister_host_buffer": (None, [_P]),
 }
 _CPU_API = {
     "ggml_cpu_init": (None, []),
@@ -358,6 +422,8 @@ def load() -> Library:
     gated_delta_net = all(hasattr(base, name) for name in _GATED_DELTA_NET_API)
     if gated_delta_net:
         _declare(base, _GATED_DELTA_NET_API)
+    _declare(base, _BACKEND_API)
+    _declare(cpu, _CPU_BACKEND_API)
     cpu.ggml_cpu_init()
     isa = []
     for name in _ISA_NAMES:
@@ -368,6 +434,7 @@ def load() -> Library:
 
 
 _LIB: Library | None = None
+_CUDA: C.CDLL | None = None
 
 
 def library() -> Library:
@@ -376,3 +443,30 @@ def library() -> Library:
     if _LIB is None:
         _LIB = load()
     return _LIB
+
+
+CUDA_HOW = (
+    "`make native CUDA=1` builds ggml's CUDA backend for this GPU (it needs nvcc: the CUDA toolkit, or "
+    "`pip install nvidia-cuda-nvcc nvidia-cuda-cccl` matched to torch's CUDA), or point MOESTREAM_GGML_LIB "
+    "at a folder holding libggml-base.so, libggml-cpu.so and libggml-cuda.so of one ggml build"
+)
+
+
+def cuda_library() -> C.CDLL:
+    """libggml-cuda from the folder the loaded ggml came from (the same build: it links that very
+    libggml-base), loaded once. Raises GgmlUnavailableError saying what is missing and how to get it."""
+    global _CUDA
+    if _CUDA is None:
+        lib = library()
+        path = lib.folder / "libggml-cuda.so"
+        if not path.exists():
+            raise GgmlUnavailableError(
+                f"the ggml at {lib.folder} has no CUDA backend (no libggml-cuda.so): {CUDA_HOW}."
+            )
+        try:
+            cuda = C.CDLL(str(path))
+            _declare(cuda, _CUDA_API)
+        except (OSError, AttributeError) as e:
+            raise GgmlUnavailableError(f"cannot load ggml's CUDA backend {path} ({e}): {CUDA_HOW}.") from e
+        _CUDA = cuda
+    return _CUDA

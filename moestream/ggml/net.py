@@ -10,6 +10,12 @@ A `Net` is one ggml context holding one graph. Its tensors are of two kinds:
 
 Views (reshape, permute, view, the results of set_rows and cpy) take their data from their source at
 placement. Nothing is allocated or written per run: `run` computes.
+
+On a backend (`memory`: a `ggml.backend.DeviceMemory`, e.g. ggml's CUDA), the same graph is built from
+the same host addresses: each fixed tensor is placed at the device copy of its host region (`translate`),
+the scratch in a device buffer, and `run` copies the `io` regions' bytes the graph reads to the device
+before computing and the bytes it writes back after (the step's inputs and outputs; weights and the KV
+cache stay on the device).
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
+from moestream.ggml.backend import DeviceMemory, Region, place_tensor
 from moestream.ggml.graphs import compute_graph, free_context
-from moestream.ggml.lib import GgmlTensor, InitParams, Library
+from moestream.ggml.lib import GgmlTensor, GgmlUnavailableError, InitParams, Library
 
 F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30  # GGML_TYPE_*
 FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}  # a float tensor's type
@@ -33,14 +40,19 @@ _ALIGN = 64
 class Net:
     """One graph under construction, then planned and placed; `run()` computes it."""
 
-    def __init__(self, lib: Library, nodes: int = 1024) -> None:
+    def __init__(self, lib: Library, nodes: int = 1024, memory: DeviceMemory | None = None) -> None:
         self.lib = lib
+        self.memory = memory
+        self._inputs: list[tuple[Region, int, int]] = []  # io bytes the graph reads: (region, offset, n)
+        self._outputs: list[tuple[Region, int, int]] = []  # ... and writes
         b = lib.base
         mem = 4 * nodes * b.ggml_tensor_overhead() + b.ggml_graph_overhead_custom(nodes, False)
         self.ctx = b.ggml_init(InitParams(mem, None, True))
         if not self.ctx:
             raise RuntimeError("ggml_init failed")
         self.nodes = nodes
+        self._io: list[tuple[int, Region, int, int]] = []  # fixed tensors in io regions
+        self._host: dict[int, int] = {}  # on a backend: fixed tensor -> its host address
         self.fixed: set[int] = set()
         self.gf = 0
         self.scratch_bytes = self.work_bytes = 0
@@ -76,10 +88,23 @@ class Net:
         return self.tensor(type_id, ne, address)
 
     def fix(self, t: int, address: int) -> int:
-        """Give tensor t (a leaf, or a result that must outlive the graph) the memory at `address`."""
-        GgmlTensor.from_address(t).data = address
+        """Give tensor t (a leaf, or a result that must outlive the graph) the memory at `address` (on a
+        backend, the device copy of the host region there)."""
+        if self.memory is None:
+            GgmlTensor.from_address(t).data = address
+        else:  # placed in `finish`, once its strides are final (a builder may set nb after making it)
+            self._host[t] = address
         self.fixed.add(t)
         return t
+
+    def _translate(self) -> None:
+        """Each fixed tensor at the device copy of its host bytes (as many as its strides reach)."""
+        for t, address in self._host.items():
+            nbytes = self.lib.base.ggml_nbytes(t)
+            device, buffer, region = self.memory.translate(address, nbytes)
+            place_tensor(t, device, buffer)
+            if region.role == "io":  # a leaf is read by the graph, a result written (see `finish`)
+                self._io.append((t, region, device - region.device, nbytes))
 
     def __getattr__(self, name: str):
         """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
@@ -99,6 +124,8 @@ class Net:
         """Build the graph of `outputs` (in this order: a KV-cache write listed before the attention
         that reads the cache runs before it), lay out its scratch, plan it for `pool`."""
         b = self.lib.base
+        if self.memory is not None:
+            self._translate()
         self.gf = b.ggml_new_graph_custom(self.ctx, self.nodes, False)
         for out in outputs:
             b.ggml_build_forward_expand(self.gf, out)
@@ -119,24 +146,52 @@ class Net:
                 if dead in offsets:
                     space.give(offsets[dead], (b.ggml_nbytes(dead) + _ALIGN - 1) // _ALIGN * _ALIGN)
         self.scratch_bytes = space.top
+        if self.memory is not None:
+            self._on_backend(nodes)
+            return
         self._plan = self.lib.cpu.ggml_graph_plan(self.gf, n_threads, pool)
         if self._plan.threadpool != pool:
             raise RuntimeError("ggml_graph_plan returned a plan for another threadpool")
         self.work_bytes = self._plan.work_size
 
-    def place(self, scratch: int, work: int) -> None:
-        """Put the scratch tensors at `scratch` (scratch_bytes long) and the plan's work buffer at `work`."""
+    def _on_backend(self, nodes: list[int]) -> None:
+        """Refuse an op the backend lacks (one sentence, not ggml's abort mid-compute); sort the io
+        tensors into what the graph reads (leaves, before) and writes (results, after)."""
+        backend = self.memory.backend
+        for ptr in nodes:
+            if not backend.supports(ptr):
+                op = self.lib.base.ggml_op_name(GgmlTensor.from_address(ptr).op).decode()
+                raise GgmlUnavailableError(f"ggml's {backend.kind} backend cannot compute {op} here")
+        for t, region, offset, nbytes in self._io:
+            written = GgmlTensor.from_address(t).op != 0  # a result, not a leaf (GGML_OP_NONE)
+            (self._outputs if written else self._inputs).append((region, offset, nbytes))
+
+    def place(self, scratch: int, work: int, buffer: int = 0) -> None:
+        """Put the scratch tensors at `scratch` (scratch_bytes long) and the plan's work buffer at `work`
+        (on a backend: `scratch` in its buffer `buffer`, no work buffer)."""
         for t, offset in self._layout:
             t.data = scratch + offset
+            t.buffer = buffer or t.buffer
         for v in self._views:
             src = GgmlTensor.from_address(v.view_src)
             v.data = src.data + v.view_offs
-        self._plan.work_data = work
-        self._plan_ref = C.byref(self._plan)
+            v.buffer = src.buffer
+        if self.memory is None:
+            self._plan.work_data = work
+            self._plan_ref = C.byref(self._plan)
 
     def run(self) -> None:
-        """Compute (the caller holds the pool's lock)."""
-        compute_graph(self.lib, self.gf, self._plan_ref)
+        """Compute (the caller holds the pool's lock); on a backend, with the io bytes copied around it."""
+        if self.memory is None:
+            compute_graph(self.lib, self.gf, self._plan_ref)
+            return
+        memory = self.memory
+        for region, offset, nbytes in self._inputs:
+            memory.upload(region, offset, nbytes)
+        memory.backend.compute_async(self.gf)
+        for region, offset, nbytes in self._outputs:
+            memory.download(region, offset, nbytes)
+        memory.backend.synchronize()
 
     def close(self) -> None:
         self.ctx = free_context(self.lib, self.ctx)
@@ -202,14 +257,29 @@ class _Space:
 
 
 class Arena:
-    """Scratch and work memory for a set of graphs that run one at a time."""
+    """Scratch and work memory for a set of graphs that run one at a time (on a backend: scratch in a
+    buffer of its device, `memory`'s)."""
 
-    def __init__(self, nets: Sequence[Net]) -> None:
-        self.scratch = torch.empty(max([n.scratch_bytes for n in nets] + [_ALIGN]), dtype=torch.uint8)
+    def __init__(self, nets: Sequence[Net], memory: DeviceMemory | None = None) -> None:
+        scratch = max([n.scratch_bytes for n in nets] + [_ALIGN])
+        self.buffer = None
+        if memory is not None:
+            self.buffer = memory.backend.alloc(scratch)
+            self.scratch = self.work = torch.empty(0, dtype=torch.uint8)
+            for n in nets:
+                n.place(self.buffer.base, 0, self.buffer.handle)
+            return
+        self.scratch = torch.empty(scratch, dtype=torch.uint8)
         self.work = torch.empty(max([n.work_bytes for n in nets] + [_ALIGN]), dtype=torch.uint8)
         for n in nets:
             n.place(self.scratch.data_ptr(), self.work.data_ptr())
 
     @property
     def nbytes(self) -> int:
-        return self.scratch.numel() + self.work.numel()
+        device = self.buffer.size if self.buffer is not None else 0
+        return self.scratch.numel() + self.work.numel() + device
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.free()
+            self.buffer = None

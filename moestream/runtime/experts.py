@@ -108,13 +108,25 @@ class _Progress:
     remaining: int = 0
 
 
+def apply_router(router: torch.nn.Module, hidden: torch.Tensor) -> Any:
+    """A router module (transformers') on `hidden` [T, H] in the router's own dtype: the ggml graphs hand
+    on float32 rows whatever the checkpoint's dtype (a bf16 router on them raised a dtype error)."""
+    dtype = next(router.parameters()).dtype
+    with torch.no_grad():
+        return router(hidden if hidden.dtype == dtype else hidden.to(dtype))
+
+
 class ExpertRuntime:
     """Computes routed experts for every streamed layer over a `DeviceTier`, fed by an `ExpertCache`."""
 
-    def __init__(self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily) -> None:
+    def __init__(
+        self, cache: ExpertCache, tier: DeviceTier, family: ExpertFamily, graph_kernels: bool = False
+    ) -> None:
         self.cache, self.emap, self.tier, self.family = cache, cache.emap, tier, family
         self.stages = family.stages(fused=tier.fuses and bool(family.fusions))
-        self._plan(ggml_floats=False)
+        self._plan(ggml_floats=graph_kernels)
+        if graph_kernels:
+            self._graph_kernels()
         self.layer_calls = 0  # forwards whose held experts were computed as one batch
         self.observers: list[Callable[[LayerRouting], None]] = []
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
@@ -134,13 +146,13 @@ class ExpertRuntime:
             for layer, fmts in by_layer.items()
         }
 
-    def use_graph_kernels(self) -> None:
-        """For the ggml graphs' runner: F32/F16/BF16 experts by ggml too, and every product by
-        ggml_mul_mat_id, the kernel the graphs compute a layer's cached experts with; an expert computed
-        here (a miss, or any expert while a trace or prefetch needs the routing) gives their bits."""
+    def _graph_kernels(self) -> None:
+        """For the ggml graphs' runner (`graph_kernels`, with the formats planned with ggml floats):
+        F32/F16/BF16 experts by ggml too, and every product by ggml_mul_mat_id, the kernel the graphs
+        compute a layer's cached experts with; an expert computed here (a miss, or any expert while a
+        trace or prefetch needs the routing) gives their bits."""
         from moestream.runtime.formats.ggml import Ggml
 
-        self._plan(ggml_floats=True)
         for fmt in self.formats.values():
             if isinstance(fmt, Ggml):
                 fmt.by_id = True
@@ -230,10 +242,7 @@ class ExpertRuntime:
         ahead = self._ahead.get(layer)
         if ahead is None or not (self.prefetch or self.observers):
             return None
-        router = ahead[1]
-        dtype = next(router.parameters()).dtype  # the ggml graphs hand the experts f32 rows
-        with torch.no_grad():
-            return ahead[0], router(hidden if hidden.dtype == dtype else hidden.to(dtype))
+        return ahead[0], apply_router(ahead[1], hidden)
 
     def _readback(
         self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None

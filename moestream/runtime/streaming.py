@@ -82,11 +82,15 @@ class ExpertStreaming:
         top_k: int,
         device: torch.device,
         make_reader: ReaderFactory = Reader,
+        graph_kernels: bool = False,
         files: CheckpointFiles | None = None,
     ) -> None:
+        """`graph_kernels`: the ggml graphs' runner computes the model (`ExpertRuntime`'s mode: every
+        expert product by the graphs' kernel, so that an expert computed here gives their bits).
+        `files`: the checkpoint files as the model loaded them, held open (a restream reads those)."""
         self.emap, self.config, self.device = emap, config, device
         self.reader = make_reader(config.io_mode, config.io_threads)
-        if files is not None:  # the engine's, held since load: a restream reads the files it loaded
+        if files is not None:
             self.reader.use_files(files)
         self.tier: DeviceTier | None = None
         self.cache: ExpertCache | None = None
@@ -97,7 +101,7 @@ class ExpertStreaming:
             for name in emap.files:
                 self.reader.open(name)  # decides O_DIRECT (or its fallback) before the mode line is printed
             self.cache, self.tier = self._tier(top_k, family)
-            self.runtime = ExpertRuntime(self.cache, self.tier, family)
+            self.runtime = ExpertRuntime(self.cache, self.tier, family, graph_kernels)
         except BaseException:
             self.close()
             raise

@@ -149,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     its routing on SAMPLE_TEXT and print the table."""
     import argparse
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 
     parser = argparse.ArgumentParser(prog="python -m moestream.synth.routing", description=main.__doc__)
     parser.add_argument("checkpoint")
     parser.add_argument("--max-tokens", type=int, default=None)
     args = parser.parse_args(argv)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    # an MXFP4 checkpoint's experts dequantized by transformers: its kept-blocks path fetches a kernel
+    # from the hub (transformers >= 5.25)
+    quant = getattr(AutoConfig.from_pretrained(args.checkpoint), "quantization_config", None)
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quant else {}
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, **extra)
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     print(format_stats(routing_stats(model, tokenizer, SAMPLE_TEXT, max_tokens=args.max_tokens)))
     return 0

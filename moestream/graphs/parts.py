@@ -1,10 +1,11 @@
 """The pieces of a ggml graph's spec that every family's reader shares: a weight matrix as ggml reads it,
-an MLP, a router, and the refusal (`NoGraph`). `graph_spec` reads the common families; `mla_spec`
-DeepSeek's attention and routers."""
+an MLP, a router (and the softmax router most families read), and the refusal (`NoGraph`). The family
+modules (`graphs/qwen3_moe.py`, ...) read the rest; `graphs/spec.py` puts a model's spec together."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -91,9 +92,21 @@ def router_matrix(module: nn.Module) -> Matrix:
     return Matrix(w, w.data_ptr(), f32, m.rows, m.cols)
 
 
+def read_mlp(module: nn.Module) -> Mlp:
+    """A SwiGLU MLP's three projections (a dense layer's FFN, a shared expert)."""
+    return Mlp(matrix(module.gate_proj), matrix(module.up_proj), matrix(module.down_proj))
+
+
+def softmax_router(gate: nn.Module, cfg: Any, normalize: bool) -> Router:
+    """The router most families have: softmax over the gate's logits, top-k, the chosen probabilities
+    divided by their sum where `normalize`."""
+    return Router(router_matrix(gate), int(cfg.num_experts_per_tok), normalize)
+
+
 def _shape(module: nn.Module) -> tuple[int, int]:
     return module.rows, module.cols
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous float32 tensor of its own (a norm's weight, a bias)."""
     return t.detach().float().contiguous()

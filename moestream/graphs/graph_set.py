@@ -7,9 +7,12 @@ from __future__ import annotations
 import torch
 
 from moestream import ggml
-from moestream.engine.ggml_layers import ExpertTypes, LayerGraphs, StepBuffers, Whole
+from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.net import Arena, Net
-from moestream.model.graph_spec import ModelSpec
+from moestream.graphs.layers import LayerGraphs, StepBuffers
+from moestream.graphs.moe import Whole
+from moestream.graphs.spec import ModelSpec
+from moestream.runtime.expert_layers import ExpertTypes
 
 
 class GraphSet:
@@ -30,9 +33,21 @@ class GraphSet:
         threads: int,
         pool: int,
         last: bool = False,
+        memory: DeviceMemory | None = None,
     ) -> None:
         tokens, span = shape
         self.buf = StepBuffers.make(spec, tokens, span, experts)
+        self.memory = memory  # a backend's (ggml's CUDA): the graphs compute there, the buffers are io
+        self._pinned = None  # the pinned host buffer the step's buffers live in (CUDA)
+        if memory is not None:
+
+            def alloc(nbytes: int) -> torch.Tensor:
+                block, self._pinned = memory.host_block(nbytes)
+                return block
+
+            self.buf.gather(alloc)
+            for name, t in self.buf.tensors():
+                memory.register(t, "io", name)
         self.pool = pool
         self._build = LayerGraphs(spec, kv, self.buf, types, last=last)
         self.last = self._build.last  # past the last layer's attention, the last position only
@@ -50,7 +65,7 @@ class GraphSet:
             try:
                 for i in range(len(self.spec.layers) + 1):
                     for with_experts in (False, True) if build.can_fuse(i) else (False,):
-                        net = Net(ggml.library())
+                        net = Net(ggml.library(), memory=self.memory)
                         if with_experts:
                             fused[i] = net
                         else:
@@ -74,7 +89,8 @@ class GraphSet:
         slots move)."""
         if self.whole is None or self.whole[0] != whole:
             self.drop_whole()
-            net = Net(ggml.library(), nodes=max(1024, 128 * (len(self.spec.layers) + 1)))
+            nodes = max(1024, 128 * (len(self.spec.layers) + 1))
+            net = Net(ggml.library(), nodes=nodes, memory=self.memory)
             try:
                 net.finish(
                     LayerGraphs(self.spec, self.kv, self.buf, self.types, whole, self.last).step(net),
@@ -91,7 +107,8 @@ class GraphSet:
     def _place(self) -> None:
         """One scratch and work region for every graph built (they run one at a time)."""
         whole = [self.whole[1]] if self.whole is not None else []
-        self.arena = Arena([*self.graphs, *self.fused.values(), *whole])
+        self.arena.close()
+        self.arena = Arena([*self.graphs, *self.fused.values(), *whole], self.memory)
 
     def drop_whole(self) -> None:
         if self.whole is not None:
@@ -103,6 +120,14 @@ class GraphSet:
         for net in [*self.graphs, *self.fused.values()]:
             net.close()
         self.graphs, self.fused = [], {}
+        self.arena.close()
+        if self.memory is not None:
+            for _, t in self.buf.tensors():
+                self.memory.drop(t)
+            if self._pinned is not None:
+                self.buf = None  # its tensors view the pinned buffer
+                self._pinned.free()
+            self.memory = None
 
 
 def set_bytes(
@@ -127,6 +152,4 @@ def set_bytes(
             net.close()
     moe = any(layer.router is not None for layer in spec.layers)
     fused = 4 * spec.top_k * tokens * (3 * inter + spec.hidden) if moe else 0
-    held = [t for t in vars(buf).values() if isinstance(t, torch.Tensor)]
-    held += [t for v in vars(buf).values() if isinstance(v, tuple) for t in v]
-    return scratch + work + fused + sum(t.nbytes for t in held)
+    return scratch + work + fused + sum(t.nbytes for _, t in buf.tensors())

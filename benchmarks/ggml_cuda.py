@@ -1,0 +1,187 @@
+"""The ggml graphs on ggml's CUDA backend (issue 31): correctness on tiny models, then speed against
+llama.cpp on the same GGUF, every expert in VRAM.
+
+    # correctness: each family's tiny model, logits on CUDA against stock transformers fp32 and the
+    # CPU graphs (tolerance: other kernels, activations quantized otherwise), and CUDA twice (bit equal)
+    MOESTREAM_GGML_LIB=<folder with libggml-cuda> python benchmarks/ggml_cuda.py check
+    # speed: prefill of P-token prompts and decode of N tokens, warm, greedy, in-process; Python's share
+    # of a decoded token (the wall time outside the graph's compute and copies)
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --prompts 36,512 --tokens 32
+
+Runs with MOESTREAM_GGML_BACKEND=cuda set by itself (`--backend cpu`: ggml's CPU backend, to check the
+script here). Prints one JSON line per result and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+import moestream  # noqa: E402
+from moestream.ggml.net import Net  # noqa: E402
+
+FAMILIES = [
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "gpt_oss_mxfp4",
+    "qwen3_next",
+    "qwen3_5_moe",
+]
+# the tiny models' shapes changed to what ggml's CUDA flash attention has kernels for (head dims 64,
+# 128, 256; DeepSeek's latent 512 + rope 64), as real models of these families have
+HEAD_64 = dict(head_dim=64)
+MLA_576 = dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    qk_head_dim=128,
+    head_dim=64,
+    num_key_value_heads=4,
+)
+ONE_HEAD = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=64)  # head dim = hidden (64)
+CUDA_SHAPES = {"deepseek_v2": MLA_576, "deepseek_v3": MLA_576, "olmoe": ONE_HEAD}
+PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
+FORCED = [9, 150, 77, 31, 200, 6, 18, 42]
+
+
+def _logits(path: Path, backend: str) -> torch.Tensor:
+    """Prefill PROMPT, then one step per FORCED token: [1 + n, V] (as tests/test_ggml_runner.py)."""
+    if backend:
+        os.environ["MOESTREAM_GGML_BACKEND"] = backend
+    else:
+        os.environ.pop("MOESTREAM_GGML_BACKEND", None)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        step = engine.runner
+        logits, kv = step(PROMPT, None)
+        out = [logits]
+        for token in FORCED:
+            logits, kv = step([token], kv)
+            out.append(logits)
+        return torch.stack(out)
+
+
+def check(args: argparse.Namespace) -> None:
+    import transformers as T
+    from tiny_models import write_tiny
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.families.split(","):
+            path = write_tiny(arch, Path(tmp) / arch, **CUDA_SHAPES.get(arch, HEAD_64))
+            extra = {"quantization_config": T.Mxfp4Config(dequantize=True)} if "mxfp4" in arch else {}
+            model = T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).float().eval()
+            with torch.inference_mode():
+                stock = model(torch.tensor([PROMPT + FORCED])).logits[0][len(PROMPT) - 1 :]
+            row = {"arch": arch}
+            try:
+                cpu = _logits(path, "")
+                dev = _logits(path, args.backend)
+                again = _logits(path, args.backend)
+                scale = stock.abs().max().item()
+                row.update(
+                    device_vs_stock=round((dev - stock).abs().max().item() / scale, 5),
+                    cpu_vs_stock=round((cpu - stock).abs().max().item() / scale, 5),
+                    device_vs_cpu=round((dev - cpu).abs().max().item() / scale, 5),
+                    argmax_equal_cpu=int((dev.argmax(-1) == cpu.argmax(-1)).sum()),
+                    steps=dev.shape[0],
+                    repeatable=bool(torch.equal(dev, again)),
+                )
+            except Exception as exc:  # a family that fails is reported, the rest go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print(f"\n{'arch':<14} {'dev/stock':>10} {'cpu/stock':>10} {'dev/cpu':>9} {'argmax=':>8} repeat")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['arch']:<14} ERROR {r['error']}")
+        else:
+            print(
+                f"{r['arch']:<14} {r['device_vs_stock']:>10} {r['cpu_vs_stock']:>10} {r['device_vs_cpu']:>9} "
+                f"{r['argmax_equal_cpu']:>5}/{r['steps']:<2} {r['repeatable']}"
+            )
+
+
+def speed(args: argparse.Namespace) -> None:
+    os.environ["MOESTREAM_GGML_BACKEND"] = args.backend
+    inside = [0.0]
+    run = Net.run
+
+    def timed(self):
+        t0 = time.perf_counter()
+        run(self)
+        inside[0] += time.perf_counter() - t0
+
+    Net.run = timed
+    t0 = time.perf_counter()
+    with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
+        load_s = time.perf_counter() - t0
+        print(engine.mode_line(), flush=True)
+        vocab = engine.runner.spec.vocab
+        gen = torch.Generator().manual_seed(0)
+        results = {"load_s": round(load_s, 1)}
+        for n in [int(x) for x in args.prompts.split(",")]:
+            prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
+            for _ in range(args.warmup):
+                engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
+            best_prefill, decode, share = 0.0, [], []
+            for _ in range(args.repeats):
+                inside[0] = 0.0
+                out = engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
+                s = out.stats
+                best_prefill = max(best_prefill, s.prefill.tok_s)
+                decode.append(s.decode.tok_s)
+                # the decode steps' wall time outside Net.run (Python, sampling, the engine's loop)
+                prefill_inside = s.prefill.seconds  # upper bound of prefill's share of `inside`
+                dec_inside = max(0.0, inside[0] - prefill_inside)
+                share.append(max(0.0, 1 - dec_inside / s.decode.seconds) if s.decode.seconds else 0.0)
+            row = {
+                "prompt_tokens": n,
+                "prefill_tok_s": round(best_prefill, 1),
+                "decode_tok_s": round(sorted(decode)[len(decode) // 2], 1),
+                "decode_runs": [round(d, 1) for d in decode],
+                "python_share_decode": round(sorted(share)[len(share) // 2], 3),
+            }
+            print(json.dumps(row), flush=True)
+            results[f"p{n}"] = row
+        print(json.dumps(results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("--families", default=",".join(FAMILIES))
+    c.add_argument("--backend", default="cuda")
+    s = sub.add_parser("speed")
+    s.add_argument("model")
+    s.add_argument("--prompts", default="36,512")
+    s.add_argument("--tokens", type=int, default=32)
+    s.add_argument("--cache", default="12GiB", help="room for every expert (they are all read at load)")
+    s.add_argument("--threads", type=int, default=8)
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--backend", default="cuda")
+    args = p.parse_args()
+    check(args) if args.cmd == "check" else speed(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""ggml's backends: a device (CUDA, or the CPU through the same API) computing moestream's graphs over
+memory in the device's own buffers.
+
+The graph builders address host memory: torch tensors of weights, the KV cache and the step's buffers,
+which the CPU computes in place (`ggml/net.py`). On a backend, `DeviceMemory` places each of those host
+regions in a buffer of the device and hands the graphs the device's address instead (`translate`):
+
+- a region registered as `io` (the step's inputs and outputs) is copied to the device before each
+  compute where the graph reads it, and back after it where the graph writes it (`Net.run`);
+- `device` regions exist on the device alone (the KV cache; expert stacks, `alloc`);
+- any other host address the builders hand over is a weight: copied once, when first seen.
+  Host ranges that must never be taken for weights (the expert cache's slots, whose contents change)
+  are `forbid`den: translating one raises.
+
+Every region gets a zeroed tail past its bytes: ggml's CUDA kernels read quantized rows in blocks of
+512 columns (MATRIX_ROW_PADDING), past the end of a matrix whose width is not a multiple of that.
+
+`cuda_backend()` says in one sentence what is missing when ggml's CUDA backend cannot run (no library,
+no GPU); `cpu_backend()` is the same API over the CPU, which the tests use to check this path here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes as C
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.ggml.lib import (
+    CUDA_HOW,
+    GgmlTensor,
+    GgmlUnavailableError,
+    InitParams,
+    Library,
+    cuda_library,
+    library,
+)
+
+STATUS = {-2: "allocation failed", -1: "failed", 1: "aborted"}  # enum ggml_status, success 0
+USAGE_WEIGHTS = 1  # GGML_BACKEND_BUFFER_USAGE_WEIGHTS: the scheduler places an op by its weights'
+TAIL = 4096  # zeroed bytes after each region (see the module doc)
+I8 = 24  # GGML_TYPE_I8: a region seen as bytes, for ggml_backend_tensor_set/get
+
+
+@dataclass
+class Backend:
+    """One ggml backend: its handle, the buffer type of its memory and what it is, for the mode line."""
+
+    lib: Library
+    handle: int  # ggml_backend_t
+    buft: int  # its device's buffer type
+    kind: str  # "cuda" | "cpu"
+    description: str
+    device: int = 0
+
+    def compute(self, graph: int) -> None:
+        """Compute `graph` and wait for it."""
+        status = self.lib.base.ggml_backend_graph_compute(self.handle, graph)
+        if status:
+            raise RuntimeError(f"ggml's {self.kind} backend: graph compute {STATUS.get(status, status)}")
+
+    def compute_async(self, graph: int) -> None:
+        status = self.lib.base.ggml_backend_graph_compute_async(self.handle, graph)
+        if status:
+            raise RuntimeError(f"ggml's {self.kind} backend: graph compute {STATUS.get(status, status)}")
+
+    def synchronize(self) -> None:
+        self.lib.base.ggml_backend_synchronize(self.handle)
+
+    def supports(self, node: int) -> bool:
+        return bool(self.lib.base.ggml_backend_supports_op(self.handle, node))
+
+    def alloc(self, nbytes: int, weights: bool = False) -> Buffer:
+        """A zeroed buffer of the device of `nbytes` (at least 1)."""
+        b = self.lib.base
+        handle = b.ggml_backend_buft_alloc_buffer(self.buft, max(1, nbytes))
+        if not handle:
+            raise MemoryError(f"ggml's {self.kind} backend could not allocate {nbytes} bytes")
+        b.ggml_backend_buffer_clear(handle, 0)
+        if weights:
+            b.ggml_backend_buffer_set_usage(handle, USAGE_WEIGHTS)
+        return Buffer(self.lib, handle, b.ggml_backend_buffer_get_base(handle), nbytes)
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of the device (CUDA), or (0, 0) where ggml does not say."""
+        if self.kind != "cuda":
+            return 0, 0
+        free, total = C.c_size_t(), C.c_size_t()
+        cuda_library().ggml_backend_cuda_get_device_memory(self.device, C.byref(free), C.byref(total))
+        return free.value, total.value
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.base.ggml_backend_free(self.handle)
+            self.handle = 0
+
+
+@dataclass
+class Buffer:
+    """One allocation in a backend's buffer type."""
+
+    lib: Library
+    handle: int  # ggml_backend_buffer_t
+    base: int
+    size: int
+
+    def free(self) -> None:
+        if self.handle:
+            self.lib.base.ggml_backend_buffer_free(self.handle)
+            self.handle = 0
+
+
+def cuda_backend(device: int = 0) -> Backend:
+    """ggml's CUDA backend on GPU `device`. Raises GgmlUnavailableError in one sentence: no library (and
+    how to get one), or no GPU that it can see."""
+    lib = library()
+    cuda = cuda_library()
+    count = cuda.ggml_backend_cuda_get_device_count()
+    if count <= device:
+        raise GgmlUnavailableError(
+            f"ggml's CUDA backend sees {count} GPU{'s' if count != 1 else ''}"
+            + (f", not GPU {device}" if count else " (no NVIDIA GPU, or no driver)")
+            + f"; the CPU path needs neither (--device cpu). {CUDA_HOW}."
+        )
+    handle = cuda.ggml_backend_cuda_init(device)
+    if not handle:
+        raise GgmlUnavailableError(f"ggml's CUDA backend could not start on GPU {device}.")
+    text = C.create_string_buffer(256)
+    cuda.ggml_backend_cuda_get_device_description(device, text, 256)
+    buft = cuda.ggml_backend_cuda_buffer_type(device)
+    return Backend(lib, handle, buft, "cuda", text.value.decode(errors="replace"), device)
+
+
+def cpu_backend(threads: int) -> Backend:
+    """ggml's CPU backend with `threads` threads of its own: the backend API over host memory."""
+    lib = library()
+    handle = lib.cpu.ggml_backend_cpu_init()
+    if not handle:
+        raise GgmlUnavailableError("ggml's CPU backend could not start")
+    lib.cpu.ggml_backend_cpu_set_n_threads(handle, threads)
+    return Backend(lib, handle, lib.base.ggml_backend_cpu_buffer_type(), "cpu", "CPU", 0)
+
+
+@dataclass
+class Region:
+    """A host range and its place on the device (host 0: a device-only region made by `alloc`)."""
+
+    host: int
+    nbytes: int
+    buffer: Buffer
+    role: str  # "weight" | "io" | "device"
+    tensor: int = 0  # an I8 tensor over the device bytes, for ggml_backend_tensor_set/get
+    name: str = ""
+    ctx: int = 0  # the ggml context holding `tensor`
+
+    @property
+    def device(self) -> int:
+        return self.buffer.base
+
+    def free(self, lib: Library) -> None:
+        self.buffer.free()
+        if self.ctx:
+            lib.base.ggml_free(self.ctx)
+            self.ctx = 0
+
+
+@dataclass
+class DeviceMemory:
+    """Host regions the graph builders address, placed in one backend's buffers (see the module doc)."""
+
+    backend: Backend
+    regions: dict[int, Region] = field(default_factory=dict)  # by id, in the order made
+    _by_host: list[tuple[int, int]] = field(default_factory=list)  # (host start, id), sorted
+    _by_device: list[tuple[int, int]] = field(default_factory=list)
+    _next: int = 0
+    _forbidden: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, what)
+
+    @property
+    def lib(self) -> Library:
+        return self.backend.lib
+
+    # --- regions -------------------------------------------------------------------------------
+
+    def register(self, t: torch.Tensor, role: str, name: str = "") -> Region:
+        """Place the host tensor `t` on the device: "io" (synced around each compute that touches it),
+        "device" (never copied: the KV cache), "weight" (copied now)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("a region must be a contiguous host tensor")
+        return self._add(t.data_ptr(), t.nbytes, role, name)
+
+    def alloc(self, nbytes: int, name: str = "") -> Region:
+        """Device memory of no host region (expert stacks): address it by `Region.device`."""
+        return self._add(0, nbytes, "device", name)
+
+    def forbid(self, start: int, nbytes: int, what: str) -> None:
+        """Host bytes that must never be taken for a weight (they change): translating them raises."""
+        self._forbidden.append((start, start + nbytes, what))
+
+    def _add(self, host: int, nbytes: int, role: str, name: str) -> Region:
+        if host and self._find(self._by_host, host, lambda r: r.host) is not None:
+            raise ValueError(f"host range at {host:#x} is already on the device")
+        b = self.lib.base
+        buffer = self.backend.alloc(nbytes + TAIL, weights=role in ("weight", "device"))
+        region = Region(host, nbytes, buffer, role, name=name)
+        region.ctx = b.ggml_init(InitParams(2 * b.ggml_tensor_overhead(), None, True))
+        t = b.ggml_new_tensor_1d(region.ctx, I8, max(1, nbytes)) if region.ctx else 0
+        if not t or b.ggml_backend_tensor_alloc(buffer.handle, t, buffer.base):
+            region.free(self.lib)
+            raise RuntimeError(f"ggml could not place a {nbytes}-byte region on the {self.backend.kind}")
+        region.tensor = t
+        if role == "weight" and nbytes:
+            self.lib.base.ggml_backend_tensor_set(t, host, 0, nbytes)
+        key, self._next = self._next, self._next + 1
+        self.regions[key] = region
+        if host:
+            bisect.insort(self._by_host, (host, key))
+        bisect.insort(self._by_device, (buffer.base, key))
+        return region
+
+    def drop(self, t: torch.Tensor) -> None:
+        """Free the device copy of the registered host tensor `t` (a graph set closed)."""
+        k = bisect.bisect_left(self._by_host, (t.data_ptr(), -1))
+        if k == len(self._by_host) or self._by_host[k][0] != t.data_ptr():
+            raise KeyError("that tensor is not on the device")
+        self.release(self.regions[self._by_host[k][1]])
+
+    def release(self, region: Region) -> None:
+        """Free a region (a device-only one from `alloc`, or a registered host tensor's)."""
+        key = next(k for k, r in self.regions.items() if r is region)
+        del self.regions[key]
+        if region.host:
+            self._by_host.remove((region.host, key))
+        self._by_device.remove((region.device, key))
+        region.free(self.lib)
+
+    def _find(self, table: list[tuple[int, int]], address: int, start) -> Region | None:
+        k = bisect.bisect_right(table, (address, self._next)) - 1
+        if k < 0:
+            return None
+        region = self.regions[table[k][1]]
+        return region if start(region) <= address < start(region) + max(1, region.nbytes) else None
+
+    def translate(self, address: int, nbytes: int) -> tuple[int, int, Region]:
+        """(device address, ggml buffer, region) of the `nbytes` at host (or device) `address`; an address
+        of no region is a weight, copied now."""
+        region = self._find(self._by_host, address, lambda r: r.host)
+        if region is not None:
+            offset = address - region.host
+        else:
+            region = self._find(self._by_device, address, lambda r: r.device)
+            if region is not None:
+                offset = address - region.device
+            else:
+                for start, end, what in self._forbidden:
+                    if start <= address < end:
+                        raise RuntimeError(f"a graph on the {self.backend.kind} reads {what} on the host")
+                region = self._add(address, nbytes, "weight", "")
+                offset = 0
+        if offset + nbytes > region.nbytes:
+            raise RuntimeError(
+                f"a graph tensor of {nbytes} bytes at offset {offset} overruns its {region.nbytes}-byte "
+                f"region {region.name!r}"
+            )
+        return region.device + offset, region.buffer.handle, region
+
+    # --- copies --------------------------------------------------------------------------------
+
+    def upload(self, region: Region, offset: int, nbytes: int) -> None:
+        """Host -> device, on the backend's stream (ordered before the next compute)."""
+        self.lib.base.ggml_backend_tensor_set_async(
+            self.backend.handle, region.tensor, region.host + offset, offset, nbytes
+        )
+
+    def download(self, region: Region, offset: int, nbytes: int) -> None:
+        """Device -> host, on the backend's stream (done once `backend.synchronize()` returns)."""
+        self.lib.base.ggml_backend_tensor_get_async(
+            self.backend.handle, region.tensor, region.host + offset, offset, nbytes
+        )
+
+    def write(self, region: Region, offset: int, source: int, nbytes: int) -> None:
+        """Bytes at host `source` into the region at `offset` (synchronous)."""
+        self.lib.base.ggml_backend_tensor_set(region.tensor, source, offset, nbytes)
+
+    def host_block(self, nbytes: int) -> tuple[torch.Tensor, Buffer | None]:
+        """`nbytes` of host memory for the step's buffers, page-locked where the device is CUDA (ggml's
+        pinned host buffer type: its copies to and from the device then run asynchronously), and the
+        buffer to free with it (None: torch's own memory)."""
+        if self.backend.kind != "cuda":
+            return torch.zeros(nbytes, dtype=torch.uint8), None
+        b = self.lib.base
+        handle = b.ggml_backend_buft_alloc_buffer(cuda_library().ggml_backend_cuda_host_buffer_type(), nbytes)
+        if not handle:
+            raise MemoryError(f"CUDA could not allocate {nbytes} bytes of pinned host memory")
+        b.ggml_backend_buffer_clear(handle, 0)
+        buffer = Buffer(self.lib, handle, b.ggml_backend_buffer_get_base(handle), nbytes)
+        block = torch.frombuffer((C.c_uint8 * nbytes).from_address(buffer.base), dtype=torch.uint8)
+        return block, buffer
+
+    def zero(self, t: torch.Tensor) -> None:
+        """Zero the device copy of the registered host tensor `t` (a recurrent state at a new request)."""
+        _, _, region = self.translate(t.data_ptr(), t.nbytes)
+        self.lib.base.ggml_backend_tensor_memset(region.tensor, 0, t.data_ptr() - region.host, t.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes + TAIL for r in self.regions.values())
+
+    def close(self) -> None:
+        for region in self.regions.values():
+            region.free(self.lib)
+        self.regions.clear()
+        self._by_host.clear()
+        self._by_device.clear()
+
+
+def place_tensor(t: int, address: int, buffer: int) -> None:
+    """A ggml tensor's data at `address` inside backend buffer `buffer` (what ggml-alloc would set)."""
+    g = GgmlTensor.from_address(t)
+    g.data = address
+    g.buffer = buffer
