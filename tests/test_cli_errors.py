@@ -131,23 +131,26 @@ def test_unreadable_file(capsys, tiny_dir):
 
 
 def test_filesystem_without_o_direct_falls_back_to_pagecache(capsys, tiny_dir, monkeypatch):
-    """Some file systems (older tmpfs, many FUSE mounts) refuse O_DIRECT at open with EINVAL. This kernel's
-    tmpfs accepts it, so the refusal is faked at the system-call boundary."""
+    """Some file systems (older tmpfs, many FUSE mounts) refuse O_DIRECT with EINVAL, at open and when
+    it is set on an open file (fcntl F_SETFL: how a reader's descriptor, a duplicate of the one held
+    since load, gets it). This kernel's tmpfs accepts it, so the refusal is faked at the system-call
+    boundary."""
     import errno
+    import fcntl
 
     import moestream.io.reader as reader_module
 
-    real_open = os.open
+    real_fcntl = fcntl.fcntl
 
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
+    def no_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_fcntl(fd, cmd, arg)
 
     ckpt = tiny_dir("qwen3_moe")
     assert main(["generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
     direct = json.loads(capsys.readouterr().out)
-    monkeypatch.setattr(reader_module.os, "open", no_direct)
+    monkeypatch.setattr(reader_module.fcntl, "fcntl", no_direct)
     assert main(["generate", str(ckpt), "--prompt", "Hello", "--max-tokens", "4", "--json"]) == 0
     out = capsys.readouterr()
     assert "refuses O_DIRECT" in out.err and "page cache" in out.err

@@ -1,4 +1,5 @@
-"""Fault injection: expert bytes changed under a request while it runs, in every io mode.
+"""Fault injection: expert bytes changed under a request while it runs, in every io mode; and a shard
+replaced by rename under it, which the engine serves on from the file it opened.
 
 Each change happens at a point the test controls (between two tokens: after `Engine.stream` has
 yielded the k-th token and before it is asked for the next), so nothing depends on timing. The oracle is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,6 +68,13 @@ class Shard:
     def copy_over(self) -> None:
         """Another checkpoint copied over the shard (`cp`: truncated and rewritten, same inode)."""
         shutil.copyfile(self.other, self.path)
+
+    def replace(self) -> None:
+        """Another checkpoint written beside the shard, then renamed over it (`os.replace`: how
+        huggingface_hub and most download tools write): a new inode at the path, the opened one intact."""
+        new = self.path.with_name(self.path.name + ".incomplete")
+        shutil.copyfile(self.other, new)
+        os.replace(new, self.path)
 
     def restore(self) -> None:
         self.path.write_bytes(self.original)
@@ -138,6 +147,57 @@ def test_expert_bytes_changed_during_a_request_end_it(tiny_dir, tmp_path, mode):
     assert read_changed > 0
 
 
+REPLACED = "was replaced on disk (another file is in its place) since it was opened"
+SMALL_CACHE = "144KiB"  # 4 of the tiny model's 16 expert slots: every token reads experts
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["between", "inside"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shard_replaced_by_rename_during_a_request_is_served_from_the_opened_file(
+    tiny_dir, tmp_path, mode, inside
+):
+    """The shard is replaced after 3 tokens (between two forwards, or inside the next one once its
+    routing is known) by a file whose every expert differs: the request goes on with the tokens of a
+    clean run, experts are read after the replacement (a cache of 4 slots), a restream reads them all
+    again from the opened file, and the engine says it once. Before: that request and every later one
+    failed with "changed since it was opened"."""
+    shard = Shard(tiny_dir("qwen3_moe"), tmp_path)
+    with moestream.load(str(shard.ckpt), cache=SMALL_CACHE, io_mode=mode) as engine:
+        clean = engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tokens
+        stream = engine.stream(PROMPT, max_tokens=TOKENS, ignore_eos=True)
+        presented = next(gen.tokens for gen in stream if len(gen.tokens) == 3)
+        misses = engine.counters().misses
+        if inside:
+            runtime, last = engine.runtime, engine.emap.layers[-1]
+
+            def once(event: LayerRouting) -> None:
+                if event.layer == last:
+                    runtime.observers.remove(once)
+                    shard.replace()
+
+            runtime.observers.append(once)
+        else:
+            shard.replace()
+        with pytest.warns(RuntimeWarning) as said:
+            for gen in stream:
+                presented = list(gen.tokens)
+        assert os.stat(shard.path).st_ino != shard.stat.st_ino  # the path names the new file
+        assert presented == clean
+        assert engine.counters().misses > misses  # experts were read after the replacement
+        notice = (
+            f"checkpoint file {shard.path} {REPLACED}; moestream goes on computing with the file it opened"
+        )
+        assert [str(w.message) for w in said] == engine.notices and engine.notices[0].startswith(notice)
+        engine.restream(preload=False)  # a new reader: reopened from the held file, not the path
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            assert engine.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tokens == clean
+        assert len(engine.notices) == 1
+    with moestream.load(str(shard.ckpt), cache=SMALL_CACHE, io_mode=mode) as fresh:  # a restart loads it
+        assert fresh.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True).tokens != clean
+        assert fresh.notices == []
+
+
 def _changing_stream(after: int, change: Callable[[], None]) -> Callable[..., Iterator]:
     """`Engine.stream` that changes the shard once its consumer has had `after` tokens."""
     real = Engine.stream
@@ -167,6 +227,27 @@ def test_generate_exits_non_zero_with_one_line_when_a_shard_is_copied_over(
     assert len(errors) == 1 and "Traceback" not in out.err
     assert errors[0].startswith(f"moestream: error: checkpoint file {shard.path} changed since it was opened")
     assert clean.startswith(out.out) and out.out  # the tokens before the change, none after
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_generate_goes_on_with_one_warning_when_a_shard_is_replaced_by_rename(
+    tiny_dir, tmp_path, capsys, monkeypatch, mode
+):
+    shard = Shard(tiny_dir("qwen3_moe"), tmp_path)
+    args = ["generate", str(shard.ckpt), "--prompt", "Hello there", "--max-tokens", str(TOKENS)]
+    args += ["--ignore-eos", "--cache", SMALL_CACHE, "--io-mode", mode]
+    assert main(args) == 0
+    clean = capsys.readouterr().out
+    monkeypatch.setattr(Engine, "stream", _changing_stream(3, shard.replace))
+    code = main(args)
+    out = capsys.readouterr()
+    assert code == 0 and out.out == clean
+    said = [line for line in out.err.splitlines() if line.startswith("moestream: warning:")]
+    assert said == [
+        f"moestream: warning: checkpoint file {shard.path} {REPLACED}; moestream goes on "
+        "computing with the file it opened, whose bytes are unchanged: a restart loads the new file"
+    ]
+    assert "error" not in out.err
 
 
 class _ChangeAfter(Job):
@@ -218,3 +299,30 @@ def test_the_server_fails_that_request_and_serves_the_next(tiny_dir, tmp_path):
             asyncio.run(scenario())
         finally:
             worker.stop()
+
+
+def test_the_server_serves_on_and_says_so_in_health_when_a_shard_is_replaced(tiny_dir, tmp_path):
+    """A live `moestream serve` (mmap, 4 expert slots: every request reads experts): after a rename over
+    its shard, the next requests give the same text, /health says so (still 200, "ok"), and its stderr
+    says so once."""
+    from test_server_harness import KEY, LiveServer
+
+    shard = Shard(tiny_dir("qwen3_moe"), tmp_path)
+    args = ["--cache", SMALL_CACHE, "--io-mode", "mmap", "--api-key", KEY, "--threads", "1"]
+    server = LiveServer(shard.ckpt, args)
+    body = {"prompt": "Hello there", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        clean = server.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert "notices" not in server.http.get("/health").json()
+        shard.replace()
+        for _ in range(2):
+            res = server.http.post("/v1/completions", json=body)
+            assert res.status_code == 200 and res.json()["choices"][0]["text"] == clean
+        health = server.http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert len(health.json()["notices"]) == 1
+        assert health.json()["notices"][0].startswith(f"checkpoint file {shard.path} {REPLACED}")
+        said = [line for line in server.log_text().splitlines() if REPLACED in line]
+        assert len(said) == 1 and said[0].startswith("moestream: warning: checkpoint file")
+    finally:
+        server.stop()

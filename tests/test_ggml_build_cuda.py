@@ -26,7 +26,20 @@ def test_nvcc_is_found_on_path_then_in_cuda_home(tmp_path):
     assert build.find_nvcc({"PATH": "", "CUDA_HOME": str(home.parent.parent)}) == home
 
 
-def test_cuda_flags_name_the_architecture_and_the_compiler(tmp_path):
+def _driver(monkeypatch, present: bool) -> None:
+    """Whether the driver's libcuda can be found: this machine's own answer must not decide the flags."""
+    import ctypes.util
+
+    real = ctypes.util.find_library
+    monkeypatch.setattr(
+        ctypes.util,
+        "find_library",
+        lambda name: ("libcuda.so.1" if present else None) if name == "cuda" else real(name),
+    )
+
+
+def test_cuda_flags_name_the_architecture_and_the_compiler(tmp_path, monkeypatch):
+    _driver(monkeypatch, present=True)
     nvcc = _fake_nvcc(tmp_path / "cuda")
     flags = build.cuda_flags(nvcc, "87")
     assert flags[:3] == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=87", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
@@ -37,6 +50,15 @@ def test_cuda_flags_name_the_architecture_and_the_compiler(tmp_path):
     assert "-DGGML_CUDA_NO_VMM=ON" not in build.cuda_flags(nvcc, "87")
     pypi = _fake_nvcc(tmp_path / "venv/lib/python3.11/site-packages/nvidia/cuda_nvcc")
     assert f"-DCUDAToolkit_ROOT={pypi.parent.parent}" in build.cuda_flags(pypi, "native")
+
+
+def test_no_driver_library_builds_without_the_vmm_pool(tmp_path, monkeypatch):
+    _driver(monkeypatch, present=False)
+    nvcc = _fake_nvcc(tmp_path / "cuda")
+    assert build.cuda_flags(nvcc, "90")[-1] == "-DGGML_CUDA_NO_VMM=ON"
+    (tmp_path / "cuda/lib64/stubs").mkdir(parents=True)
+    (tmp_path / "cuda/lib64/stubs/libcuda.so").write_bytes(b"")  # the toolkit's stub links it
+    assert "-DGGML_CUDA_NO_VMM=ON" not in build.cuda_flags(nvcc, "90")
 
 
 def test_no_nvcc_says_which_packages_to_install(monkeypatch):

@@ -243,6 +243,13 @@ class Engine:
                 recorder.attach(self)
 
     @property
+    def notices(self) -> list[str]:
+        """What was said once about the checkpoint files while the engine serves on: a file replaced on
+        disk or removed since it was opened (the engine reads the file it opened; a restart loads the new
+        one)."""
+        return list(self.loaded.files.notices.values())
+
+    @property
     def unavailable(self) -> str | None:
         """Why this engine cannot serve a request (closed, or left without a working streaming setup), or
         None when it can."""

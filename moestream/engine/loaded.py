@@ -36,7 +36,7 @@ from moestream.engine.unused import refuse_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
 from moestream.ggml.host import default_threads
-from moestream.io.reader import Reader
+from moestream.io.reader import CheckpointFiles, Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
 from moestream.runtime.checks import check_experts
@@ -85,6 +85,11 @@ class LoadedModel:
             stack.callback(_empty_cuda_cache)  # after everything below: its GPU memory back at once
             description = self._read_checkpoint(options)
             stored = self._plan(description, options)
+            # every expert file held open from before the trunk is read until close: the reader (and every
+            # reader a restream builds) reads the files the model was loaded from, even once they are
+            # replaced on disk (said once: `notices`)
+            self.files = CheckpointFiles(self.emap.files)
+            stack.callback(self.files.close)
             self._build_model(stored)
             # the ggml graphs' view of the model, when they run it (before the experts' formats are chosen)
             self.spec, self.no_graph = ggml_spec(self.model, options.trunk, self.device)
@@ -180,6 +185,7 @@ class LoadedModel:
             device=self.device,
             make_reader=self.make_reader,
             graph_kernels=self.spec is not None,
+            files=self.files,
         )
         if self.options.prefetch != "off":
             streaming.enable_lookahead(router_modules(self.model))

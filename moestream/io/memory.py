@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import warnings
@@ -13,6 +14,25 @@ _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 # memmove through ctypes releases the GIL, so mmap-mode readers copy in parallel with compute
 memmove = ctypes.memmove
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+try:
+    _process_vm_readv = _libc.process_vm_readv
+    _process_vm_readv.argtypes = (
+        ctypes.c_int,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IOVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
+    _process_vm_readv.restype = ctypes.c_ssize_t
+except AttributeError:  # not Linux, or a libc without it
+    _process_vm_readv = None
 
 
 class AlignedBuffer:
@@ -67,3 +87,30 @@ def lock_range(address: int, nbytes: int) -> bool:
 
 def unlock_range(address: int, nbytes: int) -> None:
     _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+
+
+def copy_mapped(dest: int, source: int, nbytes: int) -> int:
+    """Copy `nbytes` out of a file mapping at `source` to `dest` through the kernel (process_vm_readv
+    on this process), which returns an error where touching the page itself would be SIGBUS: a page past
+    the end of a file truncated since it was mapped kills the process on a plain copy, whatever was
+    checked before it. Returns the bytes copied, fewer than `nbytes` when the mapping ends short of them.
+    Where the kernel refuses the call (an old kernel or a seccomp filter) the copy is a plain memmove.
+    Releases the GIL, as memmove does."""
+    global _process_vm_readv
+    got, pid = 0, os.getpid()
+    while got < nbytes and _process_vm_readv is not None:
+        local = _IOVec(dest + got, nbytes - got)
+        remote = _IOVec(source + got, nbytes - got)
+        n = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n > 0:
+            got += n
+            continue
+        err = ctypes.get_errno()
+        if n == 0 or err == errno.EFAULT:  # the mapping has no page there any more: the file shrank
+            return got
+        if err == errno.EINTR:
+            continue
+        _process_vm_readv = None  # ENOSYS, EPERM: a plain copy from now on
+    if got < nbytes:
+        memmove(dest + got, source + got, nbytes - got)
+    return nbytes

@@ -15,6 +15,7 @@ thread about 3 ms per layer of a Qwen3-30B-shaped model (72 pieces per expert) w
 from __future__ import annotations
 
 import errno
+import fcntl
 import heapq
 import itertools
 import logging
@@ -25,13 +26,14 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from moestream.errors import CheckpointChangedError, ExpertReadError
-from moestream.io.memory import memmove
+from moestream.io.memory import copy_mapped
 
 log = logging.getLogger("moestream.io")
 IO_MODES = ("direct", "pagecache", "mmap")
@@ -44,8 +46,9 @@ SWITCH_INTERVAL_S = float(os.environ.get("MOESTREAM_SWITCH_INTERVAL", "0.0002"))
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What says a file is still the one that was opened: a rewrite in place changes size or mtime, a
-    replacement (new file renamed over it) changes the inode behind the path."""
+    """What says a file is still the one that was opened: a rewrite in place (overwritten, truncated, a
+    `cp` over it) changes the size or the mtime of the open file; a replacement (a new file renamed over
+    it) or a removal changes what the path names, not the open file."""
 
     device: int
     inode: int
@@ -67,11 +70,11 @@ class OpenFile:
     direct: bool
     mapping: mmap.mmap | None = None
     map_address: int = 0
-    identity: FileIdentity | None = None  # recorded at open
+    identity: FileIdentity | None = None  # when the file was first opened (`CheckpointFiles`)
 
     def change(self) -> str | None:
-        """How the file differs from when it was opened (None: unchanged), checked on the open descriptor
-        (rewritten in place) and on the path (replaced or removed)."""
+        """How the bytes under the open descriptor differ from when the file was first opened (None:
+        unchanged). What the path names now does not matter here: see `CheckpointFiles.replaced`."""
         now = FileIdentity.of(os.fstat(self.fd))
         was = self.identity
         if was is None:
@@ -80,15 +83,116 @@ class OpenFile:
             return f"its size changed from {was.size} to {now.size} bytes"
         if now.mtime_ns != was.mtime_ns:
             return "it was modified"
-        try:
-            at_path = FileIdentity.of(os.stat(self.path))
-        except FileNotFoundError:
-            return "it was deleted"
-        except OSError as exc:
-            return f"it can no longer be examined ({exc.strerror})"
-        if (at_path.device, at_path.inode) != (was.device, was.inode):
-            return "another file was put in its place"
         return None
+
+
+@dataclass(frozen=True)
+class _Held:
+    fd: int
+    identity: FileIdentity
+
+
+class CheckpointFiles:
+    """The checkpoint files as they were first opened, each held open by one read-only descriptor until
+    `close`; a reader's descriptors are reopened from these (`reopen`), so that a reader built later
+    (`Engine.restream`) reads the file the model was loaded from, not whatever the path names by then.
+
+    A file replaced under the process (a new file renamed over it: how huggingface_hub and most download
+    tools write) or removed keeps its bytes under the held descriptor: the process goes on reading exactly
+    the bytes it loaded, and says once (a RuntimeWarning, and `notices`) that a restart loads the new file.
+    """
+
+    def __init__(self, paths: list[str] | tuple[str, ...] = ()) -> None:
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self.notices: dict[str, str] = {}  # path -> what was said about it, once
+        try:
+            for path in paths:
+                self.hold(path)
+        except BaseException:
+            self.close()
+            raise
+        # a half-built engine's descriptors go back when it is collected, not at exit
+        self._finalizer = weakref.finalize(self, _close_all, self._held)
+
+    def hold(self, path: str) -> _Held:
+        """Open `path` (once) and remember what it is."""
+        with self._lock:
+            held = self._held.get(path)
+            if held is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise ExpertReadError(f"cannot open {path}: {exc.strerror}") from None
+                held = self._held[path] = _Held(fd, FileIdentity.of(os.fstat(fd)))
+            return held
+
+    def identity(self, path: str) -> FileIdentity:
+        return self.hold(path).identity
+
+    def reopen(self, path: str, direct: bool) -> int:
+        """A new descriptor of the held file (the same open file: a duplicate, with O_DIRECT set or
+        cleared as asked).
+
+        Raises:
+            OSError: EINVAL where the file system refuses O_DIRECT.
+        """
+        fd = os.dup(self.hold(path).fd)
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            wanted = flags | os.O_DIRECT if direct else flags & ~os.O_DIRECT
+            if wanted != flags:
+                fcntl.fcntl(fd, fcntl.F_SETFL, wanted)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def replaced(self, path: str) -> str | None:
+        """What became of the path since the file was first opened, when it no longer names that file
+        (another file in its place, or none); said once per file, as a RuntimeWarning, and kept in
+        `notices`. None while the path still names the held file."""
+        held = self._held.get(path)
+        if held is None or path in self.notices:
+            return None
+        try:
+            st = os.stat(path)
+            same = (st.st_dev, st.st_ino) == (held.identity.device, held.identity.inode)
+            now = None if same else "replaced"
+        except FileNotFoundError:
+            now = "removed"
+        except OSError:
+            return None  # cannot be examined now: nothing to say about the file that is held
+        if now is None:
+            return None
+        if now == "replaced":
+            what = "was replaced on disk (another file is in its place)"
+            after = "a restart loads the new file"
+        else:
+            what = "was removed from disk"
+            after = "a restart will not find it"
+        notice = (
+            f"checkpoint file {path} {what} since it was opened; moestream goes on computing with the file "
+            f"it opened, whose bytes are unchanged: {after}"
+        )
+        with self._lock:
+            if path in self.notices:
+                return None
+            self.notices[path] = notice
+        warnings.warn(notice, RuntimeWarning, stacklevel=2)
+        return notice
+
+    def close(self) -> None:
+        _close_all(self._held)
+
+
+def _close_all(held: dict[str, _Held]) -> None:
+    for entry in held.values():
+        try:
+            os.close(entry.fd)
+        except OSError:
+            pass
+    held.clear()
 
 
 @dataclass(order=True)
@@ -123,6 +227,9 @@ class Reader:
             raise ValueError(f"io_threads must be at least 1, got {threads}")
         self.io_mode = io_mode
         self.fallback_reason: str | None = None
+        # the files as first opened; an engine gives its own (`use_files`), held from load to close
+        self.files = CheckpointFiles()
+        self._owns_files = True
         self._files: dict[str, OpenFile] = {}
         self._heap: list[Request] = []
         self._cond = threading.Condition()
@@ -143,20 +250,30 @@ class Reader:
         for thread in self._threads:
             thread.start()
 
+    def use_files(self, files: CheckpointFiles) -> None:
+        """Read the files as `files` holds them (an engine's, held from load to close) instead of the
+        reader's own; before anything is opened."""
+        if self._files:
+            raise RuntimeError("use_files comes before the first open")
+        self.files.close()
+        self.files, self._owns_files = files, False
+
     def open(self, path: str) -> OpenFile:
-        """Open (once) a checkpoint file for this reader's io mode."""
+        """Open (once) a checkpoint file for this reader's io mode: the file `files` holds."""
         if path in self._files:
             return self._files[path]
         direct = self.io_mode == "direct"
         try:
-            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            fd = self.files.reopen(path, direct)
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 fd, direct = self._fall_back_to_pagecache(path), False
             else:
                 raise ExpertReadError(f"cannot open {path}: {exc.strerror}") from None
         st = os.fstat(fd)
-        handle = OpenFile(path=path, fd=fd, size=st.st_size, direct=direct, identity=FileIdentity.of(st))
+        # the identity of the file when first opened: one rewritten since is refused by `check_files`
+        identity = self.files.identity(path)
+        handle = OpenFile(path=path, fd=fd, size=st.st_size, direct=direct, identity=identity)
         if self.io_mode == "mmap" and handle.size:
             handle.mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             handle.map_address = np.frombuffer(handle.mapping, dtype=np.uint8).ctypes.data
@@ -169,11 +286,13 @@ class Reader:
             f"{self.fallback_reason}; reading it through the page cache instead", RuntimeWarning, stacklevel=3
         )
         self.io_mode = "pagecache"
-        return os.open(path, os.O_RDONLY)
+        return self.files.reopen(path, False)
 
     def check_files(self) -> None:
-        """Refuse to go on reading a checkpoint file that changed since it was opened: its bytes would no
-        longer be the weights the model was built with.
+        """Refuse to go on reading a checkpoint file whose bytes changed under the open descriptor since
+        it was opened (overwritten in place, truncated, a `cp` over it): they would no longer be the
+        weights the model was built with. A file replaced by rename or removed is only said, once
+        (`CheckpointFiles.replaced`): the open descriptor still reads the bytes that were loaded.
 
         Raises:
             CheckpointChangedError: naming the first changed file and how it changed.
@@ -182,6 +301,7 @@ class Reader:
             change = handle.change()
             if change is not None:
                 raise CheckpointChangedError(_changed_message(handle.path, change))
+            self.files.replaced(handle.path)
 
     def submit(self, requests: list[Request]) -> None:
         """Queue requests; each one's callback fires exactly once."""
@@ -228,6 +348,8 @@ class Reader:
                 handle.mapping = None  # the numpy view keeps the map alive until collected
             os.close(handle.fd)
         self._files.clear()
+        if self._owns_files:
+            self.files.close()
 
     def _run(self) -> None:
         # Ctrl-C and SIGTERM are for the main thread, whose handlers Python runs: a process-directed
@@ -296,13 +418,14 @@ class Reader:
         if handle.mapping is not None:
             got = max(0, min(length, handle.size - offset))
             # touching a mapped page past the file's current end is SIGBUS, which kills the process
-            # with no message: a file shrunk since it was mapped must be an error before the copy
+            # with no message: a file shrunk since it was mapped is an error before the copy, and one
+            # that shrinks during it ends the copy short (copy_mapped: through the kernel, not a fault)
             now = os.fstat(handle.fd).st_size
             if now < offset + got:
                 raise CheckpointChangedError(
                     _changed_message(handle.path, f"its size changed from {handle.size} to {now} bytes")
                 )
-            memmove(request.dest_address + start, handle.map_address + offset, got)
+            got = copy_mapped(request.dest_address + start, handle.map_address + offset, got)
         else:
             got = 0
             while got < length:

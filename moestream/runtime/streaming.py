@@ -20,7 +20,7 @@ from moestream.cache.policy import EvictionPolicy, LFUPolicy, LRUPolicy
 from moestream.cache.predictive import PredictivePolicy
 from moestream.cache.size_classes import budget_requirements, planned_bytes
 from moestream.errors import CheckpointChangedError
-from moestream.io.reader import Reader
+from moestream.io.reader import CheckpointFiles, Reader
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import ExpertFamily
 from moestream.runtime.prefetch import PrefetchGate
@@ -83,11 +83,15 @@ class ExpertStreaming:
         device: torch.device,
         make_reader: ReaderFactory = Reader,
         graph_kernels: bool = False,
+        files: CheckpointFiles | None = None,
     ) -> None:
         """`graph_kernels`: the ggml graphs' runner computes the model (`ExpertRuntime`'s mode: every
-        expert product by the graphs' kernel, so that an expert computed here gives their bits)."""
+        expert product by the graphs' kernel, so that an expert computed here gives their bits).
+        `files`: the checkpoint files as the model loaded them, held open (a restream reads those)."""
         self.emap, self.config, self.device = emap, config, device
         self.reader = make_reader(config.io_mode, config.io_threads)
+        if files is not None:
+            self.reader.use_files(files)
         self.tier: DeviceTier | None = None
         self.cache: ExpertCache | None = None
         self.closed = False
@@ -167,8 +171,9 @@ class ExpertStreaming:
             module.bind(layer, self.runtime)
 
     def check_files(self) -> None:
-        """Refuse to go on when a checkpoint file changed since it was opened (`Reader.check_files`); the
-        streaming is then `suspect` for good (its slots are to be read again, see `Engine.stream`).
+        """Refuse to go on when the bytes of a checkpoint file changed since it was opened
+        (`Reader.check_files`; a file replaced by rename or removed is only said, once); the streaming
+        is then `suspect` for good (its slots are to be read again, see `Engine.stream`).
 
         Raises:
             CheckpointChangedError: naming the first changed file and how it changed.

@@ -92,10 +92,14 @@ guarded = [Depends(require_key)]
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 while the engine can serve; 503 with the reason when it cannot (closed, or a failed restream
-    left it without a streaming setup), so that a load balancer or supervisor sees it."""
+    left it without a streaming setup), so that a load balancer or supervisor sees it. `notices`: what
+    the engine said once and serves on with (a checkpoint file replaced on disk: a restart loads it)."""
     state = _state(request)
     worker, reason = state.worker, state.engine.unavailable
     body = {"status": "ok", "waiting": worker.waiting, "running": worker.running is not None}
+    notices = state.engine.notices
+    if notices:
+        body["notices"] = notices
     if reason is not None:
         return JSONResponse({**body, "status": "unavailable", "reason": reason}, status_code=503)
     return JSONResponse(body)

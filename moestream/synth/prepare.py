@@ -59,7 +59,11 @@ def meta_model(cfg: Any, dtype: str = "bf16") -> Any:
     """The transformers CausalLM of `cfg` on the meta device: names, shapes, no memory."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    # the class imported first, outside the meta device: torch 2.6 cannot import torch._dynamo (which
+    # the modeling modules import) under it ("Tensor.item() cannot be called on meta tensors")
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, DTYPES[dtype]))
 
