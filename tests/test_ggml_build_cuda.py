@@ -43,11 +43,6 @@ def test_cuda_flags_name_the_architecture_and_the_compiler(tmp_path, monkeypatch
     nvcc = _fake_nvcc(tmp_path / "cuda")
     flags = build.cuda_flags(nvcc, "87")
     assert flags[:3] == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=87", f"-DCMAKE_CUDA_COMPILER={nvcc}"]
-    # no driver library to link on a build machine without one: ggml's VMM pool (which alone needs it) off
-    (nvcc.parent.parent / "lib64/stubs").mkdir(parents=True)
-    assert "-DGGML_CUDA_NO_VMM=ON" in flags
-    (nvcc.parent.parent / "lib64/stubs/libcuda.so").write_bytes(b"")
-    assert "-DGGML_CUDA_NO_VMM=ON" not in build.cuda_flags(nvcc, "87")
     pypi = _fake_nvcc(tmp_path / "venv/lib/python3.11/site-packages/nvidia/cuda_nvcc")
     assert f"-DCUDAToolkit_ROOT={pypi.parent.parent}" in build.cuda_flags(pypi, "native")
 
