@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
+import types
 import warnings
 
 import gguf
@@ -18,10 +20,11 @@ from tiny_models import write_tiny
 
 import moestream
 from moestream.cli import main
-from moestream.errors import CheckpointError
+from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.model.arch import arch_for
 from moestream.model.loader import ExpectedKeys, _causal_lm_class
 from moestream.store.gguf import GgufSource
+from moestream.store.gguf_tokenizer import NEEDS, gguf_tokenizer, transformers_builds_gguf_tokenizers
 from moestream.store.safetensors_dir import SafetensorsSource
 from moestream.store.source import open_source
 from moestream.store.tensors import read_bytes
@@ -292,6 +295,7 @@ def test_experts_of_a_type_no_format_computes_are_named(tmp_path, capsys):
     assert "tensor blk.0.ffn_down_exps.weight[0]" in err and "I32 are not supported" in err
 
 
+@pytest.mark.skipif(not transformers_builds_gguf_tokenizers(), reason=NEEDS)  # write_gguf skips the others
 def test_a_gguf_written_by_moestream_synth_streams_like_it_does_resident(tmp_path):
     """Q4_K_M from `moestream synth` (llama.cpp's types, ggml's quantizer): the smallest budget gives
     the logits of every expert cached, bit for bit."""
@@ -384,3 +388,15 @@ def test_serve_a_gguf_through_the_openai_client(tmp_path, capsys):
         assert out.usage.prompt_tokens == expected["prompt_tokens"]
     finally:
         server.stop()
+
+
+def test_transformers_5_17_is_told_to_upgrade(tmp_path, monkeypatch):
+    """transformers 5.17's `integrations.gguf` has no `convert_gguf_tokenizer` (its GGUF tokenizers are
+    Qwen3.5's only): building a GGUF's tokenizer, the first step of its load, is refused in one sentence
+    naming the version that has it, before the file is read."""
+    old = types.ModuleType("transformers.integrations.gguf")
+    old.get_gguf_tokenizer = lambda path: pytest.fail("the file was read")
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf", old)
+    needs = r"^building the tokenizer of a GGUF needs transformers >= 5\.18 "
+    with pytest.raises(UnsupportedModelError, match=needs):
+        gguf_tokenizer(tmp_path / "model.gguf")

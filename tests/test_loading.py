@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 from tiny_models import ARCHS
@@ -76,3 +77,29 @@ def test_a_load_lists_transformers_modules_in_linear_time(tiny_dir, monkeypatch)
     with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB"):
         assert lazy.__dir__ is original  # only while the model is built
     assert "transformers" in calls  # the load's dir() of the top-level module went the linear way
+
+
+def test_a_load_survives_an_alias_module_that_cannot_be_imported(tiny_dir, monkeypatch):
+    """transformers 5.17-5.20 keep alias modules in sys.modules (`..._fast` image processors) whose
+    dir() imports their target, and `apply_patches` takes dir() of every transformers module: without
+    torchvision an image processor's import failed, and so did every load. The same alias, made here as
+    transformers made it, with a target that cannot be imported: the load passes over it, and after
+    the load its dir() raises again, as transformers' own does."""
+    import importlib
+    import types
+
+    alias = types.ModuleType("transformers.models.fake_vision.image_processing_fake_vision_fast")
+    alias.__file__ = None
+
+    def target():
+        return importlib.import_module("torchvision_missing_for_this_test")
+
+    alias.__getattr__ = lambda name: getattr(target(), name)
+    alias.__dir__ = lambda: dir(target())
+    monkeypatch.setitem(sys.modules, alias.__name__, alias)
+    with pytest.raises(ModuleNotFoundError):
+        dir(alias)
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB"):
+        pass
+    with pytest.raises(ModuleNotFoundError):
+        dir(alias)

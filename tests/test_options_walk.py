@@ -32,6 +32,7 @@ import moestream
 from moestream.cli import build_parser, main
 from moestream.engine.options import EngineOptions
 from moestream.errors import MoestreamError
+from moestream.store.gguf_tokenizer import NEEDS, transformers_builds_gguf_tokenizers
 
 PROMPT = ["-p", "Hello world"]
 SMALL = "150KiB"  # 4 slots of the tiny model's 16 experts: evictions, misses, read-ahead
@@ -309,6 +310,8 @@ def _trunk(w: Walk) -> None:
 
 
 def _trunk_dtype(w: Walk) -> None:
+    if w.m["q8"] is None:
+        pytest.skip(NEEDS)
     q8 = ["generate", w.m["q8"], *PROMPT, "-n", "2", "--json", "--cache", FULL]
     assert "in GGUF block types" in ok(w.cli(*q8)).mode
     dequantized = ok(w.cli(*q8, "--trunk-dtype", "float32"))
@@ -1168,7 +1171,8 @@ def models(tiny_dir, tiny_gguf, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("walk")
     st = tiny_dir("qwen3_moe")
-    _, q8 = tiny_gguf("qwen3_moe", ftype=Q.Q8_0)
+    # transformers 5.17 builds no GGUF tokenizer, and moestream refuses GGUF files there (_trunk_dtype skips)
+    q8 = tiny_gguf("qwen3_moe", ftype=Q.Q8_0)[1] if transformers_builds_gguf_tokenizers() else None
     # the same model whose end-of-text tokens are the first ones greedy picks after PROMPT and after a
     # chat's first turn "Hello"
     with moestream.load(str(st), cache=FULL) as engine:

@@ -122,9 +122,9 @@ def build_processors(params: SamplingParams, prompt_len: int) -> list:
 
     processors: list = []
     if params.logit_bias:
-        processors.append(
-            lp.SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in params.logit_bias.items()])
-        )
+        # the {(token,): bias} form: transformers 5.17 refuses token 0 in the [[[token], bias]] form
+        bias = {(t,): float(b) for t, b in params.logit_bias.items()}
+        processors.append(lp.SequenceBiasLogitsProcessor(bias))
     if params.repetition_penalty != 1.0:
         processors.append(lp.RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.presence_penalty or params.frequency_penalty:

@@ -22,7 +22,7 @@ from transformers.monkey_patching import apply_patches, register_patch_mapping, 
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.model.arch import Arch
-from moestream.model.lazy_dir import linear_lazy_dir
+from moestream.model.lazy_dir import linear_lazy_dir, tolerant_alias_dirs
 from moestream.model.quantized import apply_quantized_trunk
 from moestream.model.streaming import StreamingExperts
 from moestream.store.experts import ExpertMap
@@ -57,7 +57,7 @@ def trunk_tensors(
 ) -> dict[str, Any]:
     """The source's trunk (non-expert) tensors by model parameter name, not read yet (what `build_model`
     loads; the memory check sizes them before anything is read)."""
-    with _PATCH_LOCK, _quiet_transformers(), linear_lazy_dir():
+    with _PATCH_LOCK, _quiet_transformers(), linear_lazy_dir(), tolerant_alias_dirs():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
             expected = ExpectedKeys(_causal_lm_class(config), _model_config(config))
@@ -79,7 +79,7 @@ def build_model(
             the config does not imply.
     """
     model_class = _causal_lm_class(config)
-    with _PATCH_LOCK, _quiet_transformers(), linear_lazy_dir():
+    with _PATCH_LOCK, _quiet_transformers(), linear_lazy_dir(), tolerant_alias_dirs():
         register_patch_mapping({arch.experts_class: StreamingExperts}, overwrite=True)
         try:
             blocks = {k: v for k, v in trunk.items() if isinstance(v, QuantizedTensor)}
@@ -139,7 +139,7 @@ class ExpectedKeys(Mapping):
 
     def _built(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:
-            with torch.device("meta"), linear_lazy_dir(), apply_patches():
+            with torch.device("meta"), linear_lazy_dir(), tolerant_alias_dirs(), apply_patches():
                 model = self._model_class(self._config)
             self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         return self._shapes
