@@ -39,6 +39,13 @@ _ALIGN = 64
 # every node its own scratch bytes, none reused after its last reader (debugging: a node's output then
 # stays readable after the compute, benchmarks/cuda_graph_bisect.py)
 _REUSE = os.environ.get("MOESTREAM_GGML_SCRATCH_REUSE", "1") != "0"
+# a tensor's bytes are reused only this many nodes after its last reader: ggml's backends fuse runs of
+# consecutive nodes into one kernel (ggml's CUDA: norm+mul+rope, the router's top-k, gate+up+GLU, the
+# experts' weighted sum: up to 2 K + 1 nodes, K <= 15) and compute such a run only where its output
+# does not overlap an input of the run (`ggml_cuda_check_fusion_memory_ranges`; ggml's scheduler keeps
+# such inputs alive for the fusions it allows, "alloc deps"): freed at the last reader, an input's bytes
+# went to the run's output and the fusion was refused
+FUSE_WINDOW = 32
 
 
 class Net:
@@ -146,6 +153,11 @@ class Net:
         space = _Space()
         offsets: dict[int, int] = {}
         for i, ptr in enumerate(nodes):
+            # nodes run one after another: what no node from FUSE_WINDOW nodes back on reads gives its
+            # bytes back now (before this node takes its own)
+            for dead in last.pop(i - FUSE_WINDOW, ()):
+                if dead in offsets and _REUSE:
+                    space.give(offsets[dead], (b.ggml_nbytes(dead) + _ALIGN - 1) // _ALIGN * _ALIGN)
             t = GgmlTensor.from_address(ptr)
             if ptr not in self.fixed:
                 if t.view_src:
@@ -153,10 +165,6 @@ class Net:
                 else:
                     offsets[ptr] = space.take((b.ggml_nbytes(ptr) + _ALIGN - 1) // _ALIGN * _ALIGN)
                     self._layout.append((t, offsets[ptr]))
-            # nodes run one after another: what no later node reads gives its bytes back now
-            for dead in last.pop(i, ()):
-                if dead in offsets and _REUSE:
-                    space.give(offsets[dead], (b.ggml_nbytes(dead) + _ALIGN - 1) // _ALIGN * _ALIGN)
         self.scratch_bytes = space.top
         if self.memory is not None:
             self._on_backend(nodes)
