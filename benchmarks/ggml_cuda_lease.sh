@@ -24,3 +24,9 @@ python3 benchmarks/ggml_cuda.py check ${CHECK_FAMILIES:+--families $CHECK_FAMILI
 $LC/llama-bench -m "$MODEL" -ngl 99 -p 36,512 -n 32 -r 3 -o json > $OUT/llama-bench.json 2> $OUT/llama-bench.err
 python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'],1)) for r in json.load(open(sys.argv[1]))]" $OUT/llama-bench.json
 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36,512 --tokens 32 --threads 8 2>&1 | tee $OUT/speed.log | tail -4
+# the same decode with no scratch reused at all (no fused run's output can overlap an input), and with
+# ggml's CUDA fusions off: what the fusions and the scratch layout are worth
+if [ -n "${AB:-}" ]; then
+  MOESTREAM_GGML_SCRATCH_REUSE=0 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-noreuse.log
+  GGML_CUDA_DISABLE_FUSION=1 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-nofusion.log
+fi
