@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moestream import ggml
+from moestream.cache.policy import EvictionPolicy, LRUPolicy
+from moestream.engine.gpu_tier import ClassPlan, GpuTier, plan_tier
 from moestream.engine.runners import ModelRunner
+from moestream.engine.stats import TierCounters
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet, set_bytes
@@ -37,6 +41,7 @@ from moestream.graphs.moe import Whole
 from moestream.graphs.spec import ModelSpec
 from moestream.runtime.expert_layers import ExpertLayers, ExpertTypes, SlotArena
 from moestream.runtime.experts import Routed
+from moestream.units import format_size
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
 DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
@@ -92,7 +97,16 @@ class GgmlRunner(ModelRunner):
         ctx_size: int,
         threads: int,
         backend: Backend | None = None,
+        gpu_tier: int | None = None,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
     ) -> None:
+        """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
+        None: every expert on the device), filled by `policy` from the host cache, which holds them all.
+
+        Raises:
+            GgmlUnavailableError: a GPU tier without a backend, or for experts the graphs cannot compute.
+            CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
+        """
         self.spec, self.experts, self.threads = spec, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
         self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
@@ -111,6 +125,31 @@ class GgmlRunner(ModelRunner):
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
+        self._plans: list[ClassPlan] | None = None  # the GPU tier's size classes, when asked for one
+        self._tier: tuple[tuple, GpuTier] | None = None  # (key as `_device`'s, the tier made for it)
+        self._tier_counters = TierCounters()  # of the tiers closed before (a restream)
+        self._policy = policy
+        if gpu_tier is not None:
+            try:
+                self._plans = self._plan_tier(gpu_tier)
+            except BaseException:
+                self.close()
+                raise
+
+    def _plan_tier(self, budget: int) -> list[ClassPlan]:
+        if self.memory is None:
+            raise GgmlUnavailableError(
+                "--gpu-tier sizes the expert slots of ggml's CUDA backend: set MOESTREAM_GGML_BACKEND=cuda "
+                "(or drop --gpu-tier)"
+            )
+        types = self.experts.graph_types()
+        if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe_layers):
+            raise GgmlUnavailableError(
+                "--gpu-tier: the ggml graphs cannot compute this model's routed experts from slots "
+                "(their format or activation), so no GPU tier can hold them"
+            )
+        n, k = self.experts.num_experts, self.spec.top_k
+        return plan_tier(types, self._moe_layers, self.spec.hidden, n, budget, k)
 
     @property
     def kv_bytes(self) -> int:
@@ -119,10 +158,19 @@ class GgmlRunner(ModelRunner):
     def describe(self) -> str:
         if self.memory is not None:
             backend = self.memory.backend
+            if self._plans is None:
+                experts = "one graph a step, every routed expert on the device"
+            else:
+                slots = " + ".join(str(p.slots) for p in self._plans)
+                nbytes = sum(p.slots * p.slot_bytes for p in self._plans)
+                policy = self._policy().name
+                experts = (
+                    f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
+                    f"({format_size(nbytes)}, {policy}) filled from the host cache"
+                )
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
-                f"{self.spec.family}: one graph a step, every routed expert on the device), "
-                f"KV cache F16 of {self.ctx} positions there"
+                f"{self.spec.family}: {experts}), KV cache F16 of {self.ctx} positions there"
             )
         if self.experts.graph_types():
             whole = "; one graph a step while every expert is cached"
@@ -154,6 +202,8 @@ class GgmlRunner(ModelRunner):
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
+        if self._plans is not None:  # the tier first: made again, it closes the sets over the old one
+            self._gpu_tier()
         key = (tokens, span)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
@@ -161,7 +211,7 @@ class GgmlRunner(ModelRunner):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            types = self.experts.graph_types() if self.memory is None else self._on_device()[1]
+            types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
             gs = GraphSet(self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
             self._sets[key] = gs
@@ -185,6 +235,10 @@ class GgmlRunner(ModelRunner):
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
+        if self._plans is not None:  # the device, a graph a layer over its GPU tier
+            with kern._lock, kern.hold():  # a layer the tier cannot hold is computed on the host
+                self._tiered(gs, b)
+            return b.logits
         if self.memory is not None:  # the device: the step one graph over its expert stacks
             gs.whole_graph(self._on_device()[2]).run()
             first = {}
@@ -220,6 +274,92 @@ class GgmlRunner(ModelRunner):
                 if pinned is not None:
                     self.experts.unpin(*pinned)
         return b.logits
+
+    def _tiered(self, gs: GraphSet, b: StepBuffers) -> None:
+        """One step on the device over the GPU tier: after each MoE layer's graph its routing comes back,
+        the tier places the layer's experts in device slots (uploading its misses from the host cache),
+        and the next graph computes them from there (ids = slots). A layer whose experts outnumber its
+        class's slots (a prefill chunk's union) is computed by the expert runtime from the host cache
+        (on the CPU), its outputs uploaded with the next graph's inputs."""
+        tier = self._gpu_tier()
+        graphs, fused = gs.layer_graphs()
+        ready, hits, layers = False, 0, 0
+        for i, net in enumerate(graphs):
+            (fused[i] if ready else net).run()
+            ready = False
+            if i == len(self.spec.layers) or self.spec.layers[i].router is None:
+                continue
+            n = gs.rows(i)
+            rows = b.order[:n, : b.weights[0].shape[1]].tolist()
+            slot = tier.place(i, rows) if i + 1 in fused else None
+            if slot is None:
+                self._place(self._experts(i, b, n), b)
+                continue
+            b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+            ready = True
+            hits, layers = hits + len(slot), layers + 1
+        self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
+
+    def _device_types(self) -> dict[int, ExpertTypes]:
+        """Each MoE layer's experts as the device's graphs see them: its GPU tier's slots, or the stacks
+        of every expert."""
+        return self._gpu_tier().types if self._plans is not None else self._on_device()[1]
+
+    def _gpu_tier(self) -> GpuTier:
+        """The GPU tier over the host cache's slots, made when first used and again when those move (a
+        restream).
+
+        Raises:
+            GgmlUnavailableError: the host cache does not hold every expert (read at load), or a trace, a
+                routing replay or --prefetch is on (not yet with a GPU tier).
+        """
+        if self.experts.generation != self._generation:  # a restream: the sets read the old tier
+            self.close_sets()
+            self._generation = self.experts.generation
+        key = (self._generation, self.experts.cache_version())
+        if self._tier is not None and self._tier[0] == key:
+            return self._tier[1]
+        kind = self.memory.backend.kind
+        if self.experts.host_routing():
+            raise GgmlUnavailableError(
+                f"a GPU tier on ggml's {kind} backend does not yet give a trace, a routing replay or "
+                "--prefetch each layer's routing (--device cpu)"
+            )
+        first = self.experts.resident_slots()
+        if first is None:
+            raise GgmlUnavailableError(
+                f"a GPU tier on ggml's {kind} backend is filled from a host cache holding every routed "
+                "expert: give the expert cache room for all of them (--cache)"
+            )
+        self._drop_tier()
+        self.close_sets()  # their graphs read the old tier's slots
+        for base, nbytes in self.experts.slot_regions():  # the host slots: copied from, never weights
+            self.memory.forbid(base, nbytes, "the expert cache's slots")
+            self.memory.pin_host(base, nbytes)
+        tier = GpuTier(self.memory, self.experts.graph_types(), first, self._plans, self._policy)
+        self._tier = (key, tier)
+        return tier
+
+    def _drop_tier(self) -> None:
+        if self._tier is not None:
+            tier = self._tier[1]
+            self._tier_counters = _added(self._tier_counters, tier.counters)
+            tier.close()
+            self._tier = None
+
+    def tier_counters(self) -> TierCounters | None:
+        """The GPU tier's cumulative counters (None without one)."""
+        if self._plans is None:
+            return None
+        c = self._tier_counters
+        return c if self._tier is None else _added(c, self._tier[1].counters)
+
+    def before_restream(self) -> None:
+        """The host slots are freed next: the tier copied from them goes, and they are unpinned."""
+        if self.memory is not None:
+            self._drop_tier()
+            self.close_sets()
+            self.memory.unpin_hosts()
 
     def _on_device(self) -> tuple[tuple, dict[int, ExpertTypes], Whole]:
         """(key, each MoE layer's experts as the device's graphs see them, their Whole): every routed
@@ -331,6 +471,7 @@ class GgmlRunner(ModelRunner):
         self.close_sets()
         self.kv = []
         if self.memory is not None:
+            self._drop_tier()
             self._stacks = []
             self.memory.close()
             self.memory.backend.close()
@@ -347,6 +488,10 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, 1, ctx, experts, inter, threads)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
+
+
+def _added(a: TierCounters, b: TierCounters) -> TierCounters:
+    return TierCounters(a.hits + b.hits, a.misses + b.misses, a.bytes_uploaded + b.bytes_uploaded)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
