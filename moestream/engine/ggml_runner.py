@@ -129,6 +129,9 @@ class GgmlRunner(ModelRunner):
         self._tier: tuple[tuple, GpuTier] | None = None  # (key as `_device`'s, the tier made for it)
         self._tier_counters = TierCounters()  # of the tiers closed before (a restream)
         self._policy = policy
+        # with a GPU tier, the residual stream and the experts' input stay on the device between the
+        # per-layer graphs (the experts' input comes back only for a layer computed on the host)
+        self._device_only = frozenset({"resid0", "resid1", "moe_in"} if gpu_tier is not None else ())
         if gpu_tier is not None:
             try:
                 self._plans = self._plan_tier(gpu_tier)
@@ -213,7 +216,8 @@ class GgmlRunner(ModelRunner):
         if gs is None:
             types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
-            gs = GraphSet(self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
+            args = (self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
+            gs = GraphSet(*args, self._device_only)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -293,12 +297,19 @@ class GgmlRunner(ModelRunner):
             rows = b.order[:n, : b.weights[0].shape[1]].tolist()
             slot = tier.place(i, rows) if i + 1 in fused else None
             if slot is None:
+                self._fetch(b.moe_in[:n])
                 self._place(self._experts(i, b, n), b)
                 continue
             b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
             ready = True
             hits, layers = hits + len(slot), layers + 1
         self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
+
+    def _fetch(self, t: torch.Tensor) -> None:
+        """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
+        _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
+        self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
+        self.memory.backend.synchronize()
 
     def _device_types(self) -> dict[int, ExpertTypes]:
         """Each MoE layer's experts as the device's graphs see them: its GPU tier's slots, or the stacks
