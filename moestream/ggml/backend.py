@@ -309,9 +309,11 @@ class DeviceMemory:
 
     def pin_host(self, start: int, nbytes: int) -> bool:
         """Page-lock host bytes for the device's copies (CUDA: registered until `close`), where it can;
-        whether it did (the copies work either way, slower from pageable memory)."""
+        whether it did (the copies work either way, slower and synchronous from pageable memory).
+        ggml registers nothing unless GGML_CUDA_REGISTER_HOST is set (read at each call): set here."""
         if self.backend.kind != "cuda" or (start, nbytes) in self._pinned:
             return False
+        os.environ.setdefault("GGML_CUDA_REGISTER_HOST", "1")
         if not cuda_library().ggml_backend_cuda_register_host_buffer(start, nbytes):
             return False
         self._pinned.append((start, nbytes))
