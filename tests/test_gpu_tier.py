@@ -57,8 +57,11 @@ def _sizes(path, monkeypatch) -> tuple[int, int, int, list]:
     return least, (least + every) // 2, every, plans
 
 
+@pytest.mark.parametrize("misses", ["upload", "host"])
 @pytest.mark.parametrize("which", ["qwen3_moe", "mixed_gguf", "mixtral", "gpt_oss"])
-def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, tiny_dir, tiny_gguf, monkeypatch):
+def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_dir, tiny_gguf, monkeypatch):
+    """Misses copied to their slots before the graph (upload), or computed by the CPU from the host cache
+    and picked by the graph beside the device's hits (host): the same bits either way."""
     path = _model(which, tiny_dir, tiny_gguf)
     want, want_tokens, _ = _run(path, monkeypatch, "")
     every_on_device, device_tokens, _ = _run(path, monkeypatch, "cpu")
@@ -67,9 +70,11 @@ def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, tiny_dir, tiny_
     if which == "mixed_gguf":  # Q4_0 and Q8_0 downs: each class's down slots of their own bytes
         downs = sorted(dict(p.kinds)["down"] for p in plans)
         assert len(plans) == 2 and downs[0] < downs[1]
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    words = {"upload": "misses copied before their graph", "host": "misses computed by the CPU from it"}
     for size in (least, middle, every):
         got, tokens, mode = _run(path, monkeypatch, "cpu", gpu_tier=size)
-        assert "routed experts in a GPU tier of" in mode
+        assert "routed experts in a GPU tier of" in mode and words[misses] in mode
         assert torch.equal(got, want), (which, size)
         assert tokens == want_tokens
 
@@ -129,7 +134,22 @@ def test_a_gpu_tier_needs_every_expert_in_the_host_cache(tiny_dir, monkeypatch):
         engine.generate([5, 6, 7], max_tokens=2)
 
 
-def test_chunks_and_a_restream_with_a_gpu_tier(tiny_dir, monkeypatch):
+def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
+    """MOESTREAM_TIER_MISSES: a value of neither way, or set without a GPU tier, is refused in a sentence."""
+    from moestream.ggml.lib import GgmlUnavailableError
+
+    path = str(tiny_dir("qwen3_moe"))
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "cpu")
+    with pytest.raises(GgmlUnavailableError, match="say upload or host"):
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
+    with pytest.raises(GgmlUnavailableError, match="there is no GPU tier"):
+        moestream.load(path, cache="64MiB", trunk="ggml")
+
+
+@pytest.mark.parametrize("misses", ["upload", "host"])
+def test_chunks_and_a_restream_with_a_gpu_tier(misses, tiny_dir, monkeypatch):
     """Prefill chunks (each layer's union of a chunk beyond the smallest tier: computed from the host),
     spans across graph sets, and a restream (the tier made again over the new host slots)."""
     from test_ggml_runner import _runner_logits, _small_steps
@@ -141,6 +161,7 @@ def test_chunks_and_a_restream_with_a_gpu_tier(tiny_dir, monkeypatch):
     path = tiny_dir("qwen3_moe")
     want, _, _ = _run(path, monkeypatch, "")
     least, middle, _, _ = _sizes(path, monkeypatch)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
     for size in (least, middle):
         with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=size) as engine:
             assert torch.equal(_runner_logits(engine, PROMPT), want)

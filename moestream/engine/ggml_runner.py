@@ -21,7 +21,9 @@ prefill piece) and an attention span S (positions, a multiple of 256); the few m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -132,12 +134,15 @@ class GgmlRunner(ModelRunner):
         # with a GPU tier, the residual stream and the experts' input stay on the device between the
         # per-layer graphs (the experts' input comes back only for a layer computed on the host)
         self._device_only = frozenset({"resid0", "resid1", "moe_in"} if gpu_tier is not None else ())
-        if gpu_tier is not None:
-            try:
+        # MOESTREAM_TIER_MISSES: a GPU tier's misses copied to their slots before the graph that computes
+        # them ("upload", the default), or computed by the CPU from the host cache, copied after ("host")
+        try:
+            self._host_misses = _tier_misses(gpu_tier is not None) == "host"
+            if gpu_tier is not None:
                 self._plans = self._plan_tier(gpu_tier)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     def _plan_tier(self, budget: int) -> list[ClassPlan]:
         if self.memory is None:
@@ -167,9 +172,14 @@ class GgmlRunner(ModelRunner):
                 slots = " + ".join(str(p.slots) for p in self._plans)
                 nbytes = sum(p.slots * p.slot_bytes for p in self._plans)
                 policy = self._policy().name
+                misses = (
+                    "misses computed by the CPU from it, then copied"
+                    if self._host_misses
+                    else "misses copied before their graph"
+                )
                 experts = (
                     f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
-                    f"({format_size(nbytes)}, {policy}) filled from the host cache"
+                    f"({format_size(nbytes)}, {policy}) filled from the host cache, {misses}"
                 )
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
@@ -217,7 +227,7 @@ class GgmlRunner(ModelRunner):
             types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
             args = (self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
-            gs = GraphSet(*args, self._device_only)
+            gs = GraphSet(*args, self._device_only, self._host_misses)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -240,7 +250,10 @@ class GgmlRunner(ModelRunner):
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
         if self._plans is not None:  # the device, a graph a layer over its GPU tier
-            with kern._lock, kern.hold():  # a layer the tier cannot hold is computed on the host
+            # the pool computes the experts the host does; its workers poll between those computes, but
+            # on ggml's CPU backend, whose own threads compute the graphs on the same cores, it pauses
+            cpu = self.memory.backend.kind == "cpu"
+            with kern._lock, contextlib.nullcontext() if cpu else kern.hold():
                 self._tiered(gs, b)
             return b.logits
         if self.memory is not None:  # the device: the step one graph over its expert stacks
@@ -285,25 +298,49 @@ class GgmlRunner(ModelRunner):
         and the next graph computes them from there (ids = slots). A layer whose experts outnumber its
         class's slots (a prefill chunk's union) is computed by the expert runtime from the host cache
         (on the CPU), its outputs uploaded with the next graph's inputs."""
-        tier = self._gpu_tier()
+        tier, host = self._gpu_tier(), self._host_misses
         graphs, fused = gs.layer_graphs()
         ready, hits, layers = False, 0, 0
         for i, net in enumerate(graphs):
             (fused[i] if ready else net).run()
+            tier.flush()  # misses the CPU computed: to their slots now, for the next tokens
             ready = False
             if i == len(self.spec.layers) or self.spec.layers[i].router is None:
                 continue
             n = gs.rows(i)
             rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-            slot = tier.place(i, rows) if i + 1 in fused else None
-            if slot is None:
+            placed = tier.place(i, rows, defer=host) if i + 1 in fused else None
+            if placed is None:
                 self._fetch(b.moe_in[:n])
                 self._place(self._experts(i, b, n), b)
                 continue
+            slot, misses = placed
             b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+            if host:
+                self._host_pairs(i, b, rows, set(misses))
             ready = True
-            hits, layers = hits + len(slot), layers + 1
+            hits, layers = hits + len(slot) - (len(misses) if host else 0), layers + 1
         self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
+
+    def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
+        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU)
+        into `b.outputs`, and `b.pick` choosing them there and the device's slots elsewhere."""
+        n, k = len(rows), len(rows[0])
+        pick = torch.arange(n * k, dtype=torch.int32)
+        pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]
+        if pairs:
+            self._fetch(b.moe_in[:n])
+            index = torch.tensor(pairs)
+            tokens = index // k
+            hidden = b.moe_in[:n][tokens]  # [P, H]: each pair's token
+            top = b.order[:n, :k].reshape(-1)[index].view(-1, 1)  # [P, 1]
+            weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
+            routed = self.experts.compute(layer, hidden, top, weights)
+            outputs = torch.cat([_f32(routed.outputs[e]) for e in routed.routing.by_expert])
+            flat = b.outputs.view(-1, b.outputs.shape[2])
+            flat.index_copy_(0, index[routed.routing.tokens], outputs)
+            pick[index] += n * k
+        b.pick[:n].copy_(pick.view(n, k))
 
     def _fetch(self, t: torch.Tensor) -> None:
         """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
@@ -499,6 +536,20 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, 1, ctx, experts, inter, threads)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
+
+
+def _tier_misses(tier: bool) -> str:
+    """MOESTREAM_TIER_MISSES: "upload" (default) or "host" (see `GgmlRunner`).
+
+    Raises:
+        GgmlUnavailableError: another value, or set without a GPU tier (it would change nothing).
+    """
+    asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
+    if asked and not tier:
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
+    if asked not in ("", "upload", "host"):
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload or host")
+    return asked or "upload"
 
 
 def _added(a: TierCounters, b: TierCounters) -> TierCounters:

@@ -122,6 +122,9 @@ class GpuTier:
         self.counters = TierCounters()
         self._classes: list[_Class] = []
         self._class_of: dict[int, _Class] = {}
+        self._pending: list[
+            tuple[_Class, int, int, int]
+        ] = []  # deferred uploads (class, layer, expert, slot)
         self.types: dict[int, ExpertTypes] = {}
         try:
             for k, plan in enumerate(plans):
@@ -138,11 +141,14 @@ class GpuTier:
             self.close()
             raise
 
-    def place(self, layer: int, rows: list[list[int]]) -> dict[int, int] | None:
-        """Each token's experts of `layer` (`rows`, in router order) in device slots: expert -> slot, the
-        misses' bytes uploaded from the host slots (on the backend's stream, before the next compute);
-        None when they are more than the layer's class has slots (a prefill chunk's union: the caller
-        computes them from the host tier instead)."""
+    def place(
+        self, layer: int, rows: list[list[int]], defer: bool = False
+    ) -> tuple[dict[int, int], list[int]] | None:
+        """Each token's experts of `layer` (`rows`, in router order) in device slots: (expert -> slot, the
+        misses), the misses' bytes uploaded from the host slots (on the backend's stream, before the next
+        compute; `defer`: at `flush`, after the graph that computes the misses elsewhere); None when they
+        are more than the layer's class has slots (a prefill chunk's union: the caller computes them from
+        the host tier instead)."""
         c = self._class_of[layer]
         experts = execution_order(rows)
         if len(experts) > c.plan.slots:
@@ -164,10 +170,20 @@ class GpuTier:
         group = set(keys)  # pinned: the layer's graph reads them all
         for e, key in misses:
             slot[e], _ = residents.admit(key, group)
-            self._upload(c, layer, e, slot[e])
+            if defer:
+                self._pending.append((c, layer, e, slot[e]))
+            else:
+                self._upload(c, layer, e, slot[e])
         self.counters.hits += len(experts) - len(misses)
         self.counters.misses += len(misses)
-        return slot
+        return slot, [e for e, _ in misses]
+
+    def flush(self) -> None:
+        """Upload the misses `place(defer=True)` admitted (their graph has run: it read the host's outputs,
+        not these slots)."""
+        for args in self._pending:
+            self._upload(*args)
+        self._pending.clear()
 
     def _upload(self, c: _Class, layer: int, expert: int, slot: int) -> None:
         host = self.host[layer].arena
