@@ -10,6 +10,8 @@ llama.cpp on the same GGUF, every expert in VRAM.
     # the same with a GPU tier of 2 GiB (the host cache holds every expert): also its hit rate and the
     # bytes uploaded to it per decoded token
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB
+    # its misses computed by the CPU from the host cache instead of copied first (MOESTREAM_TIER_MISSES)
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB --tier-misses host
 
 Runs with MOESTREAM_GGML_BACKEND=cuda set by itself (`--backend cpu`: ggml's CPU backend, to check the
 script here). Prints one JSON line per result and a table last.
@@ -135,6 +137,8 @@ def speed(args: argparse.Namespace) -> None:
     Net.run = timed
     t0 = time.perf_counter()
     tier = {"gpu_tier": args.gpu_tier} if args.gpu_tier else {}
+    if args.gpu_tier:
+        os.environ["MOESTREAM_TIER_MISSES"] = args.tier_misses
     with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads, **tier) as engine:
         load_s = time.perf_counter() - t0
         print(engine.mode_line(), flush=True)
@@ -176,6 +180,7 @@ def speed(args: argparse.Namespace) -> None:
             tokens[n] = (prompt, out.tokens[: args.compare])
     if args.compare:  # the same greedy tokens from the CPU graphs (ggml's CPU backend in place)
         os.environ.pop("MOESTREAM_GGML_BACKEND")
+        os.environ.pop("MOESTREAM_TIER_MISSES", None)
         with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
             for n, (prompt, theirs) in tokens.items():
                 ours = engine.generate(prompt, max_tokens=args.compare, ignore_eos=True).tokens
@@ -201,6 +206,7 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--backend", default="cuda")
     s.add_argument("--gpu-tier", default=None, help="device slots for the experts (default: every expert)")
+    s.add_argument("--tier-misses", default="upload", choices=["upload", "host"], help="with --gpu-tier")
     s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()
     check(args) if args.cmd == "check" else speed(args)
