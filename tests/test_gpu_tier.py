@@ -167,3 +167,21 @@ def test_chunks_and_a_restream_with_a_gpu_tier(misses, tiny_dir, monkeypatch):
             assert torch.equal(_runner_logits(engine, PROMPT), want)
             engine.restream(cache="32MiB", preload=True)
             assert torch.equal(_runner_logits(engine, PROMPT), want)
+
+
+OTHER_FAMILIES = ["qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss_mxfp4"]
+
+
+@pytest.mark.parametrize("arch", [*OTHER_FAMILIES, "qwen3_next", "qwen3_5_moe"])
+def test_every_family_with_a_gpu_tier(arch, tiny_dir, monkeypatch):
+    """The other families (dense first layers, shared experts, MLA, linear attention, MXFP4): the smallest
+    tier both ways gives the in-place bits (prefill and decode)."""
+    from test_ggml_runner import _runner_logits
+
+    path = tiny_dir(arch)
+    want, _, _ = _run(path, monkeypatch, "")
+    least, *_ = _sizes(path, monkeypatch)
+    for misses in ("upload", "host"):
+        monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+        with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
+            assert torch.equal(_runner_logits(engine, PROMPT), want), misses
