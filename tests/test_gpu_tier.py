@@ -185,3 +185,17 @@ def test_every_family_with_a_gpu_tier(arch, tiny_dir, monkeypatch):
         monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
         with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
             assert torch.equal(_runner_logits(engine, PROMPT), want), misses
+
+
+def test_layer_graphs_copy_only_the_routing_and_the_experts_outputs(tiny_dir, monkeypatch):
+    """Between a tiered step's layer graphs only the routing crosses (and the host's expert outputs): the
+    residual stream and the experts' input stay on the device, the step's inputs go once a step."""
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle) as engine:
+        engine.generate(PROMPT, max_tokens=3, ignore_eos=True)
+        (gs,) = [gs for (t, _), gs in engine.runner._sets.items() if t == 1][-1:]
+        graphs, fused = gs.layer_graphs()
+        crossing = {r.name for net in [*graphs, *fused.values()] for r, _, _ in net._inputs + net._outputs}
+    assert crossing <= {"order", "weights0", "weights1", "slots", "outputs", "logits"}, crossing
+    assert {"order", "slots", "logits"} <= crossing

@@ -47,6 +47,8 @@ from moestream.units import format_size
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
 DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
+# the step's buffers that the host writes before a step and every layer's graph reads
+STEP_INPUTS = ("tokens", "positions", "rows", "mask", "window")
 # graph sets kept: prefill shapes (T > 1: the largest buffers; a long prompt's chunks each attend over
 # another span, so an older one is seldom used again) and decode sets (T = 1: the current span's and
 # the previous one's)
@@ -132,8 +134,10 @@ class GgmlRunner(ModelRunner):
         self._tier_counters = TierCounters()  # of the tiers closed before (a restream)
         self._policy = policy
         # with a GPU tier, the residual stream and the experts' input stay on the device between the
-        # per-layer graphs (the experts' input comes back only for a layer computed on the host)
-        self._device_only = frozenset({"resid0", "resid1", "moe_in"} if gpu_tier is not None else ())
+        # per-layer graphs (the experts' input comes back only for a layer computed on the host), and the
+        # step's inputs that every layer's graph reads are copied there once a step (`_tiered`)
+        kept = (*STEP_INPUTS, "resid0", "resid1", "moe_in")
+        self._device_only = frozenset(kept if gpu_tier is not None else ())
         # MOESTREAM_TIER_MISSES: a GPU tier's misses copied to their slots before the graph that computes
         # them ("upload", the default), or computed by the CPU from the host cache, copied after ("host")
         try:
@@ -300,6 +304,10 @@ class GgmlRunner(ModelRunner):
         (on the CPU), its outputs uploaded with the next graph's inputs."""
         tier, host = self._gpu_tier(), self._host_misses
         graphs, fused = gs.layer_graphs()
+        for name, t in b.tensors():
+            if name in STEP_INPUTS:
+                _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
+                self.memory.upload(region, t.data_ptr() - region.host, t.nbytes)
         ready, hits, layers = False, 0, 0
         for i, net in enumerate(graphs):
             (fused[i] if ready else net).run()
