@@ -199,3 +199,35 @@ def test_layer_graphs_copy_only_the_routing_and_the_experts_outputs(tiny_dir, mo
         crossing = {r.name for net in [*graphs, *fused.values()] for r, _, _ in net._inputs + net._outputs}
     assert crossing <= {"order", "weights0", "weights1", "slots", "outputs", "logits"}, crossing
     assert {"order", "slots", "logits"} <= crossing
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, tiny_dir, monkeypatch):
+    """The tier's residency is `cache/policy`'s (the classes the simulator replays): the layers' routing it
+    placed, replayed through fresh `ResidentSet`s of its classes' slots, misses exactly as often."""
+    from moestream.cache.policy import ResidentSet, execution_order
+    from moestream.engine.gpu_tier import GpuTier
+    from moestream.runtime.streaming import POLICY_CLASSES
+
+    seen = []
+    place = GpuTier.place
+
+    def recorded(self, layer, rows, defer=False):
+        out = place(self, layer, rows, defer)
+        if out is not None:
+            seen.append((layer, rows))
+        return out
+
+    monkeypatch.setattr(GpuTier, "place", recorded)
+    path = tiny_dir("qwen3_moe")
+    least, *_ = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least, policy=policy) as engine:
+        engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        measured = engine.runner.tier_counters().misses
+        (plan,) = engine.runner._plans
+    replay = ResidentSet(plan.slots, POLICY_CLASSES[policy]())
+    simulated = 0
+    for layer, rows in seen:
+        keys = [(layer, e) for e in execution_order(rows)]
+        simulated += len(replay.access_group(keys)[1])
+    assert seen and simulated == measured

@@ -158,25 +158,20 @@ class GpuTier:
         for row in rows:
             for e in row:
                 uses[e] += 1
+        # the simulator's protocol (`ResidentSet.access_group`): the policy hears of the group, hits are
+        # touched, misses admitted without evicting one of the group (pinned: the layer's graph reads them)
         residents = c.residents
-        residents.begin_group(keys, list(uses.values()), len(rows))
-        slot = {}
-        misses = []
-        for e, key in zip(experts, keys):
-            if key in residents:
-                slot[e] = residents.touch(key)
-            else:
-                misses.append((e, key))
-        group = set(keys)  # pinned: the layer's graph reads them all
-        for e, key in misses:
-            slot[e], _ = residents.admit(key, group)
+        _, missed = residents.access_group(keys, list(uses.values()), len(rows))
+        slot = {e: residents.slot_of(key) for e, key in zip(experts, keys)}
+        misses = [e for _, e in missed]
+        for e in misses:
             if defer:
                 self._pending.append((c, layer, e, slot[e]))
             else:
                 self._upload(c, layer, e, slot[e])
         self.counters.hits += len(experts) - len(misses)
         self.counters.misses += len(misses)
-        return slot, [e for e, _ in misses]
+        return slot, misses
 
     def flush(self) -> None:
         """Upload the misses `place(defer=True)` admitted (their graph has run: it read the host's outputs,
