@@ -50,7 +50,7 @@ def _sizes(path, monkeypatch) -> tuple[int, int, int, list]:
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier="1GiB") as engine:
         r = engine.runner
-        plans = r._plans
+        plans = r.tiered.plans
         types, n = r.experts.graph_types(), r.experts.num_experts
         least = minimum_budget(types, r._moe_layers, r.spec.hidden, n, r.spec.top_k)
         every = sum(p.slots * p.slot_bytes for p in plans)
@@ -96,7 +96,7 @@ def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monk
         assert gen.stats.decode.device_hits == (GREEDY - 1) * engine.top_k * len(plans[0].layers)
     (plan,) = plans
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
-        assert engine.runner._plans[0].slots == engine.top_k
+        assert engine.runner.tiered.plans[0].slots == engine.top_k
         gen = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
         d = gen.stats.decode
         assert d.device_misses >= d.tokens and d.device_bytes == d.device_misses * plan.slot_bytes
@@ -224,7 +224,7 @@ def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, tiny_dir
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least, policy=policy) as engine:
         engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
         measured = engine.runner.tier_counters().misses
-        (plan,) = engine.runner._plans
+        (plan,) = engine.runner.tiered.plans
     replay = ResidentSet(plan.slots, POLICY_CLASSES[policy]())
     simulated = 0
     for layer, rows in seen:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +31,9 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
-from moestream.engine.gpu_tier import ClassPlan, GpuTier, plan_tier
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
+from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet, set_bytes
@@ -43,12 +42,9 @@ from moestream.graphs.moe import Whole
 from moestream.graphs.spec import ModelSpec
 from moestream.runtime.expert_layers import ExpertLayers, ExpertTypes, SlotArena
 from moestream.runtime.experts import Routed
-from moestream.units import format_size
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
 DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
-# the step's buffers that the host writes before a step and every layer's graph reads
-STEP_INPUTS = ("tokens", "positions", "rows", "mask", "window")
 # graph sets kept: prefill shapes (T > 1: the largest buffers; a long prompt's chunks each attend over
 # another span, so an older one is seldom used again) and decode sets (T = 1: the current span's and
 # the previous one's)
@@ -129,39 +125,20 @@ class GgmlRunner(ModelRunner):
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
-        self._plans: list[ClassPlan] | None = None  # the GPU tier's size classes, when asked for one
-        self._tier: tuple[tuple, GpuTier] | None = None  # (key as `_device`'s, the tier made for it)
-        self._tier_counters = TierCounters()  # of the tiers closed before (a restream)
-        self._policy = policy
-        # with a GPU tier, the residual stream and the experts' input stay on the device between the
-        # per-layer graphs (the experts' input comes back only for a layer computed on the host), and the
-        # step's inputs that every layer's graph reads are copied there once a step (`_tiered`)
-        kept = (*STEP_INPUTS, "resid0", "resid1", "moe_in")
-        self._device_only = frozenset(kept if gpu_tier is not None else ())
-        # MOESTREAM_TIER_MISSES: a GPU tier's misses copied to their slots before the graph that computes
-        # them ("upload", the default), or computed by the CPU from the host cache, copied after ("host")
+        self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
         try:
-            self._host_misses = _tier_misses(gpu_tier is not None) == "host"
-            if gpu_tier is not None:
-                self._plans = self._plan_tier(gpu_tier)
+            if gpu_tier is None:
+                tier_misses(False)  # refused when set: there is no tier to miss
+            elif self.memory is None:
+                raise GgmlUnavailableError(
+                    "--gpu-tier sizes the expert slots of ggml's CUDA backend: set "
+                    "MOESTREAM_GGML_BACKEND=cuda (or drop --gpu-tier)"
+                )
+            else:
+                self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy)
         except BaseException:
             self.close()
             raise
-
-    def _plan_tier(self, budget: int) -> list[ClassPlan]:
-        if self.memory is None:
-            raise GgmlUnavailableError(
-                "--gpu-tier sizes the expert slots of ggml's CUDA backend: set MOESTREAM_GGML_BACKEND=cuda "
-                "(or drop --gpu-tier)"
-            )
-        types = self.experts.graph_types()
-        if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe_layers):
-            raise GgmlUnavailableError(
-                "--gpu-tier: the ggml graphs cannot compute this model's routed experts from slots "
-                "(their format or activation), so no GPU tier can hold them"
-            )
-        n, k = self.experts.num_experts, self.spec.top_k
-        return plan_tier(types, self._moe_layers, self.spec.hidden, n, budget, k)
 
     @property
     def kv_bytes(self) -> int:
@@ -170,21 +147,9 @@ class GgmlRunner(ModelRunner):
     def describe(self) -> str:
         if self.memory is not None:
             backend = self.memory.backend
-            if self._plans is None:
-                experts = "one graph a step, every routed expert on the device"
-            else:
-                slots = " + ".join(str(p.slots) for p in self._plans)
-                nbytes = sum(p.slots * p.slot_bytes for p in self._plans)
-                policy = self._policy().name
-                misses = (
-                    "misses computed by the CPU from it, then copied"
-                    if self._host_misses
-                    else "misses copied before their graph"
-                )
-                experts = (
-                    f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
-                    f"({format_size(nbytes)}, {policy}) filled from the host cache, {misses}"
-                )
+            experts = "one graph a step, every routed expert on the device"
+            if self.tiered is not None:
+                experts = self.tiered.describe()
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
                 f"{self.spec.family}: {experts}), KV cache F16 of {self.ctx} positions there"
@@ -219,8 +184,8 @@ class GgmlRunner(ModelRunner):
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
-        if self._plans is not None:  # the tier first: made again, it closes the sets over the old one
-            self._gpu_tier()
+        if self.tiered is not None:  # the tier first: made again, it closes the sets over the old one
+            self._tier_types()
         key = (tokens, span)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
@@ -231,7 +196,11 @@ class GgmlRunner(ModelRunner):
             types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
             args = (self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
-            gs = GraphSet(*args, self._device_only, self._host_misses)
+            tiered = self.tiered
+            if tiered is None:
+                gs = GraphSet(*args)
+            else:
+                gs = GraphSet(*args, tiered.device_only, tiered.host_misses)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -253,12 +222,12 @@ class GgmlRunner(ModelRunner):
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
-        if self._plans is not None:  # the device, a graph a layer over its GPU tier
+        if self.tiered is not None:  # the device, a graph a layer over its GPU tier
             # the pool computes the experts the host does; its workers poll between those computes, but
             # on ggml's CPU backend, whose own threads compute the graphs on the same cores, it pauses
             cpu = self.memory.backend.kind == "cpu"
             with kern._lock, contextlib.nullcontext() if cpu else kern.hold():
-                self._tiered(gs, b)
+                self.tiered.step(gs, lambda layer, n: self._place(self._experts(layer, b, n), b))
             return b.logits
         if self.memory is not None:  # the device: the step one graph over its expert stacks
             gs.whole_graph(self._on_device()[2]).run()
@@ -296,124 +265,25 @@ class GgmlRunner(ModelRunner):
                     self.experts.unpin(*pinned)
         return b.logits
 
-    def _tiered(self, gs: GraphSet, b: StepBuffers) -> None:
-        """One step on the device over the GPU tier: after each MoE layer's graph its routing comes back,
-        the tier places the layer's experts in device slots (uploading its misses from the host cache),
-        and the next graph computes them from there (ids = slots). A layer whose experts outnumber its
-        class's slots (a prefill chunk's union) is computed by the expert runtime from the host cache
-        (on the CPU), its outputs uploaded with the next graph's inputs."""
-        tier, host = self._gpu_tier(), self._host_misses
-        graphs, fused = gs.layer_graphs()
-        for name, t in b.tensors():
-            if name in STEP_INPUTS:
-                _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
-                self.memory.upload(region, t.data_ptr() - region.host, t.nbytes)
-        ready, hits, layers = False, 0, 0
-        for i, net in enumerate(graphs):
-            (fused[i] if ready else net).run()
-            tier.flush()  # misses the CPU computed: to their slots now, for the next tokens
-            ready = False
-            if i == len(self.spec.layers) or self.spec.layers[i].router is None:
-                continue
-            n = gs.rows(i)
-            rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-            placed = tier.place(i, rows, defer=host) if i + 1 in fused else None
-            if placed is None:
-                self._fetch(b.moe_in[:n])
-                self._place(self._experts(i, b, n), b)
-                continue
-            slot, misses = placed
-            b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
-            if host:
-                self._host_pairs(i, b, rows, set(misses))
-            ready = True
-            hits, layers = hits + len(slot) - (len(misses) if host else 0), layers + 1
-        self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
-
-    def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
-        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU)
-        into `b.outputs`, and `b.pick` choosing them there and the device's slots elsewhere."""
-        n, k = len(rows), len(rows[0])
-        pick = torch.arange(n * k, dtype=torch.int32)
-        pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]
-        if pairs:
-            self._fetch(b.moe_in[:n])
-            index = torch.tensor(pairs)
-            tokens = index // k
-            hidden = b.moe_in[:n][tokens]  # [P, H]: each pair's token
-            top = b.order[:n, :k].reshape(-1)[index].view(-1, 1)  # [P, 1]
-            weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
-            routed = self.experts.compute(layer, hidden, top, weights)
-            outputs = torch.cat([_f32(routed.outputs[e]) for e in routed.routing.by_expert])
-            flat = b.outputs.view(-1, b.outputs.shape[2])
-            flat.index_copy_(0, index[routed.routing.tokens], outputs)
-            pick[index] += n * k
-        b.pick[:n].copy_(pick.view(n, k))
-
-    def _fetch(self, t: torch.Tensor) -> None:
-        """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
-        _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
-        self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
-        self.memory.backend.synchronize()
-
     def _device_types(self) -> dict[int, ExpertTypes]:
         """Each MoE layer's experts as the device's graphs see them: its GPU tier's slots, or the stacks
         of every expert."""
-        return self._gpu_tier().types if self._plans is not None else self._on_device()[1]
+        return self._tier_types() if self.tiered is not None else self._on_device()[1]
 
-    def _gpu_tier(self) -> GpuTier:
-        """The GPU tier over the host cache's slots, made when first used and again when those move (a
-        restream).
-
-        Raises:
-            GgmlUnavailableError: the host cache does not hold every expert (read at load), or a trace, a
-                routing replay or --prefetch is on (not yet with a GPU tier).
-        """
-        if self.experts.generation != self._generation:  # a restream: the sets read the old tier
+    def _tier_types(self) -> dict[int, ExpertTypes]:
+        tier, made = self.tiered.tier()
+        if made:  # the sets' graphs read an older tier's slots
             self.close_sets()
-            self._generation = self.experts.generation
-        key = (self._generation, self.experts.cache_version())
-        if self._tier is not None and self._tier[0] == key:
-            return self._tier[1]
-        kind = self.memory.backend.kind
-        if self.experts.host_routing():
-            raise GgmlUnavailableError(
-                f"a GPU tier on ggml's {kind} backend does not yet give a trace, a routing replay or "
-                "--prefetch each layer's routing (--device cpu)"
-            )
-        first = self.experts.resident_slots()
-        if first is None:
-            raise GgmlUnavailableError(
-                f"a GPU tier on ggml's {kind} backend is filled from a host cache holding every routed "
-                "expert: give the expert cache room for all of them (--cache)"
-            )
-        self._drop_tier()
-        self.close_sets()  # their graphs read the old tier's slots
-        for base, nbytes in self.experts.slot_regions():  # the host slots: copied from, never weights
-            self.memory.forbid(base, nbytes, "the expert cache's slots")
-            self.memory.pin_host(base, nbytes)
-        tier = GpuTier(self.memory, self.experts.graph_types(), first, self._plans, self._policy)
-        self._tier = (key, tier)
-        return tier
-
-    def _drop_tier(self) -> None:
-        if self._tier is not None:
-            tier = self._tier[1]
-            self._tier_counters = _added(self._tier_counters, tier.counters)
-            tier.close()
-            self._tier = None
+        return tier.types
 
     def tier_counters(self) -> TierCounters | None:
         """The GPU tier's cumulative counters (None without one)."""
-        if self._plans is None:
-            return None
-        c = self._tier_counters
-        return c if self._tier is None else _added(c, self._tier[1].counters)
+        return None if self.tiered is None else self.tiered.counters()
 
     def before_restream(self) -> None:
         """The host slots are freed next: the tier copied from them goes, and they are unpinned."""
-        if self.memory is not None:
-            self._drop_tier()
+        if self.tiered is not None:
+            self.tiered.drop()
             self.close_sets()
             self.memory.unpin_hosts()
 
@@ -514,7 +384,7 @@ class GgmlRunner(ModelRunner):
             return
         # the routing's pairs are grouped by expert, in the order of `by_expert`
         routing = routed.routing
-        outputs = torch.cat([_f32(routed.outputs[e]) for e in routing.by_expert])
+        outputs = torch.cat([as_f32(routed.outputs[e]) for e in routing.by_expert])
         flat.index_copy_(0, routing.tokens * k + routing.positions, outputs)
 
     def close_sets(self) -> None:
@@ -527,7 +397,8 @@ class GgmlRunner(ModelRunner):
         self.close_sets()
         self.kv = []
         if self.memory is not None:
-            self._drop_tier()
+            if self.tiered is not None:
+                self.tiered.drop()
             self._stacks = []
             self.memory.close()
             self.memory.backend.close()
@@ -544,25 +415,3 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, 1, ctx, experts, inter, threads)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
-
-
-def _tier_misses(tier: bool) -> str:
-    """MOESTREAM_TIER_MISSES: "upload" (default) or "host" (see `GgmlRunner`).
-
-    Raises:
-        GgmlUnavailableError: another value, or set without a GPU tier (it would change nothing).
-    """
-    asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
-    if asked and not tier:
-        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
-    if asked not in ("", "upload", "host"):
-        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload or host")
-    return asked or "upload"
-
-
-def _added(a: TierCounters, b: TierCounters) -> TierCounters:
-    return TierCounters(a.hits + b.hits, a.misses + b.misses, a.bytes_uploaded + b.bytes_uploaded)
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
