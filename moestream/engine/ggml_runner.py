@@ -15,6 +15,9 @@ e of a layer in slot first + e), so nothing returns to Python between layers; th
 same bits. Every compute, graphs and experts alike, runs on ggml's one threadpool; torch runs
 single-threaded glue in between.
 
+On a backend (ggml's CUDA) the step is one graph over every expert copied to the device, or, with a GPU
+tier smaller than the experts (`--gpu-tier`), a graph a layer over its slots (`engine/tiered_steps.py`).
+
 A graph set (`graphs/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
 prefill piece) and an attention span S (positions, a multiple of 256); the few most recent sets are kept.
 """
