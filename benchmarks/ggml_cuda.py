@@ -7,6 +7,11 @@ llama.cpp on the same GGUF, every expert in VRAM.
     # speed: prefill of P-token prompts and decode of N tokens, warm, greedy, in-process; Python's share
     # of a decoded token (the wall time outside the graph's compute and copies)
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --prompts 36,512 --tokens 32
+    # the same with a GPU tier of 2 GiB (the host cache holds every expert): also its hit rate and the
+    # bytes uploaded to it per decoded token
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB
+    # its misses computed by the CPU from the host cache instead of copied first (MOESTREAM_TIER_MISSES)
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB --tier-misses host
 
 Runs with MOESTREAM_GGML_BACKEND=cuda set by itself (`--backend cpu`: ggml's CPU backend, to check the
 script here). Prints one JSON line per result and a table last.
@@ -131,7 +136,10 @@ def speed(args: argparse.Namespace) -> None:
 
     Net.run = timed
     t0 = time.perf_counter()
-    with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
+    tier = {"gpu_tier": args.gpu_tier} if args.gpu_tier else {}
+    if args.gpu_tier:
+        os.environ["MOESTREAM_TIER_MISSES"] = args.tier_misses
+    with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads, **tier) as engine:
         load_s = time.perf_counter() - t0
         print(engine.mode_line(), flush=True)
         vocab = engine.runner.spec.vocab
@@ -142,12 +150,14 @@ def speed(args: argparse.Namespace) -> None:
             prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
             for _ in range(args.warmup):
                 engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
-            best_prefill, decode, share = 0.0, [], []
+            best_prefill, decode, share, tiers = 0.0, [], [], []
             for _ in range(args.repeats):
                 inside[0] = 0.0
                 out = engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
                 s = out.stats
                 best_prefill = max(best_prefill, s.prefill.tok_s)
+                if s.device_tier is not None:
+                    tiers.append(s.device_tier)
                 decode.append(s.decode.tok_s)
                 # the decode steps' wall time outside Net.run (Python, sampling, the engine's loop)
                 prefill_inside = s.prefill.seconds  # upper bound of prefill's share of `inside`
@@ -160,6 +170,11 @@ def speed(args: argparse.Namespace) -> None:
                 "decode_runs": [round(d, 1) for d in decode],
                 "python_share_decode": round(sorted(share)[len(share) // 2], 3),
             }
+            if tiers:  # the GPU tier: hit rate while decoding, MiB uploaded per decoded token (last run)
+                row["tier_decode_hit_rate"] = round(tiers[-1]["decode_hit_rate"], 4)
+                row["tier_mib_per_token"] = round(tiers[-1]["decode_mib_uploaded_per_token"], 2)
+                row["tier_prefill_and_decode_gib"] = round(tiers[-1]["bytes_uploaded"] / 2**30, 3)
+                row["bytes_read_from_disk"] = s.bytes_read
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
@@ -167,6 +182,7 @@ def speed(args: argparse.Namespace) -> None:
         print(json.dumps(results["decode_step"]), flush=True)
     if args.compare:  # the same greedy tokens from the CPU graphs (ggml's CPU backend in place)
         os.environ.pop("MOESTREAM_GGML_BACKEND")
+        os.environ.pop("MOESTREAM_TIER_MISSES", None)
         with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads) as engine:
             for n, (prompt, theirs) in tokens.items():
                 ours = engine.generate(prompt, max_tokens=args.compare, ignore_eos=True).tokens
@@ -232,6 +248,8 @@ def main() -> None:
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--backend", default="cuda")
+    s.add_argument("--gpu-tier", default=None, help="device slots for the experts (default: every expert)")
+    s.add_argument("--tier-misses", default="upload", choices=["upload", "host"], help="with --gpu-tier")
     s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()
     check(args) if args.cmd == "check" else speed(args)

@@ -326,6 +326,8 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
     "--gpu-cache": _cuda_tier("--gpu-cache", "8MiB"),
     "--host-cache": _cuda_tier("--host-cache", "8MiB"),
     "--unified": _cuda_tier("--unified"),
+    # ggml's CUDA backend only (the CPU backend's runs: tests/test_gpu_tier.py)
+    "--gpu-tier": lambda w: refused(w.gen("--gpu-tier", "1MiB"), "MOESTREAM_GGML_BACKEND=cuda"),
     "--io-mode": _in_mode(r"io pagecache"),
     "--io-threads": _in_mode(r"2 io threads"),
     "--piece": _in_mode(r"64 KiB pieces"),
@@ -357,6 +359,7 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
 # before the engine, as generate's are); their effects are generate's
 REACH: dict[str, tuple[list[str], dict[str, Any]]] = {
     "--cache": (["--cache", SMALL], {"cache": 150 << 10}),
+    "--gpu-tier": (["--gpu-tier", "1MiB"], {"gpu_tier": 1 << 20}),
     "--io-mode": (["--io-mode", "mmap"], {"io_mode": "mmap"}),
     "--io-threads": (["--io-threads", "3"], {"io_threads": 3}),
     "--piece": (["--piece", "64KiB"], {"piece": 64 << 10}),
@@ -1235,6 +1238,7 @@ PYTHON_LOAD = {
     "gpu_cache": "generate --gpu-cache",
     "host_cache": "generate --host-cache",
     "unified": "generate --unified",
+    "gpu_tier": "generate --gpu-tier",
     "policy": "generate --policy",
     "prefetch": "generate --prefetch",
     "experts_per_token": "generate --experts-per-token",

@@ -99,6 +99,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "activations (default: --cache)",
     )
     group.add_argument(
+        "--gpu-tier",
+        default=None,
+        help="ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda): device slots for the routed experts, a "
+        "size (e.g. 2GiB), filled by --policy from the host cache, which must hold every expert (--cache); "
+        "default: every expert on the GPU",
+    )
+    group.add_argument(
         "--host-cache",
         default=None,
         help="CUDA: pinned host cache between disk and GPU, a size (0: staging only) or auto: what RAM "
@@ -191,6 +198,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cache=args.cache,
         device=args.device,
         gpu_cache=args.gpu_cache,
+        gpu_tier=args.gpu_tier,
         host_cache=args.host_cache,
         unified=args.unified,
         experts_per_token=args.experts_per_token,

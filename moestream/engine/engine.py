@@ -64,7 +64,9 @@ def load(
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
-            "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `experts_per_token`, `gpu_floor`,
+            "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `gpu_tier` (ggml's CUDA backend: bytes
+            of device expert slots filled from a host cache holding every expert; `engine/gpu_tier.py`),
+            `experts_per_token`, `gpu_floor`,
             `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
             model's maximum and 8192), `preload` (default True: when the cache holds every expert, read
             them all at load; False: each on first use).

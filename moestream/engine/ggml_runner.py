@@ -15,20 +15,28 @@ e of a layer in slot first + e), so nothing returns to Python between layers; th
 same bits. Every compute, graphs and experts alike, runs on ggml's one threadpool; torch runs
 single-threaded glue in between.
 
+On a backend (ggml's CUDA) the step is one graph over every expert copied to the device, or, with a GPU
+tier smaller than the experts (`--gpu-tier`), a graph a layer over its slots (`engine/tiered_steps.py`).
+
 A graph set (`graphs/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
 prefill piece) and an attention span S (positions, a multiple of 256); the few most recent sets are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moestream import ggml
+from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.runners import ModelRunner
+from moestream.engine.stats import TierCounters
+from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet, set_bytes
@@ -92,7 +100,16 @@ class GgmlRunner(ModelRunner):
         ctx_size: int,
         threads: int,
         backend: Backend | None = None,
+        gpu_tier: int | None = None,
+        policy: Callable[[], EvictionPolicy] = LRUPolicy,
     ) -> None:
+        """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
+        None: every expert on the device), filled by `policy` from the host cache, which holds them all.
+
+        Raises:
+            GgmlUnavailableError: a GPU tier without a backend, or for experts the graphs cannot compute.
+            CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
+        """
         self.spec, self.experts, self.threads = spec, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
         self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
@@ -111,6 +128,20 @@ class GgmlRunner(ModelRunner):
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
+        self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
+        try:
+            if gpu_tier is None:
+                tier_misses(False)  # refused when set: there is no tier to miss
+            elif self.memory is None:
+                raise GgmlUnavailableError(
+                    "--gpu-tier sizes the expert slots of ggml's CUDA backend: set "
+                    "MOESTREAM_GGML_BACKEND=cuda (or drop --gpu-tier)"
+                )
+            else:
+                self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def kv_bytes(self) -> int:
@@ -119,10 +150,12 @@ class GgmlRunner(ModelRunner):
     def describe(self) -> str:
         if self.memory is not None:
             backend = self.memory.backend
+            experts = "one graph a step, every routed expert on the device"
+            if self.tiered is not None:
+                experts = self.tiered.describe()
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
-                f"{self.spec.family}: one graph a step, every routed expert on the device), "
-                f"KV cache F16 of {self.ctx} positions there"
+                f"{self.spec.family}: {experts}), KV cache F16 of {self.ctx} positions there"
             )
         if self.experts.graph_types():
             whole = "; one graph a step while every expert is cached"
@@ -154,6 +187,8 @@ class GgmlRunner(ModelRunner):
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
+        if self.tiered is not None:  # the tier first: made again, it closes the sets over the old one
+            self._tier_types()
         key = (tokens, span)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
@@ -161,9 +196,14 @@ class GgmlRunner(ModelRunner):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            types = self.experts.graph_types() if self.memory is None else self._on_device()[1]
+            types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
-            gs = GraphSet(self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
+            args = (self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
+            tiered = self.tiered
+            if tiered is None:
+                gs = GraphSet(*args)
+            else:
+                gs = GraphSet(*args, tiered.device_only, tiered.host_misses)
             self._sets[key] = gs
             same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
@@ -185,6 +225,13 @@ class GgmlRunner(ModelRunner):
         b.positions.copy_(b.rows)
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
+        if self.tiered is not None:  # the device, a graph a layer over its GPU tier
+            # the pool computes the experts the host does; its workers poll between those computes, but
+            # on ggml's CPU backend, whose own threads compute the graphs on the same cores, it pauses
+            cpu = self.memory.backend.kind == "cpu"
+            with kern._lock, contextlib.nullcontext() if cpu else kern.hold():
+                self.tiered.step(gs, lambda layer, n: self._place(self._experts(layer, b, n), b))
+            return b.logits
         if self.memory is not None:  # the device: the step one graph over its expert stacks
             gs.whole_graph(self._on_device()[2]).run()
             first = {}
@@ -220,6 +267,28 @@ class GgmlRunner(ModelRunner):
                 if pinned is not None:
                     self.experts.unpin(*pinned)
         return b.logits
+
+    def _device_types(self) -> dict[int, ExpertTypes]:
+        """Each MoE layer's experts as the device's graphs see them: its GPU tier's slots, or the stacks
+        of every expert."""
+        return self._tier_types() if self.tiered is not None else self._on_device()[1]
+
+    def _tier_types(self) -> dict[int, ExpertTypes]:
+        tier, made = self.tiered.tier()
+        if made:  # the sets' graphs read an older tier's slots
+            self.close_sets()
+        return tier.types
+
+    def tier_counters(self) -> TierCounters | None:
+        """The GPU tier's cumulative counters (None without one)."""
+        return None if self.tiered is None else self.tiered.counters()
+
+    def before_restream(self) -> None:
+        """The host slots are freed next: the tier copied from them goes, and they are unpinned."""
+        if self.tiered is not None:
+            self.tiered.drop()
+            self.close_sets()
+            self.memory.unpin_hosts()
 
     def _on_device(self) -> tuple[tuple, dict[int, ExpertTypes], Whole]:
         """(key, each MoE layer's experts as the device's graphs see them, their Whole): every routed
@@ -318,7 +387,7 @@ class GgmlRunner(ModelRunner):
             return
         # the routing's pairs are grouped by expert, in the order of `by_expert`
         routing = routed.routing
-        outputs = torch.cat([_f32(routed.outputs[e]) for e in routing.by_expert])
+        outputs = torch.cat([as_f32(routed.outputs[e]) for e in routing.by_expert])
         flat.index_copy_(0, routing.tokens * k + routing.positions, outputs)
 
     def close_sets(self) -> None:
@@ -331,6 +400,8 @@ class GgmlRunner(ModelRunner):
         self.close_sets()
         self.kv = []
         if self.memory is not None:
+            if self.tiered is not None:
+                self.tiered.drop()
             self._stacks = []
             self.memory.close()
             self.memory.backend.close()
@@ -347,7 +418,3 @@ def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, thre
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, 1, ctx, experts, inter, threads)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
-
-
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()

@@ -43,7 +43,7 @@ from moestream.runtime.checks import check_experts
 from moestream.runtime.expert_layers import ExpertLayers
 from moestream.runtime.experts import ExpertRuntime
 from moestream.runtime.families import make_family
-from moestream.runtime.streaming import ExpertStreaming, ReaderFactory
+from moestream.runtime.streaming import ExpertStreaming, ReaderFactory, policy_factory
 from moestream.store.source import CheckpointSource
 from moestream.units import format_size
 
@@ -120,6 +120,8 @@ class LoadedModel:
                 self.threads,
                 self.spec,
                 self.no_graph,
+                self.options.gpu_tier,
+                policy_factory(self.options.policy, self.emap),
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()
@@ -307,7 +309,8 @@ class LoadedModel:
     def counters(self) -> Counters:
         """Cumulative counters. A hit is an expert not read from disk (GPU tier or host cache)."""
         c = self.experts.counters()
-        return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used)
+        tier = self.runner.tier_counters()
+        return Counters(c.bytes_read, c.hits, c.misses, c.read_wait_s, c.prefetches, c.prefetch_used, tier)
 
     def close(self) -> None:
         """Restore the GPU clock floor, free the runner's graphs and caches, stop the I/O threads and close

@@ -44,6 +44,10 @@ class EngineOptions:
     # when `cache` is, else 0)
     host_cache: int | str | None = None
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
+    # ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda, --device cpu): device slots for the routed experts
+    # filled by the policy from the host cache, which holds them all (engine/gpu_tier.py; None: every
+    # expert on the device)
+    gpu_tier: int | str | None = None
     policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
     # read the next layer's confident stale-gate guesses while this layer computes: "off" (or False), "on"
     # (or True), or "auto" (only while the disk has idle time; runtime/prefetch.py)
@@ -64,6 +68,13 @@ class EngineOptions:
         if self.host_cache is None:
             self.host_cache = AUTO if self.cache == AUTO else 0
         self.host_cache = _size_or_auto(self.host_cache)
+        if self.gpu_tier is not None:
+            self.gpu_tier = parse_size(self.gpu_tier)
+            if self.device != "cpu":
+                raise ValueError(
+                    "--gpu-tier sizes the expert slots of ggml's CUDA backend, which runs with --device cpu "
+                    "and MOESTREAM_GGML_BACKEND=cuda; with --device cuda the GPU tier is --gpu-cache"
+                )
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device {self.device!r} is not supported (supported: cpu, cuda, cuda:N)")
         if self.device.startswith("cuda"):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moestream.engine.stats import TierCounters
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.runtime.expert_layers import ExpertLayers
 
@@ -52,6 +53,10 @@ class ModelRunner(ABC):
 
     def before_restream(self) -> None:
         """The expert streaming is about to be closed and rebuilt: drop whatever reads its buffers."""
+
+    def tier_counters(self) -> TierCounters | None:
+        """A GPU tier's cumulative counters where the runner keeps one (ggml's backend), else None."""
+        return None
 
     def resident_part(self, hidden_size: int) -> str:
         """(Re)build what computes the step from every expert held resident, where the runner has such a

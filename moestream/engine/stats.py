@@ -8,6 +8,17 @@ MiB = 1 << 20
 
 
 @dataclass
+class TierCounters:
+    """A GPU tier's cumulative counts (ggml's backend, `engine/gpu_tier.py`): experts a layer found in
+    their device slots (hits), experts copied there first from the host cache (misses), and the bytes
+    those copies uploaded."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_uploaded: int = 0
+
+
+@dataclass
 class PhaseStats:
     """One phase (prefill or decode) of one request."""
 
@@ -19,6 +30,10 @@ class PhaseStats:
     read_wait_s: float = 0.0
     prefetches: int = 0  # experts read ahead of their layer
     prefetch_used: int = 0  # of those, asked for by their layer
+    # a GPU tier on ggml's backend (zeros without one): its hits, misses and bytes uploaded to it
+    device_hits: int = 0
+    device_misses: int = 0
+    device_bytes: int = 0
 
     @property
     def tok_s(self) -> float:
@@ -35,8 +50,10 @@ class Counters:
     read_wait_s: float
     prefetches: int = 0
     prefetch_used: int = 0
+    tier: TierCounters | None = None  # a GPU tier's, where the runner has one
 
     def since(self, earlier: Counters, tokens: int, seconds: float) -> PhaseStats:
+        now, then = self.tier or TierCounters(), earlier.tier or TierCounters()
         return PhaseStats(
             tokens,
             seconds,
@@ -46,6 +63,9 @@ class Counters:
             self.read_wait_s - earlier.read_wait_s,
             self.prefetches - earlier.prefetches,
             self.prefetch_used - earlier.prefetch_used,
+            now.hits - then.hits,
+            now.misses - then.misses,
+            now.bytes_uploaded - then.bytes_uploaded,
         )
 
 
@@ -78,8 +98,25 @@ class GenerationStats:
     def read_wait_ms(self) -> float:
         return 1000 * (self.prefill.read_wait_s + self.decode.read_wait_s)
 
-    def to_dict(self) -> dict:
+    @property
+    def device_tier(self) -> dict | None:
+        """The GPU tier's figures (None where no expert went through one): its hit rate, and the bytes
+        uploaded to it per decoded token."""
+        p, d = self.prefill, self.decode
+        hits, misses = p.device_hits + d.device_hits, p.device_misses + d.device_misses
+        if not hits + misses:
+            return None
+        decoded = d.device_hits + d.device_misses
         return {
+            "hit_rate": hits / (hits + misses),
+            "decode_hit_rate": d.device_hits / decoded if decoded else 0.0,
+            "bytes_uploaded": p.device_bytes + d.device_bytes,
+            "decode_mib_uploaded_per_token": d.device_bytes / MiB / max(1, d.tokens),
+        }
+
+    def to_dict(self) -> dict:
+        tier = self.device_tier
+        return ({"device_tier": tier} if tier is not None else {}) | {
             "prefill_tok_s": self.prefill.tok_s,
             "decode_tok_s": self.decode.tok_s,
             "bytes_read": self.bytes_read,
@@ -109,4 +146,14 @@ class GenerationStats:
                 else ""
             )
             + f"gpu floor {self.gpu_floor}"
+            + self._tier_words()
+        )
+
+    def _tier_words(self) -> str:
+        tier = self.device_tier
+        if tier is None:
+            return ""
+        return (
+            f" | gpu tier hit rate {100 * tier['decode_hit_rate']:.1f}% decoding, "
+            f"{tier['decode_mib_uploaded_per_token']:.1f} MiB/token uploaded"
         )

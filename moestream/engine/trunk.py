@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.runners import CudaGraphRunner, EagerRunner, ModelRunner, StaticRunner
 from moestream.engine.trunk_graphs import GraphsUnavailable
 from moestream.errors import MoestreamError
@@ -54,20 +56,29 @@ def make_runner(
     threads: int = 1,
     spec: Any = None,
     no_graph: str | None = None,
+    gpu_tier: int | None = None,
+    policy: Callable[[], EvictionPolicy] = LRUPolicy,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
-    experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said.
+    experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
+    expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`).
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
-            cannot be captured (run over a static KV cache).
+            cannot be captured (run over a static KV cache); a GPU tier where no ggml backend runs the
+            model, or one too small for a token's routed experts.
     """
     asked = mode
     if spec is not None:
         from moestream.engine.ggml_runner import GgmlRunner
 
         recurrent = any(layer.linear is not None for layer in spec.layers)
-        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads, recurrent))
+        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads, recurrent), gpu_tier, policy)
+    if gpu_tier is not None:
+        raise MoestreamError(
+            "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend "
+            f"(MOESTREAM_GGML_BACKEND=cuda), which do not run this model here ({no_graph or mode})"
+        )
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"
         if no_graph is not None:

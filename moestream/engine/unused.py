@@ -105,7 +105,7 @@ def warn_unused(loaded: Any) -> None:
             "so once each was read there is nothing left to read ahead",
             stacklevel=3,
         )
-    if holds_all and options.policy != "lru":
+    if holds_all and options.policy != "lru" and options.gpu_tier is None:  # else the GPU tier's policy
         warnings.warn(
             f"--policy {options.policy}: the expert cache holds all {len(loaded.emap.units)} experts, so "
             "nothing is ever evicted and the policy never chooses",

@@ -196,6 +196,7 @@ class DeviceMemory:
     _by_device: list[tuple[int, int]] = field(default_factory=list)
     _next: int = 0
     _forbidden: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, what)
+    _pinned: list[tuple[int, int]] = field(default_factory=list)  # host ranges `pin_host` registered
 
     @property
     def lib(self) -> Library:
@@ -216,7 +217,8 @@ class DeviceMemory:
 
     def forbid(self, start: int, nbytes: int, what: str) -> None:
         """Host bytes that must never be taken for a weight (they change): translating them raises."""
-        self._forbidden.append((start, start + nbytes, what))
+        if (start, start + nbytes, what) not in self._forbidden:
+            self._forbidden.append((start, start + nbytes, what))
 
     def _add(self, host: int, nbytes: int, role: str, name: str) -> Region:
         if host and self._find(self._by_host, host, lambda r: r.host) is not None:
@@ -299,6 +301,24 @@ class DeviceMemory:
             self.backend.handle, region.tensor, region.host + offset, offset, nbytes
         )
 
+    def upload_from(self, region: Region, offset: int, source: int, nbytes: int) -> None:
+        """Bytes at host `source` into the region at `offset`, on the backend's stream (ordered before the
+        next compute; asynchronous from host memory the device has pinned, `pin_host`)."""
+        handle = self.backend.handle
+        self.lib.base.ggml_backend_tensor_set_async(handle, region.tensor, source, offset, nbytes)
+
+    def pin_host(self, start: int, nbytes: int) -> bool:
+        """Page-lock host bytes for the device's copies (CUDA: registered until `close`), where it can;
+        whether it did (the copies work either way, slower and synchronous from pageable memory).
+        ggml registers nothing unless GGML_CUDA_REGISTER_HOST is set (read at each call): set here."""
+        if self.backend.kind != "cuda" or (start, nbytes) in self._pinned:
+            return False
+        os.environ.setdefault("GGML_CUDA_REGISTER_HOST", "1")
+        if not cuda_library().ggml_backend_cuda_register_host_buffer(start, nbytes):
+            return False
+        self._pinned.append((start, nbytes))
+        return True
+
     def write(self, region: Region, offset: int, source: int, nbytes: int) -> None:
         """Bytes at host `source` into the region at `offset` (synchronous)."""
         self.lib.base.ggml_backend_tensor_set(region.tensor, source, offset, nbytes)
@@ -327,7 +347,14 @@ class DeviceMemory:
     def nbytes(self) -> int:
         return sum(r.nbytes + TAIL for r in self.regions.values())
 
+    def unpin_hosts(self) -> None:
+        """Undo every `pin_host` (before the host bytes are freed: a restream's old slots)."""
+        for start, _ in self._pinned:
+            cuda_library().ggml_backend_cuda_unregister_host_buffer(start)
+        self._pinned.clear()
+
     def close(self) -> None:
+        self.unpin_hosts()
         for region in self.regions.values():
             region.free(self.lib)
         self.regions.clear()

@@ -34,7 +34,12 @@ class GraphSet:
         pool: int,
         last: bool = False,
         memory: DeviceMemory | None = None,
+        device_only: frozenset[str] = frozenset(),
+        mixed: bool = False,
     ) -> None:
+        """`device_only`: on a backend, the buffers (by `StepBuffers.tensors` name) that only its graphs
+        read and write, never copied around a compute (the residual stream between per-layer graphs).
+        `mixed`: the `fused` graphs take each expert output from the device or the host (`LayerGraphs`)."""
         tokens, span = shape
         self.buf = StepBuffers.make(spec, tokens, span, experts)
         self.memory = memory  # a backend's (ggml's CUDA): the graphs compute there, the buffers are io
@@ -47,9 +52,9 @@ class GraphSet:
 
             self.buf.gather(alloc)
             for name, t in self.buf.tensors():
-                memory.register(t, "io", name)
+                memory.register(t, "device" if name in device_only else "io", name)
         self.pool = pool
-        self._build = LayerGraphs(spec, kv, self.buf, types, last=last)
+        self._build = LayerGraphs(spec, kv, self.buf, types, last=last, mixed=mixed)
         self.last = self._build.last  # past the last layer's attention, the last position only
         self.rows = self._build.rows
         self.graphs: list[Net] = []  # once built (`layer_graphs`)

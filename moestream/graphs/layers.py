@@ -73,6 +73,9 @@ class StepBuffers:
     logits: torch.Tensor  # f32 [V]
     slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
     outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
+    # i32 [T, K]: a `mixed` graph's choice of each (token, k) output: t*K + k, the device's from its slot,
+    # or T*K + t*K + k, the host's in `outputs` (a GPU tier's miss computed on the CPU)
+    pick: torch.Tensor
     routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
 
     @classmethod
@@ -92,6 +95,7 @@ class StepBuffers:
             logits=torch.zeros(spec.vocab, **f32),
             slots=torch.zeros(tokens, k, dtype=torch.int32),
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
+            pick=torch.zeros(tokens, k, dtype=torch.int32),
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
         )
 
@@ -146,8 +150,12 @@ class LayerGraphs:
         experts: dict[int, ExpertTypes] | None = None,
         whole: Whole | None = None,
         last: bool = False,
+        mixed: bool = False,
     ) -> None:
+        """`mixed`: the `fused` graphs take each (token, k) output from the device's slots or from the
+        host's `outputs`, as `pick` says (a GPU tier whose misses the CPU computes)."""
         self.spec, self.kv, self.buf = spec, kv, buf
+        self.mixed = mixed
         self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
         self.whole = whole  # where each MoE layer's experts lie, for the `step` graph
         self.tokens = buf.tokens.numel()
@@ -194,6 +202,11 @@ class LayerGraphs:
                 order = net.tensor(I32, [E, T], self.buf.order.data_ptr())
                 experts = net.view_2d(order, K, T, 4 * E, 0)
                 y = cached_experts(net, self.experts[prev.index], H, moe_in, ids, 0, experts)  # [H, K, T]
+                if self.mixed:  # each output the device's or the host's: rows of [device | host], copied
+                    host = net.tensor(F32, [H, K * T], self.buf.outputs.data_ptr())
+                    both = net.concat(net.reshape_2d(y, H, K * T), host, 1)  # [H, 2KT]
+                    pick = net.tensor(I32, [K * T], self.buf.pick.data_ptr())
+                    y = net.reshape_3d(net.get_rows(both, pick), H, K, T)
             else:
                 y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
             w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())

@@ -187,12 +187,13 @@ class ExpertLayers:
                 regions.add((base, slot_bytes * slots))
         return sorted(regions)
 
-    def count_resident(self, hits: int) -> None:
-        """A step computed whole from the slots (`resident_slots`): its `hits` counted by the cache, each
-        MoE layer's experts as one call."""
+    def count_resident(self, hits: int, layers: int | None = None) -> None:
+        """A step computed whole from the slots (`resident_slots`), or `layers` of its MoE layers computed
+        from copies of them (a GPU tier): its `hits` counted by the cache, each layer's experts as one
+        call."""
         rt = self._runtime
         rt.cache.count_hits(hits)
-        rt.layer_calls += len(self.layers)
+        rt.layer_calls += len(self.layers) if layers is None else layers
 
     def pin(self, layer: int, rows: list[list[int]]) -> dict[int, int] | None:
         """Each token's experts of `layer` (`rows`, in router order) pinned in their slots when the cache

@@ -1,0 +1,201 @@
+"""A GPU tier smaller than the model's experts, on a ggml backend (`--gpu-tier`): device slots that the
+policy fills from the host expert cache, which holds every expert (read at load).
+
+Slots come in size classes, one per combination of the experts' matrix types (a Q4_K_M file's layers
+whose down is Q6_K make one class, those whose down is Q4_K another): a class has one device region per
+matrix kind (gate, up, down), each of `slots` matrices of that kind's own bytes, back to back (ggml's
+CUDA kernels step between experts in whole blocks), so one slot index addresses an expert's three
+matrices and one ggml_mul_mat_id per kind computes a layer's experts from their slots (ids = slots).
+The budget is shared between the classes in proportion to the bytes of their experts (as the host
+cache carves its own, `cache/size_classes.py`), so every layer gets about the same number of slots.
+
+Which (layer, expert) holds which slot is a `ResidentSet` per class, its policy one of `cache/policy`'s
+(the classes the simulator replays): a layer's experts are the group the policy hears of, its hits are
+touched, its misses admitted, never evicting another expert of the same layer (those are pinned while
+the layer's graph reads them); each miss is copied from its host slot into its device slot on the
+backend's stream, ordered before the next compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moestream import ggml
+from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget
+from moestream.engine.stats import TierCounters
+from moestream.errors import CacheBudgetError
+from moestream.ggml.backend import DeviceMemory, Region
+from moestream.runtime.expert_layers import ExpertTypes, SlotArena
+from moestream.units import format_size
+
+
+@dataclass(frozen=True)
+class ClassPlan:
+    """One size class before anything is allocated: each kind's bytes, its slots, its layers."""
+
+    kinds: tuple[tuple[str, int], ...]  # (kind, bytes of one expert's matrix)
+    slots: int
+    layers: tuple[int, ...]
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(n for _, n in self.kinds)
+
+
+def _classes(types: dict[int, ExpertTypes], layers: list[int], hidden: int) -> dict[tuple, list[int]]:
+    """Each size class's kinds ((kind, bytes of one expert's matrix), ...) -> its layers."""
+    by_kinds: dict[tuple, list[int]] = {}
+    for layer in layers:
+        p = types[layer]
+        kinds = (
+            ("gate", p.inter * ggml.row_bytes(p.gate, hidden)),
+            ("up", p.inter * ggml.row_bytes(p.up, hidden)),
+            ("down", hidden * ggml.row_bytes(p.down, p.inter)),
+        )
+        by_kinds.setdefault(kinds, []).append(layer)
+    return by_kinds
+
+
+def minimum_budget(
+    types: dict[int, ExpertTypes], layers: list[int], hidden: int, experts: int, top_k: int
+) -> int:
+    """The smallest GPU tier whose every size class has slots for one token's `top_k` routed experts."""
+    by_kinds = _classes(types, layers, hidden)
+    total = sum(sum(n for _, n in kinds) * len(ls) * experts for kinds, ls in by_kinds.items())
+    return max(-(-top_k * total // (len(ls) * experts)) for ls in by_kinds.values())
+
+
+def plan_tier(
+    types: dict[int, ExpertTypes], layers: list[int], hidden: int, experts: int, budget: int, top_k: int
+) -> list[ClassPlan]:
+    """The size classes a GPU tier of `budget` bytes carves for the MoE `layers` (each with `experts`
+    experts; `types`: how the graphs see them): each class's share of the budget in proportion to its
+    experts' bytes, so every class gets the same slots per layer.
+
+    Raises:
+        CacheBudgetError: a class gets fewer slots than one token's `top_k` routed experts.
+    """
+    by_kinds = _classes(types, layers, hidden)
+    total = sum(sum(n for _, n in kinds) * len(ls) * experts for kinds, ls in by_kinds.items())
+    plans = []
+    for kinds, ls in by_kinds.items():
+        size = sum(n for _, n in kinds)
+        share = budget * size * len(ls) * experts // total
+        slots = slots_for_budget(share, size, limit=len(ls) * experts)
+        if slots < top_k:
+            least = minimum_budget(types, layers, hidden, experts, top_k)
+            raise CacheBudgetError(
+                f"--gpu-tier {format_size(budget)} holds {slots} of the {format_size(size)} experts of "
+                f"layers {_layers(ls)}, fewer than the {top_k} one token routes to: give it at least "
+                f"{format_size(least)}"
+            )
+        plans.append(ClassPlan(kinds, slots, tuple(ls)))
+    return plans
+
+
+def _layers(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}-{layers[-1]} ({len(layers)})"
+
+
+@dataclass
+class _Class:
+    plan: ClassPlan
+    pools: dict[str, Region]  # kind -> the device region of its `slots` matrices
+    residents: ResidentSet
+
+
+class GpuTier:
+    """Device slots over the host cache's slots (`host`: each MoE layer's experts there, expert e of
+    layer l in host slot `first[l] + e`). `types` gives the graphs the device slots instead."""
+
+    def __init__(
+        self,
+        memory: DeviceMemory,
+        host: dict[int, ExpertTypes],
+        first: dict[int, int],
+        plans: list[ClassPlan],
+        policy: Callable[[], EvictionPolicy],
+    ) -> None:
+        self.memory, self.host, self.first = memory, host, first
+        self.counters = TierCounters()
+        self._classes: list[_Class] = []
+        self._class_of: dict[int, _Class] = {}
+        self._pending: list[
+            tuple[_Class, int, int, int]
+        ] = []  # deferred uploads (class, layer, expert, slot)
+        self.types: dict[int, ExpertTypes] = {}
+        try:
+            for k, plan in enumerate(plans):
+                c = _Class(plan, {}, ResidentSet(plan.slots, policy()))
+                self._classes.append(c)
+                for kind, nbytes in plan.kinds:
+                    c.pools[kind] = memory.alloc(plan.slots * nbytes, f"tier{k}.{kind}")
+                address = {kind: r.device for kind, r in c.pools.items()}
+                arena = SlotArena(address, 0, plan.slots, dict(plan.kinds))
+                for layer in plan.layers:
+                    self._class_of[layer] = c
+                    self.types[layer] = dataclasses.replace(host[layer], arena=arena)
+        except BaseException:
+            self.close()
+            raise
+
+    def place(
+        self, layer: int, rows: list[list[int]], defer: bool = False
+    ) -> tuple[dict[int, int], list[int]] | None:
+        """Each token's experts of `layer` (`rows`, in router order) in device slots: (expert -> slot, the
+        misses), the misses' bytes uploaded from the host slots (on the backend's stream, before the next
+        compute; `defer`: at `flush`, after the graph that computes the misses elsewhere); None when they
+        are more than the layer's class has slots (a prefill chunk's union: the caller computes them from
+        the host tier instead)."""
+        c = self._class_of[layer]
+        experts = execution_order(rows)
+        if len(experts) > c.plan.slots:
+            return None
+        keys = [(layer, e) for e in experts]
+        uses = dict.fromkeys(experts, 0)
+        for row in rows:
+            for e in row:
+                uses[e] += 1
+        # the simulator's protocol (`ResidentSet.access_group`): the policy hears of the group, hits are
+        # touched, misses admitted without evicting one of the group (pinned: the layer's graph reads them)
+        residents = c.residents
+        _, missed = residents.access_group(keys, list(uses.values()), len(rows))
+        slot = {e: residents.slot_of(key) for e, key in zip(experts, keys)}
+        misses = [e for _, e in missed]
+        for e in misses:
+            if defer:
+                self._pending.append((c, layer, e, slot[e]))
+            else:
+                self._upload(c, layer, e, slot[e])
+        self.counters.hits += len(experts) - len(misses)
+        self.counters.misses += len(misses)
+        return slot, misses
+
+    def flush(self) -> None:
+        """Upload the misses `place(defer=True)` admitted (their graph has run: it read the host's outputs,
+        not these slots)."""
+        for args in self._pending:
+            self._upload(*args)
+        self._pending.clear()
+
+    def _upload(self, c: _Class, layer: int, expert: int, slot: int) -> None:
+        host = self.host[layer].arena
+        source = self.first[layer] + expert
+        for kind, nbytes in c.plan.kinds:
+            address = host.address[kind] + source * host.slot_bytes
+            self.memory.upload_from(c.pools[kind], slot * nbytes, address, nbytes)
+            self.counters.bytes_uploaded += nbytes
+
+    def describe(self) -> str:
+        """The mode line's words: the slots of each class and their bytes."""
+        total = sum(c.plan.slots * c.plan.slot_bytes for c in self._classes)
+        slots = " + ".join(str(c.plan.slots) for c in self._classes)
+        return f"{slots} slots ({format_size(total)})"
+
+    def close(self) -> None:
+        for c in self._classes:
+            for region in c.pools.values():
+                self.memory.release(region)
+        self._classes, self._class_of, self.types = [], {}, {}

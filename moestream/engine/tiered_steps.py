@@ -1,0 +1,209 @@
+"""The ggml runner's steps over a GPU tier (`--gpu-tier`): a graph a layer on the backend, each MoE layer's
+routed experts placed in the tier's device slots between two graphs (`engine/gpu_tier.py`).
+
+After a MoE layer's graph its routing comes back to the host (`b.order`, `b.weights`); the tier places
+the layer's experts in slots by its policy, and the next graph (`fused`) computes them from the slots
+(ids = slots, `b.slots`). A miss goes one of two ways (MOESTREAM_TIER_MISSES):
+
+- "upload" (default): copied from its host slot into its device slot before that graph;
+- "host": the expert runtime computes the miss's (token, k) pairs from the host cache on the CPU into
+  `b.outputs`, the graph (`mixed`) takes each output from the device's slots or the host's outputs as
+  `b.pick` says, and the miss is copied into its slot after the graph, for later tokens.
+
+A layer whose distinct experts outnumber its class's slots (a prefill chunk's union) is computed by the
+expert runtime from the host cache, whichever the way. The residual stream and the experts' input stay on
+the device between the graphs (`device_only`); the step's inputs are copied there once a step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from moestream.cache.policy import EvictionPolicy
+from moestream.engine.gpu_tier import ClassPlan, GpuTier, plan_tier
+from moestream.engine.stats import TierCounters
+from moestream.ggml.backend import DeviceMemory
+from moestream.ggml.lib import GgmlUnavailableError
+from moestream.graphs.graph_set import GraphSet
+from moestream.graphs.layers import StepBuffers
+from moestream.graphs.spec import ModelSpec
+from moestream.runtime.expert_layers import ExpertLayers
+from moestream.units import format_size
+
+# the step's buffers that the host writes before a step and every layer's graph reads
+STEP_INPUTS = ("tokens", "positions", "rows", "mask", "window")
+HostLayer = Callable[[int, int], None]  # (MoE layer, rows): its experts computed on the host into b.outputs
+
+
+class TieredSteps:
+    """The GPU tier of one runner and the steps over it (`step`); `types` for the graphs."""
+
+    def __init__(
+        self,
+        memory: DeviceMemory,
+        experts: ExpertLayers,
+        spec: ModelSpec,
+        budget: int,
+        policy: Callable[[], EvictionPolicy],
+    ) -> None:
+        """Raises:
+        GgmlUnavailableError: experts the graphs cannot compute from slots, or MOESTREAM_TIER_MISSES
+            says neither way.
+        CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
+        """
+        self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
+        self.host_misses = tier_misses(True) == "host"
+        # the residual stream and the experts' input stay on the device (the experts' input comes back
+        # only for a layer computed on the host); the step's inputs go there once a step
+        self.device_only = frozenset((*STEP_INPUTS, "resid0", "resid1", "moe_in"))
+        self._moe = [x.index for x in spec.layers if x.router is not None]
+        types = experts.graph_types()
+        if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe):
+            raise GgmlUnavailableError(
+                "--gpu-tier: the ggml graphs cannot compute this model's routed experts from slots "
+                "(their format or activation), so no GPU tier can hold them"
+            )
+        n, k = experts.num_experts, spec.top_k
+        self.plans: list[ClassPlan] = plan_tier(types, self._moe, spec.hidden, n, budget, k)
+        self._tier: tuple[tuple, GpuTier] | None = None  # (the host slots it copies from, the tier)
+        self._closed = TierCounters()  # of the tiers dropped before (a restream)
+
+    def describe(self) -> str:
+        """The mode line's words for the experts: the slots, their bytes, the policy, the way of a miss."""
+        slots = " + ".join(str(p.slots) for p in self.plans)
+        nbytes = sum(p.slots * p.slot_bytes for p in self.plans)
+        misses = (
+            "misses computed by the CPU from it, then copied"
+            if self.host_misses
+            else "misses copied before their graph"
+        )
+        return (
+            f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
+            f"({format_size(nbytes)}, {self.policy().name}) filled from the host cache, {misses}"
+        )
+
+    def tier(self) -> tuple[GpuTier, bool]:
+        """(The GPU tier over the host cache's slots, whether it was made now: graphs over an older one
+        are stale), made when first used and again when those slots move (a restream).
+
+        Raises:
+            GgmlUnavailableError: the host cache does not hold every expert (read at load), or a trace, a
+                routing replay or --prefetch is on (not yet with a GPU tier).
+        """
+        key = (self.experts.generation, self.experts.cache_version())
+        if self._tier is not None and self._tier[0] == key:
+            return self._tier[1], False
+        kind = self.memory.backend.kind
+        if self.experts.host_routing():
+            raise GgmlUnavailableError(
+                f"a GPU tier on ggml's {kind} backend does not yet give a trace, a routing replay or "
+                "--prefetch each layer's routing (--device cpu)"
+            )
+        first = self.experts.resident_slots()
+        if first is None:
+            raise GgmlUnavailableError(
+                f"a GPU tier on ggml's {kind} backend is filled from a host cache holding every routed "
+                "expert: give the expert cache room for all of them (--cache)"
+            )
+        self.drop()
+        for base, nbytes in self.experts.slot_regions():  # the host slots: copied from, never weights
+            self.memory.forbid(base, nbytes, "the expert cache's slots")
+            self.memory.pin_host(base, nbytes)
+        tier = GpuTier(self.memory, self.experts.graph_types(), first, self.plans, self.policy)
+        self._tier = (key, tier)
+        return tier, True
+
+    def step(self, gs: GraphSet, host_layer: HostLayer) -> None:
+        """One step of `gs` (its buffers filled) over the tier; `host_layer` computes a layer's experts on
+        the host where its class has too few slots."""
+        b = gs.buf
+        tier, _ = self.tier()
+        graphs, fused = gs.layer_graphs()
+        for name, t in b.tensors():
+            if name in STEP_INPUTS:
+                _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
+                self.memory.upload(region, t.data_ptr() - region.host, t.nbytes)
+        ready, hits, layers = False, 0, 0
+        for i, net in enumerate(graphs):
+            (fused[i] if ready else net).run()
+            tier.flush()  # misses the CPU computed: to their slots now, for the next tokens
+            ready = False
+            if i == len(self.spec.layers) or self.spec.layers[i].router is None:
+                continue
+            n = gs.rows(i)
+            rows = b.order[:n, : b.weights[0].shape[1]].tolist()
+            placed = tier.place(i, rows, defer=self.host_misses) if i + 1 in fused else None
+            if placed is None:
+                self._fetch(b.moe_in[:n])
+                host_layer(i, n)
+                continue
+            slot, misses = placed
+            b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+            if self.host_misses:
+                self._host_pairs(i, b, rows, set(misses))
+            ready = True
+            hits, layers = hits + len(slot) - (len(misses) if self.host_misses else 0), layers + 1
+        self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
+
+    def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
+        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU)
+        into `b.outputs`, and `b.pick` choosing them there and the device's slots elsewhere."""
+        n, k = len(rows), len(rows[0])
+        pick = torch.arange(n * k, dtype=torch.int32)
+        pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]
+        if pairs:
+            self._fetch(b.moe_in[:n])
+            index = torch.tensor(pairs)
+            hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
+            top = b.order[:n, :k].reshape(-1)[index].view(-1, 1)  # [P, 1]
+            weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
+            routed = self.experts.compute(layer, hidden, top, weights)
+            outputs = torch.cat([as_f32(routed.outputs[e]) for e in routed.routing.by_expert])
+            flat = b.outputs.view(-1, b.outputs.shape[2])
+            flat.index_copy_(0, index[routed.routing.tokens], outputs)
+            pick[index] += n * k
+        b.pick[:n].copy_(pick.view(n, k))
+
+    def _fetch(self, t: torch.Tensor) -> None:
+        """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
+        _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
+        self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
+        self.memory.backend.synchronize()
+
+    def counters(self) -> TierCounters:
+        """Cumulative over every tier made."""
+        c = self._closed
+        return c if self._tier is None else _added(c, self._tier[1].counters)
+
+    def drop(self) -> None:
+        """Free the tier (the host slots it copies from are freed next, or moved): made again when used."""
+        if self._tier is not None:
+            self._closed = self.counters()
+            self._tier[1].close()
+            self._tier = None
+
+
+def tier_misses(tier: bool) -> str:
+    """MOESTREAM_TIER_MISSES: "upload" (default) or "host" (see the module doc).
+
+    Raises:
+        GgmlUnavailableError: another value, or set without a GPU tier (it would change nothing).
+    """
+    asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
+    if asked and not tier:
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
+    if asked not in ("", "upload", "host"):
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload or host")
+    return asked or "upload"
+
+
+def _added(a: TierCounters, b: TierCounters) -> TierCounters:
+    return TierCounters(a.hits + b.hits, a.misses + b.misses, a.bytes_uploaded + b.bytes_uploaded)
+
+
+def as_f32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as contiguous float32 (itself when it is)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()

@@ -1,0 +1,233 @@
+"""A GPU tier smaller than the experts (`--gpu-tier`, engine/gpu_tier.py), checked on ggml's CPU backend
+(the device path CUDA runs, here without a GPU): a graph a layer, each layer's routed experts placed in
+device slots by the policy and uploaded from the host cache on a miss, computed from there by the next
+graph. The logits and greedy tokens equal the in-place CPU graphs' and the every-expert-on-device path's
+bit for bit at every tier size (the same kernels over the same bytes); the counters say what was uploaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import moestream
+from moestream.engine.gpu_tier import minimum_budget
+from moestream.engine.options import EngineOptions
+from moestream.errors import CacheBudgetError, MoestreamError
+
+PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
+GREEDY = 8
+
+
+def _mixed_down(layer: int, kind: str) -> Q:
+    """Q4_0 experts but for odd layers' down, Q8_0: two size classes of other bytes per kind."""
+    return Q.Q8_0 if kind == "down" and layer % 2 else Q.Q4_0
+
+
+def _model(which: str, tiny_dir, tiny_gguf):
+    if which == "mixed_gguf":
+        return tiny_gguf("qwen3_moe", ftype=Q.Q8_0, expert_type=_mixed_down)[1]
+    return tiny_dir(which)
+
+
+def _run(path, monkeypatch, backend: str, **load) -> tuple[torch.Tensor, list[int], str]:
+    """(prefill and forced-decode logits, greedy tokens, the mode line)."""
+    from test_ggml_runner import _runner_logits
+
+    if backend:
+        monkeypatch.setenv("MOESTREAM_GGML_BACKEND", backend)
+    else:
+        monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", **load) as engine:
+        logits = _runner_logits(engine, PROMPT)
+        gen = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        return logits, gen.tokens, engine.mode_line()
+
+
+def _sizes(path, monkeypatch) -> tuple[int, int, int, list]:
+    """(the smallest tier, a middle one, one for every expert) of this model, and its size classes."""
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier="1GiB") as engine:
+        r = engine.runner
+        plans = r.tiered.plans
+        types, n = r.experts.graph_types(), r.experts.num_experts
+        least = minimum_budget(types, r._moe_layers, r.spec.hidden, n, r.spec.top_k)
+        every = sum(p.slots * p.slot_bytes for p in plans)
+    return least, (least + every) // 2, every, plans
+
+
+@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("which", ["qwen3_moe", "mixed_gguf", "mixtral", "gpt_oss"])
+def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_dir, tiny_gguf, monkeypatch):
+    """Misses copied to their slots before the graph (upload), or computed by the CPU from the host cache
+    and picked by the graph beside the device's hits (host): the same bits either way."""
+    path = _model(which, tiny_dir, tiny_gguf)
+    want, want_tokens, _ = _run(path, monkeypatch, "")
+    every_on_device, device_tokens, _ = _run(path, monkeypatch, "cpu")
+    assert torch.equal(every_on_device, want) and device_tokens == want_tokens
+    least, middle, every, plans = _sizes(path, monkeypatch)
+    if which == "mixed_gguf":  # Q4_0 and Q8_0 downs: each class's down slots of their own bytes
+        downs = sorted(dict(p.kinds)["down"] for p in plans)
+        assert len(plans) == 2 and downs[0] < downs[1]
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    words = {"upload": "misses copied before their graph", "host": "misses computed by the CPU from it"}
+    for size in (least, middle, every):
+        got, tokens, mode = _run(path, monkeypatch, "cpu", gpu_tier=size)
+        assert "routed experts in a GPU tier of" in mode and words[misses] in mode
+        assert torch.equal(got, want), (which, size)
+        assert tokens == want_tokens
+
+
+def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monkeypatch):
+    """A tier with a slot for every expert uploads each once: a request repeated uploads nothing, every
+    expert a hit. The smallest tier (a token's experts per class) uploads on every decoded token, each miss
+    one slot's bytes; the stats the engine reports (its JSON) carry the figures."""
+    from test_ggml_runner import _runner_logits
+
+    path = tiny_dir("qwen3_moe")
+    least, _, every, plans = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=every) as engine:
+        engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        _runner_logits(engine, PROMPT)
+        gen = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        tier = gen.stats.to_dict()["device_tier"]
+        assert tier["bytes_uploaded"] == 0 and tier["hit_rate"] == 1.0
+        assert gen.stats.decode.device_hits == (GREEDY - 1) * engine.top_k * len(plans[0].layers)
+    (plan,) = plans
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
+        assert engine.runner.tiered.plans[0].slots == engine.top_k
+        gen = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        d = gen.stats.decode
+        assert d.device_misses >= d.tokens and d.device_bytes == d.device_misses * plan.slot_bytes
+        assert "gpu tier hit rate" in gen.stats.line()
+        assert engine.counters().tier.misses >= d.device_misses
+
+
+def test_a_tier_too_small_for_a_tokens_experts_is_refused(tiny_dir, monkeypatch):
+    path = tiny_dir("qwen3_moe")
+    least, *_ = _sizes(path, monkeypatch)
+    with pytest.raises(CacheBudgetError) as err:
+        moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least - 1)
+    text = str(err.value)
+    assert text.startswith("--gpu-tier") and "give it at least" in text and "\n" not in text
+
+
+def test_a_gpu_tier_without_a_backend_is_refused(tiny_dir, monkeypatch):
+    monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
+    with pytest.raises(MoestreamError, match="MOESTREAM_GGML_BACKEND=cuda"):
+        moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml", gpu_tier="1MiB")
+    with pytest.raises(ValueError, match="with --device cuda the GPU tier is --gpu-cache"):
+        EngineOptions(gpu_tier="1MiB", device="cuda")
+
+
+def test_a_gpu_tier_needs_every_expert_in_the_host_cache(tiny_dir, monkeypatch):
+    from moestream.cache.size_classes import budget_requirements
+    from moestream.ggml.lib import GgmlUnavailableError
+
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        small, _ = budget_requirements(engine.emap, engine.top_k)
+    refused = pytest.raises(GgmlUnavailableError, match="holding every routed expert")
+    with moestream.load(str(path), cache=small, trunk="ggml", gpu_tier=middle) as engine, refused:
+        engine.generate([5, 6, 7], max_tokens=2)
+
+
+def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
+    """MOESTREAM_TIER_MISSES: a value of neither way, or set without a GPU tier, is refused in a sentence."""
+    from moestream.ggml.lib import GgmlUnavailableError
+
+    path = str(tiny_dir("qwen3_moe"))
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "cpu")
+    with pytest.raises(GgmlUnavailableError, match="say upload or host"):
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
+    with pytest.raises(GgmlUnavailableError, match="there is no GPU tier"):
+        moestream.load(path, cache="64MiB", trunk="ggml")
+
+
+@pytest.mark.parametrize("misses", ["upload", "host"])
+def test_chunks_and_a_restream_with_a_gpu_tier(misses, tiny_dir, monkeypatch):
+    """Prefill chunks (each layer's union of a chunk beyond the smallest tier: computed from the host),
+    spans across graph sets, and a restream (the tier made again over the new host slots)."""
+    from test_ggml_runner import _runner_logits, _small_steps
+
+    from moestream.engine import ggml_runner
+
+    _small_steps(monkeypatch)
+    monkeypatch.setattr(ggml_runner, "DEVICE_CHUNK", 5)
+    path = tiny_dir("qwen3_moe")
+    want, _, _ = _run(path, monkeypatch, "")
+    least, middle, _, _ = _sizes(path, monkeypatch)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    for size in (least, middle):
+        with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=size) as engine:
+            assert torch.equal(_runner_logits(engine, PROMPT), want)
+            engine.restream(cache="32MiB", preload=True)
+            assert torch.equal(_runner_logits(engine, PROMPT), want)
+
+
+OTHER_FAMILIES = ["qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss_mxfp4"]
+
+
+@pytest.mark.parametrize("arch", [*OTHER_FAMILIES, "qwen3_next", "qwen3_5_moe"])
+def test_every_family_with_a_gpu_tier(arch, tiny_dir, monkeypatch):
+    """The other families (dense first layers, shared experts, MLA, linear attention, MXFP4): the smallest
+    tier both ways gives the in-place bits (prefill and decode)."""
+    from test_ggml_runner import _runner_logits
+
+    path = tiny_dir(arch)
+    want, _, _ = _run(path, monkeypatch, "")
+    least, *_ = _sizes(path, monkeypatch)
+    for misses in ("upload", "host"):
+        monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+        with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
+            assert torch.equal(_runner_logits(engine, PROMPT), want), misses
+
+
+def test_layer_graphs_copy_only_the_routing_and_the_experts_outputs(tiny_dir, monkeypatch):
+    """Between a tiered step's layer graphs only the routing crosses (and the host's expert outputs): the
+    residual stream and the experts' input stay on the device, the step's inputs go once a step."""
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle) as engine:
+        engine.generate(PROMPT, max_tokens=3, ignore_eos=True)
+        (gs,) = [gs for (t, _), gs in engine.runner._sets.items() if t == 1][-1:]
+        graphs, fused = gs.layer_graphs()
+        crossing = {r.name for net in [*graphs, *fused.values()] for r, _, _ in net._inputs + net._outputs}
+    assert crossing <= {"order", "weights0", "weights1", "slots", "outputs", "logits"}, crossing
+    assert {"order", "slots", "logits"} <= crossing
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, tiny_dir, monkeypatch):
+    """The tier's residency is `cache/policy`'s (the classes the simulator replays): the layers' routing it
+    placed, replayed through fresh `ResidentSet`s of its classes' slots, misses exactly as often."""
+    from moestream.cache.policy import ResidentSet, execution_order
+    from moestream.engine.gpu_tier import GpuTier
+    from moestream.runtime.streaming import POLICY_CLASSES
+
+    seen = []
+    place = GpuTier.place
+
+    def recorded(self, layer, rows, defer=False):
+        out = place(self, layer, rows, defer)
+        if out is not None:
+            seen.append((layer, rows))
+        return out
+
+    monkeypatch.setattr(GpuTier, "place", recorded)
+    path = tiny_dir("qwen3_moe")
+    least, *_ = _sizes(path, monkeypatch)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least, policy=policy) as engine:
+        engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
+        measured = engine.runner.tier_counters().misses
+        (plan,) = engine.runner.tiered.plans
+    replay = ResidentSet(plan.slots, POLICY_CLASSES[policy]())
+    simulated = 0
+    for layer, rows in seen:
+        keys = [(layer, e) for e in execution_order(rows)]
+        simulated += len(replay.access_group(keys)[1])
+    assert seen and simulated == measured
