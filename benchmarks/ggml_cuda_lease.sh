@@ -24,6 +24,13 @@ python3 benchmarks/ggml_cuda.py check ${CHECK_FAMILIES:+--families $CHECK_FAMILI
 $LC/llama-bench -m "$MODEL" -ngl 99 -p 36,512 -n 32 -r 3 -o json > $OUT/llama-bench.json 2> $OUT/llama-bench.err
 python3 -c "import json,sys; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'],1)) for r in json.load(open(sys.argv[1]))]" $OUT/llama-bench.json
 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36,512 --tokens 32 --threads 8 2>&1 | tee $OUT/speed.log | tail -4
+# llama.cpp with every expert on the CPU (the baseline of the GPU tier, ggml_cuda_tier_lease.sh) while
+# the call has time left (kept in /tmp for that script's call on the same warm machine)
+if [ -n "${NCMOE:-}" ] && [ $SECONDS -lt ${NCMOE_BEFORE:-420} ]; then
+  $LC/llama-bench -m "$MODEL" -ngl 99 --n-cpu-moe 24 -t ${THREADS:-8} -p 36,512 -n 32 -r 2 -o json > /tmp/ncmoe.json 2> $OUT/llama-bench-ncmoe.err
+  cp /tmp/ncmoe.json $OUT/llama-bench-ncmoe.json
+  python3 -c "import json,sys; [print('llama.cpp n-cpu-moe', r['n_prompt'], r['n_gen'], round(r['avg_ts'],1)) for r in json.load(open(sys.argv[1]))]" /tmp/ncmoe.json
+fi
 # the same decode with no scratch reused at all (no fused run's output can overlap an input), and with
 # ggml's CUDA fusions off: what the fusions and the scratch layout are worth
 if [ -n "${AB:-}" ]; then
