@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Issue 31's measurements in one call of the GPU machine (under its 10-minute limit): the lease script
+# (tiny models' check while the 24 x 128 synthetic is written, llama-bench -ngl 99 and --n-cpu-moe 24,
+# moestream with every expert on the device), then the GPU tier against --n-cpu-moe (the tier script).
+set -uo pipefail
+NCMOE=1 NCMOE_BEFORE=${NCMOE_BEFORE:-520} bash benchmarks/ggml_cuda_lease.sh
+bash benchmarks/ggml_cuda_tier_lease.sh
