@@ -118,3 +118,28 @@ def test_a_read_failing_under_the_tier_ends_that_request_and_the_next_gives_the_
         assert fault.fired
         assert_nothing_held(engine)
         assert engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).tokens == want_tokens
+
+
+@pytest.mark.parametrize("misses", ["upload", "host"])
+def test_chunks_and_a_restream_to_a_smaller_host_cache(misses, tiny_dir, monkeypatch):
+    """Prefill chunks (a chunk's layer beyond the smallest tier computed from the host, reading what the
+    host cache lacks) and restreams between a cache holding every expert and the smallest one: the tier
+    made again over the new host slots each time, the in-place bits throughout."""
+    from test_ggml_runner import _runner_logits, _small_steps
+
+    from moestream.engine import ggml_runner
+
+    _small_steps(monkeypatch)
+    monkeypatch.setattr(ggml_runner, "DEVICE_CHUNK", 5)
+    path = tiny_dir("qwen3_moe")
+    want, _, _ = _run(path, monkeypatch, "")
+    least, *_ = _sizes(path, monkeypatch)
+    small, _, every = _host_caches(path)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    with moestream.load(str(path), cache=every, trunk="ggml", gpu_tier=least) as engine:
+        assert torch.equal(_runner_logits(engine, PROMPT), want)
+        engine.restream(cache=small, io_mode="pagecache")
+        assert torch.equal(_runner_logits(engine, PROMPT), want)
+        assert engine.counters().bytes_read > 0  # this streaming's own reads: from disk, not the old slots
+        engine.restream(cache=every, preload=True)
+        assert torch.equal(_runner_logits(engine, PROMPT), want)
