@@ -2,8 +2,9 @@
 miss that the host cache lacks is read from disk into a host slot by the cache's reader, then copied to
 its device slot (upload) or computed by the CPU (host). Checked on ggml's CPU backend (the device path
 CUDA runs): the logits and greedy tokens equal the in-place CPU graphs' over a cache holding every expert,
-bit for bit, at several host cache and tier sizes, both io modes, both ways, on a safetensors model, a
-gpt-oss one (gate and up the halves of one kind) and a Q4_K_M-style GGUF (Q6_K and Q4_K downs).
+bit for bit, at several host cache and tier sizes, both io modes, both ways, on a safetensors model, two
+gpt-oss ones (gate and up the halves of one kind; MXFP4 blocks rewritten by the cache as they land) and
+a Q4_K_M-style GGUF (Q6_K and Q4_K downs).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _host_caches(path) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("misses", ["upload", "host"])
-@pytest.mark.parametrize("which", ["qwen3_moe", "gpt_oss", "q4_k_m"])
+@pytest.mark.parametrize("which", ["qwen3_moe", "gpt_oss", "gpt_oss_mxfp4", "q4_k_m"])
 def test_a_gpu_tier_over_a_small_host_cache_gives_the_in_place_bits(
     which, misses, tiny_dir, q4_k_m, monkeypatch
 ):
