@@ -24,10 +24,6 @@ class HeldExperts:
         self._events = len(job.hits + job.misses) * len(kinds)
 
     @property
-    def layer(self) -> int:
-        return self.job.layer
-
-    @property
     def waiting(self) -> bool:
         """Whether misses wait for a slot that only a `release` can free (the cache is smaller than the
         layer's misses): release each expert as soon as its copies are done."""
