@@ -12,6 +12,12 @@ llama.cpp on the same GGUF, every expert in VRAM.
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB
     # its misses computed by the CPU from the host cache instead of copied first (MOESTREAM_TIER_MISSES)
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB --tier-misses host
+    # bigger than RAM and VRAM together: a host cache smaller than the experts, the misses of both tiers
+    # read from disk; the bytes read per decoded token, the read rate while decoding, and the disk's
+    # O_DIRECT ceiling for this checkpoint (benchmarks/io_ceiling.py) measured before the load and after
+    # the runs, in the same process
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --cache 5GiB --gpu-tier 2GiB \
+        --ceiling 10
 
 Runs with MOESTREAM_GGML_BACKEND=cuda set by itself (`--backend cpu`: ggml's CPU backend, to check the
 script here). Prints one JSON line per result and a table last.
@@ -30,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -135,11 +142,14 @@ def speed(args: argparse.Namespace) -> None:
         inside[0] += time.perf_counter() - t0
 
     Net.run = timed
+    ceiling = _ceiling(args)
     t0 = time.perf_counter()
     tier = {"gpu_tier": args.gpu_tier} if args.gpu_tier else {}
     if args.gpu_tier:
         os.environ["MOESTREAM_TIER_MISSES"] = args.tier_misses
-    with moestream.load(args.model, cache=args.cache, trunk="ggml", threads=args.threads, **tier) as engine:
+    options = dict(cache=args.cache, trunk="ggml", threads=args.threads, **tier)
+    options.update(io_mode=args.io_mode, io_threads=args.io_threads, piece=args.piece)
+    with moestream.load(args.model, **options) as engine:
         load_s = time.perf_counter() - t0
         print(engine.mode_line(), flush=True)
         vocab = engine.runner.spec.vocab
@@ -150,7 +160,7 @@ def speed(args: argparse.Namespace) -> None:
             prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
             for _ in range(args.warmup):
                 engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
-            best_prefill, decode, share, tiers = 0.0, [], [], []
+            best_prefill, decode, share, tiers, phases = 0.0, [], [], [], []
             for _ in range(args.repeats):
                 inside[0] = 0.0
                 out = engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
@@ -159,6 +169,7 @@ def speed(args: argparse.Namespace) -> None:
                 if s.device_tier is not None:
                     tiers.append(s.device_tier)
                 decode.append(s.decode.tok_s)
+                phases.append(s.decode)
                 # the decode steps' wall time outside Net.run (Python, sampling, the engine's loop)
                 prefill_inside = s.prefill.seconds  # upper bound of prefill's share of `inside`
                 dec_inside = max(0.0, inside[0] - prefill_inside)
@@ -175,11 +186,19 @@ def speed(args: argparse.Namespace) -> None:
                 row["tier_mib_per_token"] = round(tiers[-1]["decode_mib_uploaded_per_token"], 2)
                 row["tier_prefill_and_decode_gib"] = round(tiers[-1]["bytes_uploaded"] / 2**30, 3)
                 row["bytes_read_from_disk"] = s.bytes_read
+            row.update(_reads(sorted(phases, key=lambda d: d.tok_s)[len(phases) // 2]))  # the median run's
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
         results["decode_step"] = _profile(engine.runner, run)
         print(json.dumps(results["decode_step"]), flush=True)
+    if ceiling:  # the disk again, after the runs: the higher of the two is the ceiling
+        ceiling.append(_ceiling(args)[0])
+        results["o_direct_ceiling_gib_s"] = [round(c, 3) for c in ceiling]
+        for key, row in results.items():
+            if key.startswith("p") and "decode_read_gib_s" in row:
+                row["decode_read_of_ceiling"] = round(row["decode_read_gib_s"] / max(ceiling), 3)
+        print(json.dumps({"o_direct_ceiling_gib_s": results["o_direct_ceiling_gib_s"]}), flush=True)
     if args.compare:  # the same greedy tokens from the CPU graphs (ggml's CPU backend in place)
         os.environ.pop("MOESTREAM_GGML_BACKEND")
         os.environ.pop("MOESTREAM_TIER_MISSES", None)
@@ -190,6 +209,31 @@ def speed(args: argparse.Namespace) -> None:
                 results[f"p{n}"]["cpu_tokens_equal"] = "all" if same is None else f"first {same}"
                 print(f"p{n}: {args.compare} greedy tokens, device vs CPU graphs: first unequal {same}")
     print(json.dumps(results))
+
+
+def _reads(decode) -> dict:
+    """What the decode phase read from disk: bytes per decoded token and the rate while decoding."""
+    if not decode.tokens or not decode.seconds:
+        return {}
+    return {
+        "decode_mib_read_per_token": round(decode.bytes_read / decode.tokens / 2**20, 2),
+        "decode_read_gib_s": round(decode.bytes_read / decode.seconds / 2**30, 3),
+        "decode_read_wait_ms_per_token": round(1e3 * decode.read_wait_s / decode.tokens, 2),
+    }
+
+
+def _ceiling(args: argparse.Namespace) -> list[float]:
+    """The disk's O_DIRECT rate (GiB/s) reading this checkpoint's experts as the cache reads them (its
+    io threads and pieces; `benchmarks/io_ceiling.py`), over `--ceiling` seconds; none when 0."""
+    if not args.ceiling:
+        return []
+    from io_ceiling import expert_ranges, measure
+
+    from moestream.units import parse_size
+
+    result = measure(expert_ranges(args.model), parse_size(args.piece), args.io_threads, args.ceiling)
+    print(json.dumps({"o_direct_ceiling": result}), flush=True)
+    return [result["gib_s"]]
 
 
 def _profile(runner, run, n: int = 100) -> dict:
@@ -243,7 +287,17 @@ def main() -> None:
     s.add_argument("model")
     s.add_argument("--prompts", default="36,512")
     s.add_argument("--tokens", type=int, default=32)
-    s.add_argument("--cache", default="12GiB", help="room for every expert (they are all read at load)")
+    s.add_argument(
+        "--cache",
+        default="12GiB",
+        help="the host expert cache: room for every expert (read at load), or less (misses read from disk)",
+    )
+    s.add_argument("--io-mode", default="direct", choices=["direct", "pagecache", "mmap"])
+    s.add_argument("--io-threads", type=int, default=4)
+    s.add_argument("--piece", default="128KiB")
+    s.add_argument(
+        "--ceiling", type=float, default=0, help="seconds of the disk's O_DIRECT ceiling, before and after"
+    )
     s.add_argument("--threads", type=int, default=8)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--repeats", type=int, default=3)

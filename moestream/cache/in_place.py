@@ -54,6 +54,20 @@ class InPlaceSlots:
             self.stats.hits += len(experts)
         return [(state.slot, state.addresses) for state in states]
 
+    def pin_read(self, layer: int, experts: list[int]) -> dict[int, int]:
+        """expert -> its slot in its size class, for each of `experts` of `layer` read in full, pinned
+        without the policy hearing of it or a hit counted (a copy out of the slot of an expert its layer
+        has just used); one not in a slot is left out. Give the pins back with `unpin_hits`."""
+        self._check_open()
+        with self.lock:
+            slots = {}
+            for e in experts:
+                state = self._states.get((layer, e))
+                if state is not None and not state.failed and not any(state.remaining.values()):
+                    state.pins += 1
+                    slots[e] = state.slot
+        return slots
+
     def slot_arena(self, layer: int) -> tuple[int, int, int, dict[str, int]] | None:
         """(buffer address, slot bytes, slots, kind -> offset of its bytes in a slot) when every expert
         of `layer` sits in one size class with each kind, one part, at the same offset in its slot (a

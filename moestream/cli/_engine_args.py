@@ -102,8 +102,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-tier",
         default=None,
         help="ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda): device slots for the routed experts, a "
-        "size (e.g. 2GiB), filled by --policy from the host cache, which must hold every expert (--cache); "
-        "default: every expert on the GPU",
+        "size (e.g. 2GiB), filled by --policy from the host cache (--cache), which reads from disk the "
+        "experts it lacks; default: every expert on the GPU",
     )
     group.add_argument(
         "--host-cache",

@@ -65,7 +65,8 @@ def load(
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
             "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `gpu_tier` (ggml's CUDA backend: bytes
-            of device expert slots filled from a host cache holding every expert; `engine/gpu_tier.py`),
+            of device expert slots filled from the host cache, which reads from disk what it lacks;
+            `engine/gpu_tier.py`),
             `experts_per_token`, `gpu_floor`,
             `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
             model's maximum and 8192), `preload` (default True: when the cache holds every expert, read

@@ -104,7 +104,8 @@ class GgmlRunner(ModelRunner):
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
     ) -> None:
         """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
-        None: every expert on the device), filled by `policy` from the host cache, which holds them all.
+        None: every expert on the device), filled by `policy` from the host cache (which reads from disk
+        what it lacks).
 
         Raises:
             GgmlUnavailableError: a GPU tier without a backend, or for experts the graphs cannot compute.

@@ -1,5 +1,5 @@
 """A GPU tier smaller than the model's experts, on a ggml backend (`--gpu-tier`): device slots that the
-policy fills from the host expert cache, which holds every expert (read at load).
+policy fills from the host expert cache (which holds every expert, or, smaller, reads a miss from disk).
 
 Slots come in size classes, one per combination of the experts' matrix types (a Q4_K_M file's layers
 whose down is Q6_K make one class, those whose down is Q4_K another): a class has one device region per
@@ -12,8 +12,8 @@ cache carves its own, `cache/size_classes.py`), so every layer gets about the sa
 Which (layer, expert) holds which slot is a `ResidentSet` per class, its policy one of `cache/policy`'s
 (the classes the simulator replays): a layer's experts are the group the policy hears of, its hits are
 touched, its misses admitted, never evicting another expert of the same layer (those are pinned while
-the layer's graph reads them); each miss is copied from its host slot into its device slot on the
-backend's stream, ordered before the next compute.
+the layer's graph reads them); each miss is copied from the host slot its caller names (where the host
+cache holds it, pinned) into its device slot on the backend's stream, ordered before the next compute.
 """
 
 from __future__ import annotations
@@ -107,24 +107,20 @@ class _Class:
 
 
 class GpuTier:
-    """Device slots over the host cache's slots (`host`: each MoE layer's experts there, expert e of
-    layer l in host slot `first[l] + e`). `types` gives the graphs the device slots instead."""
+    """Device slots over the host cache's slots (`host`: each MoE layer's experts there, slot s of its
+    size class at s times the arena's slot bytes). `types` gives the graphs the device slots instead."""
 
     def __init__(
         self,
         memory: DeviceMemory,
         host: dict[int, ExpertTypes],
-        first: dict[int, int],
         plans: list[ClassPlan],
         policy: Callable[[], EvictionPolicy],
     ) -> None:
-        self.memory, self.host, self.first = memory, host, first
+        self.memory, self.host = memory, host
         self.counters = TierCounters()
         self._classes: list[_Class] = []
         self._class_of: dict[int, _Class] = {}
-        self._pending: list[
-            tuple[_Class, int, int, int]
-        ] = []  # deferred uploads (class, layer, expert, slot)
         self.types: dict[int, ExpertTypes] = {}
         try:
             for k, plan in enumerate(plans):
@@ -141,13 +137,10 @@ class GpuTier:
             self.close()
             raise
 
-    def place(
-        self, layer: int, rows: list[list[int]], defer: bool = False
-    ) -> tuple[dict[int, int], list[int]] | None:
-        """Each token's experts of `layer` (`rows`, in router order) in device slots: (expert -> slot, the
-        misses), the misses' bytes uploaded from the host slots (on the backend's stream, before the next
-        compute; `defer`: at `flush`, after the graph that computes the misses elsewhere); None when they
-        are more than the layer's class has slots (a prefill chunk's union: the caller computes them from
+    def place(self, layer: int, rows: list[list[int]]) -> tuple[dict[int, int], list[int]] | None:
+        """Each token's experts of `layer` (`rows`, in router order) given device slots: (expert -> slot,
+        the misses, whose bytes the caller copies in with `upload`, or `forget`s); None when they are
+        more than the layer's class has slots (a prefill chunk's union: the caller computes them from
         the host tier instead)."""
         c = self._class_of[layer]
         experts = execution_order(rows)
@@ -164,29 +157,29 @@ class GpuTier:
         _, missed = residents.access_group(keys, list(uses.values()), len(rows))
         slot = {e: residents.slot_of(key) for e, key in zip(experts, keys)}
         misses = [e for _, e in missed]
-        for e in misses:
-            if defer:
-                self._pending.append((c, layer, e, slot[e]))
-            else:
-                self._upload(c, layer, e, slot[e])
         self.counters.hits += len(experts) - len(misses)
         self.counters.misses += len(misses)
         return slot, misses
 
-    def flush(self) -> None:
-        """Upload the misses `place(defer=True)` admitted (their graph has run: it read the host's outputs,
-        not these slots)."""
-        for args in self._pending:
-            self._upload(*args)
-        self._pending.clear()
-
-    def _upload(self, c: _Class, layer: int, expert: int, slot: int) -> None:
+    def upload(self, layer: int, slot: int, kinds: tuple[str, ...], source: int) -> None:
+        """`kinds` of the expert in host slot `source` (of `layer`'s host size class) into device `slot`,
+        on the backend's stream (the host slot must not change until the stream has run them)."""
+        c = self._class_of[layer]
         host = self.host[layer].arena
-        source = self.first[layer] + expert
-        for kind, nbytes in c.plan.kinds:
+        sizes = dict(c.plan.kinds)
+        for kind in kinds:
+            nbytes = sizes[kind]
             address = host.address[kind] + source * host.slot_bytes
             self.memory.upload_from(c.pools[kind], slot * nbytes, address, nbytes)
             self.counters.bytes_uploaded += nbytes
+
+    def forget(self, layer: int, experts: list[int]) -> None:
+        """`experts` placed but never uploaded (a read failed, or the host cache no longer held one): out
+        of the tier, so they miss again rather than be computed from another expert's bytes."""
+        residents = self._class_of[layer].residents
+        for e in experts:
+            if (layer, e) in residents:
+                residents.remove((layer, e))
 
     def describe(self) -> str:
         """The mode line's words: the slots of each class and their bytes."""

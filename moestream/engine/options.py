@@ -45,8 +45,8 @@ class EngineOptions:
     host_cache: int | str | None = None
     unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
     # ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda, --device cpu): device slots for the routed experts
-    # filled by the policy from the host cache, which holds them all (engine/gpu_tier.py; None: every
-    # expert on the device)
+    # filled by the policy from the host cache, which reads from disk the experts it lacks
+    # (engine/gpu_tier.py; None: every expert on the device)
     gpu_tier: int | str | None = None
     policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
     # read the next layer's confident stale-gate guesses while this layer computes: "off" (or False), "on"

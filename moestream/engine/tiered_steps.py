@@ -5,10 +5,17 @@ After a MoE layer's graph its routing comes back to the host (`b.order`, `b.weig
 the layer's experts in slots by its policy, and the next graph (`fused`) computes them from the slots
 (ids = slots, `b.slots`). A miss goes one of two ways (MOESTREAM_TIER_MISSES):
 
-- "upload" (default): copied from its host slot into its device slot before that graph;
+- "upload" (default): held in a host slot by the expert cache (`ExpertLayers.hold`: a hit pinned, a miss
+  read from disk by the cache's reader) and copied into its device slot before that graph, each kind as
+  its bytes land;
 - "host": the expert runtime computes the miss's (token, k) pairs from the host cache on the CPU into
-  `b.outputs`, the graph (`mixed`) takes each output from the device's slots or the host's outputs as
-  `b.pick` says, and the miss is copied into its slot after the graph, for later tokens.
+  `b.outputs` (its schedule: hits at once, misses as their bytes land), the graph (`mixed`) takes each
+  output from the device's slots or the host's outputs as `b.pick` says, and the miss is copied into its
+  slot after the graph, for later tokens, from the host slot it was computed from (pinned until then; one
+  the cache evicted meanwhile, the layer's misses being more than its slots, leaves the tier instead).
+
+The host cache may hold fewer experts than the model has (`--cache`): the tier's misses that it lacks are
+then read from disk, so the model may be bigger than the host and device tiers together.
 
 A layer whose distinct experts outnumber its class's slots (a prefill chunk's union) is computed by the
 expert runtime from the host cache, whichever the way. The residual stream and the experts' input stay on
@@ -68,7 +75,9 @@ class TieredSteps:
             )
         n, k = experts.num_experts, spec.top_k
         self.plans: list[ClassPlan] = plan_tier(types, self._moe, spec.hidden, n, budget, k)
-        self._tier: tuple[tuple, GpuTier] | None = None  # (the host slots it copies from, the tier)
+        self._tier: tuple[int, GpuTier] | None = None  # (the streaming whose host slots it copies from, it)
+        # misses the CPU computed, copied after the next graph: (layer, expert -> device slot, -> host slot)
+        self._deferred: list[tuple[int, dict[int, int], dict[int, int]]] = []
         self._closed = TierCounters()  # of the tiers dropped before (a restream)
 
     def describe(self) -> str:
@@ -90,29 +99,21 @@ class TieredSteps:
         are stale), made when first used and again when those slots move (a restream).
 
         Raises:
-            GgmlUnavailableError: the host cache does not hold every expert (read at load), or a trace, a
-                routing replay or --prefetch is on (not yet with a GPU tier).
+            GgmlUnavailableError: a trace, a routing replay or --prefetch is on (not yet with a GPU tier).
         """
-        key = (self.experts.generation, self.experts.cache_version())
+        key = self.experts.generation
         if self._tier is not None and self._tier[0] == key:
             return self._tier[1], False
-        kind = self.memory.backend.kind
         if self.experts.host_routing():
             raise GgmlUnavailableError(
-                f"a GPU tier on ggml's {kind} backend does not yet give a trace, a routing replay or "
-                "--prefetch each layer's routing (--device cpu)"
-            )
-        first = self.experts.resident_slots()
-        if first is None:
-            raise GgmlUnavailableError(
-                f"a GPU tier on ggml's {kind} backend is filled from a host cache holding every routed "
-                "expert: give the expert cache room for all of them (--cache)"
+                f"a GPU tier on ggml's {self.memory.backend.kind} backend does not yet give a trace, a "
+                "routing replay or --prefetch each layer's routing (--device cpu)"
             )
         self.drop()
         for base, nbytes in self.experts.slot_regions():  # the host slots: copied from, never weights
             self.memory.forbid(base, nbytes, "the expert cache's slots")
             self.memory.pin_host(base, nbytes)
-        tier = GpuTier(self.memory, self.experts.graph_types(), first, self.plans, self.policy)
+        tier = GpuTier(self.memory, self.experts.graph_types(), self.plans, self.policy)
         self._tier = (key, tier)
         return tier, True
 
@@ -127,30 +128,94 @@ class TieredSteps:
                 _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
                 self.memory.upload(region, t.data_ptr() - region.host, t.nbytes)
         ready, hits, layers = False, 0, 0
-        for i, net in enumerate(graphs):
-            (fused[i] if ready else net).run()
-            tier.flush()  # misses the CPU computed: to their slots now, for the next tokens
-            ready = False
-            if i == len(self.spec.layers) or self.spec.layers[i].router is None:
-                continue
-            n = gs.rows(i)
-            rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-            placed = tier.place(i, rows, defer=self.host_misses) if i + 1 in fused else None
-            if placed is None:
-                self._fetch(b.moe_in[:n])
-                host_layer(i, n)
-                continue
-            slot, misses = placed
-            b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
-            if self.host_misses:
-                self._host_pairs(i, b, rows, set(misses))
-            ready = True
-            hits, layers = hits + len(slot) - (len(misses) if self.host_misses else 0), layers + 1
-        self.experts.count_resident(hits, layers)  # the host cache's hits: none read from disk
+        try:
+            for i, net in enumerate(graphs):
+                (fused[i] if ready else net).run()
+                self._flush(tier)  # misses the CPU computed: to their slots now, for the next tokens
+                ready = False
+                if i == len(self.spec.layers) or self.spec.layers[i].router is None:
+                    continue
+                n = gs.rows(i)
+                rows = b.order[:n, : b.weights[0].shape[1]].tolist()
+                placed = tier.place(i, rows) if i + 1 in fused else None
+                if placed is None:
+                    self._fetch(b.moe_in[:n])
+                    host_layer(i, n)
+                    continue
+                slot, misses = placed
+                b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+                try:
+                    if self.host_misses:
+                        self._host_pairs(i, b, rows, set(misses))
+                        self._defer(tier, i, slot, misses)
+                    else:
+                        self._upload(tier, i, rows, slot, misses)
+                except BaseException:  # placed, never copied: they must miss again, not be read stale
+                    tier.forget(i, misses)
+                    raise
+                ready = True
+                hits, layers = hits + len(slot) - len(misses), layers + 1
+        finally:
+            self._drop_deferred(tier)  # a step that raised: the misses it did not copy leave the tier
+        # the device's hits (none read from disk); the misses were counted by the host cache's job
+        self.experts.count_resident(hits, layers)
+
+    def _upload(
+        self, tier: GpuTier, layer: int, rows: list[list[int]], slot: dict[int, int], misses: list[int]
+    ) -> None:
+        """`misses` copied into their device slots from the host cache, which holds them for the copies
+        (pinned) and reads those it lacks from disk: each kind copied as it lands, the gate while the up
+        and down are still read. Before the graph that computes them (the copies on its stream)."""
+        if not misses:
+            return
+        uses = dict.fromkeys(misses, 0)
+        for row in rows:
+            for e in row:
+                if e in uses:
+                    uses[e] += 1
+        sync = self.memory.backend.synchronize
+        with self.experts.hold(layer, misses, list(uses.values()), len(rows)) as held:
+            left = dict.fromkeys(misses, sum(len(k) for k in held.kinds.values()))
+            for e, kinds, source in held.landed():
+                tier.upload(layer, slot[e], kinds, source)
+                left[e] -= len(kinds)
+                if not left[e] and held.waiting:  # a miss waits for a slot: this one's, once copied
+                    sync()
+                    held.release(e)
+            sync()  # the host slots are given back: nothing may still copy out of them
+
+    def _defer(self, tier: GpuTier, layer: int, slot: dict[int, int], misses: list[int]) -> None:
+        """`misses`, which the schedule just computed from the host cache, copied into their device slots
+        after the next graph (`_flush`), their host slots pinned until then."""
+        sources = self.experts.pin_read(layer, misses)
+        tier.forget(layer, [e for e in misses if e not in sources])
+        if sources:
+            self._deferred.append((layer, {e: slot[e] for e in sources}, sources))
+
+    def _flush(self, tier: GpuTier) -> None:
+        """Copy the deferred misses into their slots, then give their host slots back."""
+        if not self._deferred:
+            return
+        for layer, slot, sources in self._deferred:
+            kinds = tuple(tier.types[layer].arena.address)
+            for e, source in sources.items():
+                tier.upload(layer, slot[e], kinds, source)
+        self.memory.backend.synchronize()  # the copies out of the host slots are done
+        deferred, self._deferred = self._deferred, []
+        for layer, _, sources in deferred:
+            self.experts.unpin(layer, list(sources))
+
+    def _drop_deferred(self, tier: GpuTier) -> None:
+        """Deferred misses never copied: out of the tier, their host slots given back."""
+        deferred, self._deferred = self._deferred, []
+        for layer, _, sources in deferred:
+            tier.forget(layer, list(sources))
+            self.experts.unpin(layer, list(sources))
 
     def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
-        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU)
-        into `b.outputs`, and `b.pick` choosing them there and the device's slots elsewhere."""
+        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU;
+        a miss there read from disk as the schedule reads one) into `b.outputs`, and `b.pick` choosing
+        them there and the device's slots elsewhere."""
         n, k = len(rows), len(rows[0])
         pick = torch.arange(n * k, dtype=torch.int32)
         pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]

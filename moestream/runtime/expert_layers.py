@@ -17,6 +17,7 @@ import torch
 
 from moestream.cache.policy import execution_order
 from moestream.runtime.experts import ExpertRuntime, Routed
+from moestream.runtime.held_experts import HeldExperts
 from moestream.runtime.resident import ResidentExperts, unavailable
 from moestream.runtime.streaming import ExpertStreaming, StreamCounters
 
@@ -215,8 +216,25 @@ class ExpertLayers:
         return {e: s for e, (s, _) in zip(experts, pinned)}
 
     def unpin(self, layer: int, experts: list[int]) -> None:
-        """Give back the slots `pin` pinned (evictable again)."""
+        """Give back the slots `pin` or `pin_read` pinned (evictable again)."""
         self._runtime.cache.unpin_hits(layer, experts)
+
+    # --- host slots to copy from (a GPU tier's misses) ------------------------------------------
+
+    def hold(self, layer: int, experts: list[int], uses: list[int], tokens: int) -> HeldExperts:
+        """`experts` of `layer` (distinct, in execution order; `uses[i]` of the `tokens` routed to
+        `experts[i]`) held in host slots as a layer forward of the cache holds them: the policy hears of
+        the group, hits are pinned, misses read from disk, each kind said as it lands (`HeldExperts`)."""
+        rt = self._runtime
+        terms = rt.family.graph_terms(layer)
+        halves = terms is not None and terms.halves
+        kinds = {k: ("gate", "up") if halves and k == "gate_up" else (k,) for k in rt.emap.kinds}
+        return HeldExperts(rt.cache, rt.cache.open_layer(layer, experts, uses, tokens), kinds)
+
+    def pin_read(self, layer: int, experts: list[int]) -> dict[int, int]:
+        """expert -> its host slot, pinned, for each of `experts` of `layer` still read in full in the
+        cache (what the schedule just computed), without telling the policy or counting a hit; `unpin`."""
+        return self._runtime.cache.pin_read(layer, experts)
 
     # --- device slot tables (a GPU tier holding every expert) ------------------------------------
 
