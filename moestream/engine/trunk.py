@@ -54,6 +54,7 @@ def make_runner(
     threads: int = 1,
     spec: Any = None,
     no_graph: str | None = None,
+    parallel: int = 1,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said.
@@ -67,7 +68,14 @@ def make_runner(
         from moestream.engine.ggml_runner import GgmlRunner
 
         recurrent = any(layer.linear is not None for layer in spec.layers)
-        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads, recurrent))
+        backend = _backend(threads, recurrent)
+        return GgmlRunner(spec, experts, ctx_size, threads, backend, slots=parallel)
+    if parallel > 1:
+        why = f"transformers: {no_graph}" if no_graph else f"--trunk {mode}"
+        raise MoestreamError(
+            f"--parallel {parallel} needs the ggml graphs (the CPU's trunk); this run's trunk ({why}) "
+            "runs one request at a time"
+        )
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"
         if no_graph is not None:
