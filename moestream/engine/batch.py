@@ -1,0 +1,194 @@
+"""Several requests at once (`--parallel N`): their forwards batched, a round at a time.
+
+Each request runs its own token loop (`engine/requests.py`) on a thread of its own, in a KV-cache slot
+of the ggml runner it holds from its first forward to its end (`acquire`, `release`); its forward (`step`)
+is handed to the `Batcher` and waits. When every request holding a slot has handed one over, one of their
+threads runs a round for all (the others wait on a condition, no polling):
+
+- the single tokens (decoding) as one step of B rows (`GgmlRunner.decode`): each MoE layer acquires the
+  union of their experts and computes each expert once over the rows routed to it;
+- then one prefill chunk (at most the runner's chunk) of the request that has waited longest, so a new
+  prompt never stalls the running streams for more than one chunk's forward a token.
+
+Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
+a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
+it has alone, each token decoded beside others with the bits it gets alone (`tests/test_batch.py`).
+The slot's prompt cache is the slot's own (`PromptCache` per slot): a request takes the free slot whose
+held tokens share the longest prefix with its prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from moestream.engine.prompt_cache import PromptCache, common_prefix
+from moestream.errors import MoestreamError
+
+Step = Callable[[list[int], Any], tuple[torch.Tensor, Any]]
+T = TypeVar("T")
+
+
+@dataclass
+class _Call:
+    """One request's forward, waiting for its round: `ids` after what `kv` (its slot) holds."""
+
+    kv: Any
+    ids: list[int]
+    order: int  # arrival: the oldest prefill goes first
+    fed: int = 0  # tokens of `ids` fed so far (a prefill takes several rounds)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class Batcher:
+    """The rounds of a runner with `len(runner.seqs)` KV-cache slots; one per engine (`Engine.batch`)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.slots = len(runner.seqs)
+        self.caches = [PromptCache() for _ in range(self.slots)]  # one per slot
+        self._cond = threading.Condition()
+        self._free = list(range(self.slots))
+        self._held: set[int] = set()
+        self._calls: dict[int, _Call] = {}  # slot -> the forward it waits for
+        self._leading = False  # a thread is running a round
+        self._arrivals = 0
+        self.rounds = 0  # rounds run (counted for tests and benchmarks)
+        self.decode_rows = 0  # tokens decoded in them
+
+    @property
+    def busy(self) -> int:
+        """Slots held by requests."""
+        with self._cond:
+            return len(self._held)
+
+    def acquire(self, ids: list[int]) -> int:
+        """A free slot for a request of prompt `ids` (the one whose prompt cache shares the longest prefix).
+
+        Raises:
+            MoestreamError: every slot is held (the caller runs at most `slots` requests at once).
+        """
+        with self._cond:
+            if not self._free:
+                raise MoestreamError(
+                    f"all {self.slots} slots are in use: at most {self.slots} requests run at once "
+                    f"(--parallel {self.slots})"
+                )
+            slot = max(self._free, key=lambda s: (common_prefix(self.caches[s].held.ids, ids), -s))
+            self._free.remove(slot)
+            self._held.add(slot)
+            return slot
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` ended: the rounds no longer wait for it."""
+        with self._cond:
+            self._held.discard(slot)
+            self._calls.pop(slot, None)
+            self._free.append(slot)
+            self._cond.notify_all()
+
+    def step(self, slot: int) -> Step:
+        """The forward of the request in `slot`: (ids, its cache or None) -> (logits [V], its cache)."""
+        kv = self.runner.seqs[slot]
+
+        def forward(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+            if cache is None:  # a request from scratch in this slot
+                kv.tokens = 0
+            elif cache is not kv:
+                raise RuntimeError("a request continues only its own slot's KV cache")
+            return self._wait(slot, _Call(kv, list(ids), self._next()))
+
+        return forward
+
+    def _next(self) -> int:
+        with self._cond:
+            self._arrivals += 1
+            return self._arrivals
+
+    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor, Any]:
+        with self._cond:
+            self._calls[slot] = call
+            self._cond.notify_all()
+            while not call.done:
+                if self._leading or not self._ready():
+                    self._cond.wait()
+                    continue
+                self._leading = True
+                calls = dict(self._calls)
+                self._cond.release()
+                try:
+                    self._round(list(calls.values()))
+                finally:
+                    self._cond.acquire()
+                    self._leading = False
+                    for s, c in calls.items():
+                        if c.done and self._calls.get(s) is c:
+                            del self._calls[s]
+                    self._cond.notify_all()
+        if call.error is not None:
+            raise call.error
+        return call.logits, call.kv
+
+    def _ready(self) -> bool:
+        """Every request holding a slot has handed its forward over."""
+        return bool(self._held) and all(s in self._calls for s in self._held)
+
+    @torch.inference_mode()
+    def _round(self, calls: list[_Call]) -> None:
+        """The decoding calls as one step, then one chunk of the oldest prefill."""
+        self.rounds += 1
+        decoding = [c for c in calls if len(c.ids) == 1]
+        if decoding:
+            try:
+                logits = self.runner.decode([(c.kv, c.ids[0]) for c in decoding])
+                for c, row in zip(decoding, logits):
+                    c.logits = row
+                self.decode_rows += len(decoding)
+            except BaseException as exc:  # each request raises it; the next round goes on without them
+                for c in decoding:
+                    c.error = exc
+            for c in decoding:
+                c.done = True
+        prefill = sorted((c for c in calls if len(c.ids) > 1), key=lambda c: c.order)
+        if prefill:
+            c = prefill[0]
+            chunk = c.ids[c.fed : c.fed + self.runner.chunk]
+            try:
+                c.logits, _ = self.runner(chunk, c.kv)
+                c.fed += len(chunk)
+                c.done = c.fed == len(c.ids)
+            except BaseException as exc:
+                c.error, c.done = exc, True
+
+
+def run_all(jobs: Sequence[Callable[[], T]], workers: int) -> list[T]:
+    """Each job on one of `workers` threads (each with the caller's torch thread count, which OpenMP
+    keeps per thread); their results in order. A job that raised: the first such error, once every
+    job has ended."""
+    threads = torch.get_num_threads()
+
+    def run(job: Callable[[], T]) -> T:
+        torch.set_num_threads(threads)
+        return job()
+
+    if workers == 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-batch") as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+def generate_all(engine: Any, prompts: Sequence[Any], params: Any = None, **options: Any) -> list[Any]:
+    """`Engine.generate_batch`: each prompt's `Generation`, up to `engine.batch.slots` at once."""
+    if isinstance(params, list) and len(params) != len(prompts):
+        raise MoestreamError(f"{len(params)} sampling params were given for {len(prompts)} prompts")
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    jobs = [lambda p=p, s=s: engine.generate(p, s, **options) for p, s in zip(prompts, each)]
+    return run_all(jobs, engine.batch.slots if engine.batch is not None else 1)
