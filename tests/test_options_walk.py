@@ -671,6 +671,7 @@ SERVE: dict[str, Callable[[Walk], None]] = {
     "--api-key": lambda w: assert_equal(served(w)["options"].api_key, "walk-key"),
     "--model-name": lambda w: assert_equal(served(w)["options"].model_id, "walker"),
     "--queue-size": lambda w: assert_equal(served(w)["options"].queue_size, 3),
+    "--parallel": lambda w: assert_equal(w.engine_options("serve", "-np", "3").parallel, 3),
     "--max-body": lambda w: assert_equal(served(w)["options"].max_body, 128 << 10),
     "--max-connections": lambda w: assert_equal(served(w)["options"].max_connections, 5),
     "--request-timeout": lambda w: assert_equal(served(w)["options"].request_timeout, 7),

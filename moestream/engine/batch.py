@@ -60,8 +60,9 @@ class Batcher:
         self._calls: dict[int, _Call] = {}  # slot -> the forward it waits for
         self._leading = False  # a thread is running a round
         self._arrivals = 0
-        self.rounds = 0  # rounds run (counted for tests and benchmarks)
-        self.decode_rows = 0  # tokens decoded in them
+        self.rounds = 0  # rounds run (counted for /metrics, tests and benchmarks)
+        self.decode_steps = 0  # decode steps run in them (one a round at most)
+        self.decode_rows = 0  # tokens those steps decoded (rows / steps: the mean batch)
 
     @property
     def busy(self) -> int:
@@ -150,6 +151,7 @@ class Batcher:
                 logits = self.runner.decode([(c.kv, c.ids[0]) for c in decoding])
                 for c, row in zip(decoding, logits):
                     c.logits = row
+                self.decode_steps += 1
                 self.decode_rows += len(decoding)
             except BaseException as exc:  # each request raises it; the next round goes on without them
                 for c in decoding:
