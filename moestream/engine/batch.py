@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -45,20 +45,24 @@ class _Call:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
+    lead: bool = False  # its thread is to run the next round
+    event: threading.Event = field(default_factory=threading.Event)  # set when done (or told to lead)
 
 
 class Batcher:
-    """The rounds of a runner with `len(runner.seqs)` KV-cache slots; one per engine (`Engine.batch`)."""
+    """The rounds of a runner with `len(runner.seqs)` KV-cache slots; one per engine (`Engine.batch`).
+    `checked` wraps a round's forward as `ExpertStreaming.checked` wraps a request's (the checkpoint
+    files checked once a round, for every request in it)."""
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
+    def __init__(self, runner: Any, checked: Callable[[Step], Step] = lambda step: step) -> None:
+        self.runner, self.checked = runner, checked
         self.slots = len(runner.seqs)
         self.caches = [PromptCache() for _ in range(self.slots)]  # one per slot
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._free = list(range(self.slots))
         self._held: set[int] = set()
         self._calls: dict[int, _Call] = {}  # slot -> the forward it waits for
-        self._leading = False  # a thread is running a round
+        self._leading = False  # a thread is running a round (or was told to)
         self._arrivals = 0
         self.rounds = 0  # rounds run (counted for /metrics, tests and benchmarks)
         self.decode_steps = 0  # decode steps run in them (one a round at most)
@@ -67,7 +71,7 @@ class Batcher:
     @property
     def busy(self) -> int:
         """Slots held by requests."""
-        with self._cond:
+        with self._lock:
             return len(self._held)
 
     def acquire(self, ids: list[int]) -> int:
@@ -76,7 +80,7 @@ class Batcher:
         Raises:
             MoestreamError: every slot is held (the caller runs at most `slots` requests at once).
         """
-        with self._cond:
+        with self._lock:
             if not self._free:
                 raise MoestreamError(
                     f"all {self.slots} slots are in use: at most {self.slots} requests run at once "
@@ -89,11 +93,11 @@ class Batcher:
 
     def release(self, slot: int) -> None:
         """The request in `slot` ended: the rounds no longer wait for it."""
-        with self._cond:
+        with self._lock:
             self._held.discard(slot)
             self._calls.pop(slot, None)
             self._free.append(slot)
-            self._cond.notify_all()
+            self._kick()
 
     def step(self, slot: int) -> Step:
         """The forward of the request in `slot`: (ids, its cache or None) -> (logits [V], its cache)."""
@@ -104,35 +108,27 @@ class Batcher:
                 kv.tokens = 0
             elif cache is not kv:
                 raise RuntimeError("a request continues only its own slot's KV cache")
-            return self._wait(slot, _Call(kv, list(ids), self._next()))
+            return self._wait(slot, kv, list(ids))
 
         return forward
 
-    def _next(self) -> int:
-        with self._cond:
+    def _wait(self, slot: int, kv: Any, ids: list[int]) -> tuple[torch.Tensor, Any]:
+        """Hand the forward over; run a round where it completes the batch (or this thread is told to);
+        else sleep on the call's own event until its forward is done (each thread woken once a round)."""
+        with self._lock:
             self._arrivals += 1
-            return self._arrivals
-
-    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor, Any]:
-        with self._cond:
-            self._calls[slot] = call
-            self._cond.notify_all()
-            while not call.done:
-                if self._leading or not self._ready():
-                    self._cond.wait()
-                    continue
-                self._leading = True
-                calls = dict(self._calls)
-                self._cond.release()
-                try:
-                    self._round(list(calls.values()))
-                finally:
-                    self._cond.acquire()
-                    self._leading = False
-                    for s, c in calls.items():
-                        if c.done and self._calls.get(s) is c:
-                            del self._calls[s]
-                    self._cond.notify_all()
+            call = self._calls[slot] = _Call(kv, ids, self._arrivals)
+            lead = not self._leading and self._ready()
+            self._leading = self._leading or lead
+        while True:
+            if lead:
+                self._lead()
+            call.event.wait()
+            with self._lock:
+                call.event.clear()
+                lead, call.lead = call.lead, False
+                if call.done and not lead:
+                    break
         if call.error is not None:
             raise call.error
         return call.logits, call.kv
@@ -141,14 +137,41 @@ class Batcher:
         """Every request holding a slot has handed its forward over."""
         return bool(self._held) and all(s in self._calls for s in self._held)
 
+    def _kick(self) -> None:
+        """(Holding the lock.) Where no round runs and every request waits: tell one of them to run one."""
+        if self._leading or not self._ready():
+            return
+        call = next(iter(self._calls.values()))
+        self._leading = call.lead = True
+        call.event.set()
+
+    def _lead(self) -> None:
+        """Run a round over the calls handed over, then wake the threads whose forward it completed."""
+        with self._lock:
+            calls = dict(self._calls)
+        try:
+            self._round(list(calls.values()))
+        finally:
+            with self._lock:
+                self._leading = False
+                for s, c in calls.items():
+                    if c.done:
+                        if self._calls.get(s) is c:
+                            del self._calls[s]
+                        c.event.set()
+                self._kick()  # a prefill goes on: its chunks run a round each, nobody else waiting
+
     @torch.inference_mode()
     def _round(self, calls: list[_Call]) -> None:
         """The decoding calls as one step, then one chunk of the oldest prefill."""
         self.rounds += 1
-        decoding = [c for c in calls if len(c.ids) == 1]
+        # in slot order: the step's graphs are keyed by the slots it uses, in order (a set built once
+        # serves every round of the same requests)
+        decoding = sorted((c for c in calls if len(c.ids) == 1), key=lambda c: c.kv.slot)
         if decoding:
+            step = self.checked(lambda seqs, _: (self.runner.decode(seqs), None))
             try:
-                logits = self.runner.decode([(c.kv, c.ids[0]) for c in decoding])
+                logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
                 for c, row in zip(decoding, logits):
                     c.logits = row
                 self.decode_steps += 1
@@ -163,7 +186,7 @@ class Batcher:
             c = prefill[0]
             chunk = c.ids[c.fed : c.fed + self.runner.chunk]
             try:
-                c.logits, _ = self.runner(chunk, c.kv)
+                c.logits, _ = self.checked(self.runner)(chunk, c.kv)
                 c.fed += len(chunk)
                 c.done = c.fed == len(c.ids)
             except BaseException as exc:

@@ -109,7 +109,9 @@ class Engine:
             self.recorder: Any = None
             self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
             # several requests at once (--parallel N > 1): their forwards batched (engine/batch.py)
-            self.batch = Batcher(self.runner) if self.options.parallel > 1 else None
+            self.batch = None
+            if self.options.parallel > 1:  # each round's forward checks the files once (`checked`)
+                self.batch = Batcher(self.runner, lambda step: self.streaming.checked(step))
             self._requests = 0
             self._closed = False
             warn_unused(self.loaded)

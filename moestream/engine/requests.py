@@ -82,9 +82,11 @@ def run_request(
 def _stepper(
     engine: Any, request_id: str, position: int, slot: int | None = None
 ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
-    """The forward step (in `slot`: handed to the batch's rounds), telling the trace recorder and the
-    routing replay (if any) what each forward covers."""
-    forward = engine.runner if slot is None else engine.batch.step(slot)
+    """The forward step, its checkpoint files checked after it (in `slot`: handed to the batch's rounds,
+    which check them once a round), telling the trace recorder and the routing replay (if any) what each
+    forward covers."""
+    # each forward: its shards unchanged, or no token from it
+    forward = engine.streaming.checked(engine.runner) if slot is None else engine.batch.step(slot)
     listeners = [x for x in (engine.recorder, engine.replay) if x is not None]
     if not listeners:
         return forward
@@ -119,7 +121,6 @@ def _tokens(
     if tools is not None:
         gen.tool_calls = tools.calls
     prefill_end, after_prefill = start, before
-    step = engine.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
     grammar = params.output_grammar
     constraint = engine.grammars.constraint(grammar) if grammar is not None else None
     sampler = Sampler(params, len(ids), constraint)
