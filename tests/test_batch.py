@@ -172,5 +172,5 @@ def test_the_slots_prompt_caches_and_the_limits(tiny_dir):
             engine.generate(PROMPTS[0], params)
         for slot in held:
             engine.batch.release(slot)
-        with pytest.raises(MoestreamError, match="a trace records one request at a time"):
-            engine.start_trace("unused.jsonl")
+        with pytest.raises(MoestreamError, match="a routing replay runs one request at a time"):
+            engine.replay_routing("unused.jsonl")

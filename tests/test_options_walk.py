@@ -901,6 +901,9 @@ SIMULATE: dict[str, Callable[[Walk], None]] = {
     ),
     "--prefetch-top": _sim_prefetch("--prefetch-top", "1"),
     "--prefetch-min-score": _sim_prefetch("--prefetch-min-score", "0.9"),
+    "--parallel": lambda w: assert_equal(
+        "forwards regrouped as 2 requests at once" in sim(w, "--policy", "lru", "-np", "2").err, True
+    ),
     "--plot": lambda w: (
         ok(w.cli("simulate", w.m["trace"], "--policy", "lru", "--plot", w.tmp / "c.png"))
         and assert_equal((w.tmp / "c.png").exists(), True)

@@ -41,6 +41,8 @@ class _Call:
     kv: Any
     ids: list[int]
     order: int  # arrival: the oldest prefill goes first
+    request: str = ""  # its name in traces
+    phase: str = "decode"  # "prefill": the request's prompt (traces)
     fed: int = 0  # tokens of `ids` fed so far (a prefill takes several rounds)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -54,8 +56,14 @@ class Batcher:
     `checked` wraps a round's forward as `ExpertStreaming.checked` wraps a request's (the checkpoint
     files checked once a round, for every request in it)."""
 
-    def __init__(self, runner: Any, checked: Callable[[Step], Step] = lambda step: step) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        checked: Callable[[Step], Step] = lambda step: step,
+        recorder: Callable[[], Any] = lambda: None,
+    ) -> None:
         self.runner, self.checked = runner, checked
+        self.recorder = recorder  # the trace recorder now (or None): told which request each row is
         self.slots = len(runner.seqs)
         self.caches = [PromptCache() for _ in range(self.slots)]  # one per slot
         self._lock = threading.Lock()
@@ -99,25 +107,30 @@ class Batcher:
             self._free.append(slot)
             self._kick()
 
-    def step(self, slot: int) -> Step:
-        """The forward of the request in `slot`: (ids, its cache or None) -> (logits [V], its cache)."""
+    def step(self, slot: int, request: str = "") -> Step:
+        """The forward of the request in `slot` (named `request` in traces): (ids, its cache or None) ->
+        (logits [V], its cache); its first forward is its prompt's."""
         kv = self.runner.seqs[slot]
+        phase = ["prefill"]
 
         def forward(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
             if cache is None:  # a request from scratch in this slot
                 kv.tokens = 0
             elif cache is not kv:
                 raise RuntimeError("a request continues only its own slot's KV cache")
-            return self._wait(slot, kv, list(ids))
+            out = self._wait(slot, _Call(kv, list(ids), 0, request, phase[0]))
+            phase[0] = "decode"
+            return out
 
         return forward
 
-    def _wait(self, slot: int, kv: Any, ids: list[int]) -> tuple[torch.Tensor, Any]:
+    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor, Any]:
         """Hand the forward over; run a round where it completes the batch (or this thread is told to);
         else sleep on the call's own event until its forward is done (each thread woken once a round)."""
         with self._lock:
             self._arrivals += 1
-            call = self._calls[slot] = _Call(kv, ids, self._arrivals)
+            call.order = self._arrivals
+            self._calls[slot] = call
             lead = not self._leading and self._ready()
             self._leading = self._leading or lead
         while True:
@@ -168,8 +181,11 @@ class Batcher:
         # in slot order: the step's graphs are keyed by the slots it uses, in order (a set built once
         # serves every round of the same requests)
         decoding = sorted((c for c in calls if len(c.ids) == 1), key=lambda c: c.kv.slot)
+        recorder = self.recorder()
         if decoding:
             step = self.checked(lambda seqs, _: (self.runner.decode(seqs), None))
+            if recorder is not None:  # each row's request
+                recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
             try:
                 logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
                 for c, row in zip(decoding, logits):
@@ -185,6 +201,8 @@ class Batcher:
         if prefill:
             c = prefill[0]
             chunk = c.ids[c.fed : c.fed + self.runner.chunk]
+            if recorder is not None:
+                recorder.forward(c.request, c.phase, c.kv.tokens)
             try:
                 c.logits, _ = self.checked(self.runner)(chunk, c.kv)
                 c.fed += len(chunk)

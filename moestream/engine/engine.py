@@ -111,7 +111,9 @@ class Engine:
             # several requests at once (--parallel N > 1): their forwards batched (engine/batch.py)
             self.batch = None
             if self.options.parallel > 1:  # each round's forward checks the files once (`checked`)
-                self.batch = Batcher(self.runner, lambda step: self.streaming.checked(step))
+                self.batch = Batcher(
+                    self.runner, lambda step: self.streaming.checked(step), lambda: self.recorder
+                )
             self._requests = 0
             self._closed = False
             warn_unused(self.loaded)
@@ -190,8 +192,6 @@ class Engine:
 
         if self.recorder is not None:
             raise MoestreamError("a trace is already being recorded")
-        if self.batch is not None:
-            raise MoestreamError("a trace records one request at a time: load with parallel=1 (--parallel 1)")
         self.recorder = TraceRecorder(self, path, predict=predict)
 
     def stop_trace(self) -> None:

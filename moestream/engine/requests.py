@@ -85,8 +85,9 @@ def _stepper(
     """The forward step, its checkpoint files checked after it (in `slot`: handed to the batch's rounds,
     which check them once a round), telling the trace recorder and the routing replay (if any) what each
     forward covers."""
-    # each forward: its shards unchanged, or no token from it
-    forward = engine.streaming.checked(engine.runner) if slot is None else engine.batch.step(slot)
+    if slot is not None:  # the batch's rounds check the files and tell the trace each row's request
+        return engine.batch.step(slot, request_id)
+    forward = engine.streaming.checked(engine.runner)  # each forward: its shards unchanged, or no token
     listeners = [x for x in (engine.recorder, engine.replay) if x is not None]
     if not listeners:
         return forward
