@@ -11,7 +11,9 @@ distinct code prompts at once through `Engine.generate_batch` (greedy, EOS ignor
 reports, median over `--reps`: the aggregate decode rate (the sum of each stream's decode tok/s: they run
 side by side from first token to last), the wall rate (every generated token over the run's wall time,
 prefill included), expert MiB read per generated token (the run's reads over its tokens) and the mean
-rows of a decode step. `--exact K`: K prompts run alone, then 8 at a time, `--tokens` greedy tokens each:
+rows of a decode step; and the runner's decode steps alone (the same N prompts in N slots, a step of N
+rows a token, each row fed its argmax: no sampling, threads or rounds), what the engine's per-request
+work costs beside them. `--exact K`: K prompts run alone, then 8 at a time, `--tokens` greedy tokens each:
 the share of continuations that are identical.
 """
 
@@ -23,6 +25,8 @@ import platform
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 import moestream
 
@@ -58,11 +62,29 @@ def run(engine, n: int, tokens: int) -> dict[str, float]:
     made = sum(len(g.tokens) for g in gens)
     steps, rows = engine.batch.decode_steps - steps, engine.batch.decode_rows - rows
     return {
+        "runner": runner_rate(engine, n, tokens),
         "aggregate": sum(g.stats.decode.tok_s for g in gens),
         "wall": made / wall,
         "mib_per_token": read / made / (1 << 20),
         "rows": rows / steps if steps else 1.0,
     }
+
+
+def runner_rate(engine, n: int, tokens: int) -> float:
+    """Tokens a second of the runner's decode steps alone (no sampling, no threads, no rounds): the N
+    prompts prefilled in N slots, then `tokens` steps of N rows, each row fed its own argmax."""
+    runner = engine.runner
+    seqs = runner.seqs[:n]
+    rows = []
+    with torch.inference_mode():
+        for kv, prompt in zip(seqs, PROMPTS):
+            kv.tokens = 0
+            rows.append(int(runner(engine.encode(prompt), kv)[0].argmax()))
+        start = time.perf_counter()
+        for _ in range(tokens):
+            logits = runner.decode(list(zip(seqs, rows)))
+            rows = logits.argmax(dim=-1).tolist()
+        return n * tokens / (time.perf_counter() - start)
 
 
 def exact(engine, k: int, tokens: int, at_once: int) -> tuple[int, int]:
@@ -104,15 +126,16 @@ def main() -> None:
             print(engine.mode_line())
             run(engine, max(streams), 8)  # warm-up: every step shape's graphs built once
             print("streams | aggregate decode tok/s | vs 1 stream | wall tok/s (prefill incl.) | ", end="")
-            print("MiB read/token | rows/step")
+            print("MiB read/token | rows/step | runner steps alone tok/s | vs 1")
             base = None
             for n in streams:
                 runs = [run(engine, n, args.tokens) for _ in range(args.reps)]
                 med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                base = base or med["aggregate"]
+                base = base or (med["aggregate"], med["runner"])
                 print(
-                    f"{n:7d} | {med['aggregate']:22.1f} | {med['aggregate'] / base:10.2f}x | "
-                    f"{med['wall']:25.1f} | {med['mib_per_token']:14.2f} | {med['rows']:9.2f}"
+                    f"{n:7d} | {med['aggregate']:22.1f} | {med['aggregate'] / base[0]:10.2f}x | "
+                    f"{med['wall']:25.1f} | {med['mib_per_token']:14.2f} | {med['rows']:9.2f} | "
+                    f"{med['runner']:24.1f} | {med['runner'] / base[1]:.2f}x"
                 )
             if args.exact:
                 same, k = exact(engine, args.exact, args.tokens, max(streams))

@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
         trace = batch_steps(trace, args.parallel)
         trace.notes.append(
-            f"forwards regrouped as {args.parallel} requests at once (--parallel {args.parallel}), "
-            "requests started in order of first appearance"
+            f"forwards regrouped as {args.parallel} request{'s' if args.parallel > 1 else ''} at once "
+            f"(--parallel {args.parallel}), requests started in order of first appearance"
         )
     width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
     if args.prefetch_top is not None and width and args.prefetch_top > width:
