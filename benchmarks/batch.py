@@ -14,15 +14,18 @@ prefill included), expert MiB read per generated token (the run's reads over its
 rows of a decode step; and the runner's decode steps alone (the same N prompts in N slots, a step of N
 rows a token, each row fed its argmax: no sampling, threads or rounds), what the engine's per-request
 work costs beside them. `--exact K`: K prompts run alone, then 8 at a time, `--tokens` greedy tokens each:
-the share of continuations that are identical.
+the share of continuations that are identical. `--stall P`: a P-token prompt joins a stream that is
+decoding: how long the stream's tokens wait meanwhile (the prompt is fed a chunk a round).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +90,31 @@ def runner_rate(engine, n: int, tokens: int) -> float:
         return n * tokens / (time.perf_counter() - start)
 
 
+def stall(engine, prompt_tokens: int) -> tuple[float, float, float]:
+    """A stream decoding while a prompt of `prompt_tokens` joins: (its median gap between tokens before,
+    its longest gap while the prompt was prefilled, the prompt's prefill seconds), in seconds."""
+    joining = (engine.encode("\n".join(PROMPTS)) * (prompt_tokens // 8 + 1))[:prompt_tokens]
+    stamps: list[float] = []
+    ten = threading.Event()
+
+    def running() -> None:
+        for gen in engine.stream(PROMPTS[0], max_tokens=200, ignore_eos=True):
+            stamps.append(time.perf_counter())
+            if len(gen.tokens) == 10:
+                ten.set()
+
+    thread = threading.Thread(target=running)
+    thread.start()
+    ten.wait()
+    start = time.perf_counter()
+    prefill = engine.generate(joining, max_tokens=1, ignore_eos=True).stats.prefill.seconds
+    thread.join()
+    gaps = [(b, b - a) for a, b in itertools.pairwise(stamps)]
+    before = statistics.median(g for t, g in gaps if t < start)
+    during = max(g for t, g in gaps if start < t <= start + prefill + max(g for _, g in gaps))
+    return before, during, prefill
+
+
 def exact(engine, k: int, tokens: int, at_once: int) -> tuple[int, int]:
     """(identical continuations, prompts): `k` prompts alone, then `at_once` at a time."""
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(k)]
@@ -112,6 +140,9 @@ def main() -> None:
         "--exact", type=int, default=16, help="prompts for the identical-continuations check (0: skip)"
     )
     p.add_argument("--io-mode", default="direct")
+    p.add_argument(
+        "--stall", type=int, default=1024, help="tokens of the prompt that joins a running stream (0: skip)"
+    )
     args = p.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     if max(streams) > len(PROMPTS):
@@ -136,6 +167,13 @@ def main() -> None:
                     f"{n:7d} | {med['aggregate']:22.1f} | {med['aggregate'] / base[0]:10.2f}x | "
                     f"{med['wall']:25.1f} | {med['mib_per_token']:14.2f} | {med['rows']:9.2f} | "
                     f"{med['runner']:24.1f} | {med['runner'] / base[1]:.2f}x"
+                )
+            if args.stall:
+                before, during, prefill = stall(engine, args.stall)
+                print(
+                    f"a {args.stall}-token prompt joining a running stream: its prefill {prefill:.2f} s; the "
+                    f"stream's gap between tokens {1e3 * before:.1f} ms before, "
+                    f"at most {1e3 * during:.1f} ms meanwhile"
                 )
             if args.exact:
                 same, k = exact(engine, args.exact, args.tokens, max(streams))

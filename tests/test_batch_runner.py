@@ -111,3 +111,17 @@ def test_the_memory_plan_counts_a_kv_cache_per_slot(tiny_dir):
         with moestream.load(path, cache="64MiB", trunk="ggml", parallel=n) as engine:
             sizes[n] = (engine.loaded.kv_bytes, engine.runner.kv_bytes)
     assert sizes[3] == (3 * sizes[1][0], 3 * sizes[1][1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, tiny_dir, monkeypatch):
+    """ggml's CPU backend through the device path (buffers copied in and out, the KV cache and the
+    expert stacks on the device), as ggml's CUDA backend runs the graphs: the same bits alone and batched."""
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml", parallel=3) as engine:
+        runner = engine.runner
+        assert runner.memory is not None
+        alone = [_alone(runner, p) for p in PROMPTS[:3]]
+        tokens, seen = _together(runner, PROMPTS[:3])
+    for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+        assert got_tokens == want_tokens and torch.equal(got, want)
