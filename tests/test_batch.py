@@ -170,7 +170,12 @@ def test_the_slots_prompt_caches_and_the_limits(tiny_dir):
         held = [engine.batch.acquire([]), engine.batch.acquire([])]
         with pytest.raises(MoestreamError, match="all 2 slots are in use: at most 2 requests run at once"):
             engine.generate(PROMPTS[0], params)
-        for slot in held:
-            engine.batch.release(slot)
+        engine.batch.release(held.pop())
+        engine.streaming.suspect = True  # a shard changed and came back: the cache is to be rebuilt
+        with pytest.raises(MoestreamError, match="a checkpoint file changed under a running request"):
+            engine.generate(PROMPTS[0], params)  # not while another request reads the streaming
+        engine.batch.release(held.pop())
+        assert engine.generate(PROMPTS[0], params).tokens  # rebuilt, then run
+        assert not engine.streaming.suspect
         with pytest.raises(MoestreamError, match="a routing replay runs one request at a time"):
             engine.replay_routing("unused.jsonl")

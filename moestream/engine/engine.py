@@ -387,6 +387,11 @@ class Engine:
         self.check_context(len(ids), params.max_tokens)
         self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output
         if self.streaming.suspect:  # changed, then restored: slots may hold bytes read in between
+            if self.batch is not None and self.batch.busy:  # the streaming is in use by the others
+                raise MoestreamError(
+                    "a checkpoint file changed under a running request: the expert cache is rebuilt once "
+                    "the requests running now have ended; send this one again then"
+                )
             self.restream()
         self._requests += 1
         slot = self.batch.acquire(ids) if self.batch is not None else None
