@@ -2,8 +2,9 @@
 
 Each request runs its own token loop (`engine/requests.py`) on a thread of its own, in a KV-cache slot
 of the ggml runner it holds from its first forward to its end (`acquire`, `release`); its forward (`step`)
-is handed to the `Batcher` and waits. When every request holding a slot has handed one over, one of their
-threads runs a round for all (the others wait on a condition, no polling):
+is handed to the `Batcher` and waits. When every request holding a slot has handed one over, the thread
+whose forward completed the set runs a round for all, while the others sleep on an event of their own,
+each woken once, when its forward is done (no polling; a request leaving wakes one waiter to lead):
 
 - the single tokens (decoding) as one step of B rows (`GgmlRunner.decode`): each MoE layer acquires the
   union of their experts and computes each expert once over the rows routed to it;
