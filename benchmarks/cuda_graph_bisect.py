@@ -60,7 +60,7 @@ def dump(args: argparse.Namespace) -> None:
             for token in FORCED:
                 logits, kv = runner([token], kv)
                 argmax.append(int(logits.argmax()))
-            gs = runner._sets[(1, 256)]
+            gs = runner._sets[(1, 256, (0,))]
             net, buf, lib = gs.whole[1], gs.arena.buffer, runner.memory.lib
             saved = {"scratch": _bytes(lib, buf.handle, buf.base, buf.size), "argmax": np.array(argmax)}
             names, offsets, sizes = [], [], []

@@ -35,7 +35,9 @@ def test_context_cap_default_mode_line_and_refusal(tiny_dir, capsys):
     with moestream.load(path, cache="1MiB") as engine:
         assert engine.ctx_size == 256  # the model's maximum, below 8192
         kv = kv_cache_bytes(engine.config, 256, 4)  # float32
-        assert engine.mode_line().endswith(f"| context 256 tokens, KV cache {kv / 1024:.1f} KiB when full")
+        assert engine.mode_line().endswith(
+            f"| context 256 tokens, KV cache {kv / 1024:.1f} KiB when full, parallel 1"
+        )
         with pytest.raises(
             MoestreamError, match="max tokens 7 plus the prompt's 250 tokens exceeds the model's"
         ):

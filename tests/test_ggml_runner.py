@@ -195,8 +195,8 @@ def test_chunked_prefill_and_spans_across_graph_sets(tiny_dir, monkeypatch):
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
         got = _runner_logits(engine)
         sets = engine.runner._sets  # sets built and dropped: one prefill shape, two decode ones
-        assert [t > 1 for t, _ in sets].count(True) == ggml_runner.KEEP_PREFILL_SETS
-        assert [t == 1 for t, _ in sets].count(True) == ggml_runner.KEEP_DECODE_SETS
+        assert [t > 1 for t, _, _ in sets].count(True) == ggml_runner.KEEP_PREFILL_SETS
+        assert [t == 1 for t, _, _ in sets].count(True) == ggml_runner.KEEP_DECODE_SETS
     assert (got - ref).abs().max().item() <= TOLERANCE * ref.abs().max().item()
 
 

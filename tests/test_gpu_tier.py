@@ -121,6 +121,35 @@ def test_a_gpu_tier_without_a_backend_is_refused(tiny_dir, monkeypatch):
         EngineOptions(gpu_tier="1MiB", device="cuda")
 
 
+@pytest.mark.parametrize("backend", ["cpu", ""])
+def test_a_gpu_tier_with_parallel_sequences_is_refused(backend, tiny_dir, monkeypatch):
+    """The tier's steps run one sequence at a time: --gpu-tier with --parallel N > 1 is refused at load, in
+    one sentence, whether a backend is set or not."""
+    if backend:
+        monkeypatch.setenv("MOESTREAM_GGML_BACKEND", backend)
+    else:
+        monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
+    path = str(tiny_dir("qwen3_moe"))
+    with pytest.raises(MoestreamError) as err:
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1GiB", parallel=2)
+    text = str(err.value)
+    assert text.startswith("--gpu-tier cannot be combined with --parallel 2") and "\n" not in text
+    assert "--parallel 1" in text
+
+
+def test_generate_batch_with_a_gpu_tier_runs_the_prompts_in_turn(tiny_dir, monkeypatch):
+    """With --parallel 1 (the default) a GPU tier serves `generate_batch` one prompt after another, each
+    its tokens alone."""
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    prompts = [PROMPT, PROMPT[3:] + [9, 10]]
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle) as engine:
+        assert engine.batch is None
+        want = [engine.generate(p, max_tokens=GREEDY, ignore_eos=True).tokens for p in prompts]
+        got = engine.generate_batch(prompts, max_tokens=GREEDY, ignore_eos=True)
+    assert [g.tokens for g in got] == want
+
+
 def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
     """MOESTREAM_TIER_MISSES: a value of neither way, or set without a GPU tier, is refused in a sentence."""
     from moestream.ggml.lib import GgmlUnavailableError
@@ -181,7 +210,7 @@ def test_layer_graphs_copy_only_the_routing_and_the_experts_outputs(tiny_dir, mo
     _, middle, *_ = _sizes(path, monkeypatch)
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle) as engine:
         engine.generate(PROMPT, max_tokens=3, ignore_eos=True)
-        (gs,) = [gs for (t, _), gs in engine.runner._sets.items() if t == 1][-1:]
+        (gs,) = [gs for (t, *_), gs in engine.runner._sets.items() if t == 1][-1:]
         graphs, fused = gs.layer_graphs()
         crossing = {r.name for net in [*graphs, *fused.values()] for r, _, _ in net._inputs + net._outputs}
     assert crossing <= {"order", "weights0", "weights1", "slots", "outputs", "logits"}, crossing

@@ -674,6 +674,7 @@ SERVE: dict[str, Callable[[Walk], None]] = {
     "--api-key": lambda w: assert_equal(served(w)["options"].api_key, "walk-key"),
     "--model-name": lambda w: assert_equal(served(w)["options"].model_id, "walker"),
     "--queue-size": lambda w: assert_equal(served(w)["options"].queue_size, 3),
+    "--parallel": lambda w: assert_equal(w.engine_options("serve", "-np", "3").parallel, 3),
     "--max-body": lambda w: assert_equal(served(w)["options"].max_body, 128 << 10),
     "--max-connections": lambda w: assert_equal(served(w)["options"].max_connections, 5),
     "--request-timeout": lambda w: assert_equal(served(w)["options"].request_timeout, 7),
@@ -903,6 +904,9 @@ SIMULATE: dict[str, Callable[[Walk], None]] = {
     ),
     "--prefetch-top": _sim_prefetch("--prefetch-top", "1"),
     "--prefetch-min-score": _sim_prefetch("--prefetch-min-score", "0.9"),
+    "--parallel": lambda w: assert_equal(
+        "forwards regrouped as 2 requests at once" in sim(w, "--policy", "lru", "-np", "2").err, True
+    ),
     "--plot": lambda w: (
         ok(w.cli("simulate", w.m["trace"], "--policy", "lru", "--plot", w.tmp / "c.png"))
         and assert_equal((w.tmp / "c.png").exists(), True)
@@ -1245,6 +1249,7 @@ PYTHON_LOAD = {
     "gpu_floor": "generate --gpu-floor",
     "ctx_size": "generate --ctx-size",
     "trunk": "generate --trunk",
+    "parallel": "tests/test_batch_runner.py, tests/test_batch.py (KV slots, rounds; refusals)",
     "sysfs_root": "tests/test_engine_floor.py (a fake Jetson tree under it gets the floor)",
 }
 # Engine.stream's arguments and SamplingParams' fields

@@ -104,7 +104,7 @@ def test_worker_stops_within_one_token_and_skips_gone_clients(tiny_dir):
             blocker.cancel()
             blocker.release.set()
             await _events(blocker)
-            while worker.waiting or worker.running is not None:  # the worker drops the gone job
+            while worker.waiting or worker.running:  # the worker drops the gone job
                 await asyncio.sleep(0.005)
             follow = Job([9], SamplingParams(max_tokens=2, ignore_eos=True), "e", loop)
             worker.submit(follow)

@@ -129,8 +129,8 @@ def _format(schema: dict) -> dict:
 
 
 def _captured_logits(engine):
-    """Wrap the runner: every forward's last-position logits, in order."""
-    seen, runner = [], engine.runner
+    """Wrap the runner's forward: every forward's last-position logits, in order."""
+    seen, runner = [], engine.runner.forward
 
     def step(ids, cache):
         logits, cache = runner(ids, cache)
@@ -152,7 +152,7 @@ def _captured_logits(engine):
 def test_logprobs_are_the_log_softmax_of_the_sampled_distribution(engines, monkeypatch, sampling):
     engine = engines("qwen3_moe")
     seen, step = _captured_logits(engine)
-    monkeypatch.setattr(engine.loaded, "runner", step)
+    monkeypatch.setattr(engine.runner, "forward", step)
     out = engine.generate("Hello world", max_tokens=12, logprobs=5, **sampling)
     assert len(out.logprobs) == len(out.tokens) and len(seen) >= len(out.tokens)
     temperature = sampling.get("temperature", 1.0)

@@ -54,6 +54,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=16,
         help="requests that may wait for the model; beyond that: 503 with Retry-After (default 16)",
     )
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests that run at once, their decode steps batched (llama-server's -np): N KV-cache slots "
+        "of --ctx-size each (the mode line gives their memory); more requests wait in the queue (default 1)",
+    )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
     p.add_argument(
         "--max-connections",
@@ -146,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     sock = listen(args.host, args.port)
     model_id = args.model_name or args.hf_repo or Path(path.rstrip("/")).name or path
-    with sock, moestream.load(path, **engine_kwargs(args)) as engine:
+    with sock, moestream.load(path, **engine_kwargs(args), parallel=args.parallel) as engine:
         use_chat_template(engine, template)
         if args.trace:
             engine.start_trace(args.trace, predict=not args.no_trace_predict)

@@ -52,6 +52,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="*-prefetch read only predicted experts whose stale-gate softmax score is at least this "
         "(the engine's prefetch uses 4 / experts per layer)",
     )
+    p.add_argument(
+        "-np",
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="replay the requests as N running at once (serve --parallel N): each round one decode forward "
+        "of every running request, their experts' union read once, then one prompt forward (default: the "
+        "steps as recorded; 1: one request at a time)",
+    )
     p.add_argument("--plot", metavar="PNG", help="write MiB/token against budget to this PNG")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of a table")
     p.set_defaults(func=run)
@@ -110,7 +119,17 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.plot, "plot")
         if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
             raise MoestreamError(f"--plot {args.plot} must end in .png, .svg or .pdf")
+    if args.parallel is not None and args.parallel < 1:
+        raise MoestreamError(f"--parallel must be at least 1, got {args.parallel}")
     trace = load_traces(args.trace)
+    if args.parallel is not None:
+        from moestream.trace.batched import batch_steps
+
+        trace = batch_steps(trace, args.parallel)
+        trace.notes.append(
+            f"forwards regrouped as {args.parallel} request{'s' if args.parallel > 1 else ''} at once "
+            f"(--parallel {args.parallel}), requests started in order of first appearance"
+        )
     width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
     if args.prefetch_top is not None and width and args.prefetch_top > width:
         raise MoestreamError(

@@ -224,9 +224,11 @@ def _runner_parts(model: ModelDescription, kv: tuple[str, int]) -> list[tuple[st
     cfg = text_config(model.config)
     inter = int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
     experts = num_experts(model.config)
-    kv_bytes, graphs = runner_bytes(model.spec, model.ctx_size, experts, inter, model.threads)
+    slots = model.parallel
+    kv_bytes, graphs = runner_bytes(model.spec, model.ctx_size, experts, inter, model.threads, slots)
+    each = f" in each of {slots} slots" if slots > 1 else ""
     parts = [
-        (f"the F16 KV cache at {model.ctx_size} tokens", kv_bytes),
+        (f"the F16 KV cache at {model.ctx_size} tokens{each}", kv_bytes),
         ("the ggml graphs' buffers", graphs),
     ]
     if model.spec.copied_bytes:

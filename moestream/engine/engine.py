@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moestream.cache.expert_cache import ExpertCache
+from moestream.engine.batch import Batcher, generate_all
 from moestream.engine.chat import render_chat
 from moestream.engine.grammar import Grammars
 from moestream.engine.loaded import LoadedModel, context_length
@@ -110,6 +111,12 @@ class Engine:
             self.grammars = Grammars(self.tokenizer, vocab, eos_ids(self.model, self.tokenizer))
             self.recorder: Any = None
             self.replay: Any = None  # a `RoutingReplay` (benchmark only), see `replay_routing`
+            # several requests at once (--parallel N > 1): their forwards batched (engine/batch.py)
+            self.batch = None
+            if self.options.parallel > 1:  # each round's forward checks the files once (`checked`)
+                self.batch = Batcher(
+                    self.runner, lambda step: self.streaming.checked(step), lambda: self.recorder
+                )
             self._requests = 0
             self._closed = False
             warn_unused(self.loaded)
@@ -210,6 +217,10 @@ class Engine:
 
         if self.recorder is not None:
             raise MoestreamError("a trace is being recorded; routing cannot be replayed at the same time")
+        if self.batch is not None:
+            raise MoestreamError(
+                "a routing replay runs one request at a time: load with parallel=1 (--parallel 1)"
+            )
         replay = RoutingReplay(load_traces([path]), name=Path(path).name)
         replay.check(self.emap.layers, self.emap.num_experts, self.top_k)
         self.replay = replay
@@ -379,18 +390,44 @@ class Engine:
         self.check_context(len(ids), params.max_tokens)
         self.streaming.check_files()  # a checkpoint rewritten since load would silently change the output
         if self.streaming.suspect:  # changed, then restored: slots may hold bytes read in between
+            if self.batch is not None and self.batch.busy:  # the streaming is in use by the others
+                raise MoestreamError(
+                    "a checkpoint file changed under a running request: the expert cache is rebuilt once "
+                    "the requests running now have ended; send this one again then"
+                )
             self.restream()
         self._requests += 1
-        yield from run_request(
-            self,
-            ids,
-            params,
-            cancelled or (lambda: False),
-            request_id or f"req-{self._requests}",
-            cache_prompt,
-            cache_prompt if keep_cache is None else keep_cache,
-            session,
-        )
+        slot = self.batch.acquire(ids) if self.batch is not None else None
+        try:
+            yield from run_request(
+                self,
+                ids,
+                params,
+                cancelled or (lambda: False),
+                request_id or f"req-{self._requests}",
+                cache_prompt,
+                cache_prompt if keep_cache is None else keep_cache,
+                session,
+                slot,
+            )
+        finally:
+            if slot is not None:
+                self.batch.release(slot)
+
+    def generate_batch(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        **options: Any,
+    ) -> list[Generation]:
+        """Generate a completion of each prompt, up to `--parallel` of them at once (their decode steps
+        batched; one after another with parallel 1), each as `generate` gives it alone; `params`: one
+        `SamplingParams` for all or one per prompt, `options`: `generate`'s keywords (`engine/batch.py`).
+
+        Raises:
+            MoestreamError: what `generate` raises for a prompt (once the others have ended).
+        """
+        return generate_all(self, prompts, params, **options)
 
     @property
     def context_length(self) -> int | None:
@@ -413,6 +450,8 @@ class Engine:
         finally:
             try:
                 self.prompt_cache.clear()
+                for cache in self.batch.caches if self.batch is not None else []:
+                    cache.clear()
             finally:
                 self.loaded.close()
 

@@ -20,6 +20,16 @@ tier smaller than the experts (`--gpu-tier`), a graph a layer over its slots (`e
 
 A graph set (`graphs/graph_set.py`) serves one step shape: T tokens (1 when decoding, up to CHUNK per
 prefill piece) and an attention span S (positions, a multiple of 256); the few most recent sets are kept.
+
+Several sequences at once (`--parallel N`, `engine/batch.py` schedules them): the KV cache has N slots,
+each `ctx` rows of every layer's cache (`GgmlKV.slot`); a prefill chunk or a token decoded alone runs in
+its sequence's slot as above, and `decode` runs one token of each of B sequences as one step of B rows
+(each attends over its own slot's rows, `LayerGraphs.attend`; every other op is row by row, so each
+MoE layer computes each routed expert once over all the rows routed to it). A slot per sequence rather
+than llama.cpp's unified cells: a token's attention then spans only its own sequence's positions (a
+unified cache masks the others' cells, which a decode step still walks), a slot is cropped or reset alone
+(the prompt cache per slot), and no cell allocator is needed; the cost is memory reserved for N full
+contexts, which the memory plan counts.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
+from moestream.errors import MoestreamError
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet, set_bytes
@@ -64,8 +75,9 @@ class GgmlKV:
     `recurrent`: bytes of linear-attention states (Qwen3-Next, Qwen3.5), which fold in every token: such
     a cache is never cropped back (the prompt cache then starts over, as with transformers' cache)."""
 
-    def __init__(self, bytes_per_token: int, recurrent: int = 0) -> None:
+    def __init__(self, bytes_per_token: int, recurrent: int = 0, slot: int = 0) -> None:
         self.tokens = 0
+        self.slot = slot  # its rows in the runner's KV cache: [slot * ctx, (slot + 1) * ctx)
         self.bytes_per_token = bytes_per_token
         self.recurrent = recurrent
 
@@ -102,18 +114,33 @@ class GgmlRunner(ModelRunner):
         backend: Backend | None = None,
         gpu_tier: int | None = None,
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
+        slots: int = 1,
     ) -> None:
         """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
         None: every expert on the device), filled by `policy` from the host cache (which reads from disk
-        what it lacks).
+        what it lacks). `slots`: KV-cache slots, one per sequence decoded together (`--parallel`).
 
         Raises:
+            MoestreamError: several slots for a model with linear-attention layers, or with a GPU tier.
             GgmlUnavailableError: a GPU tier without a backend, or for experts the graphs cannot compute.
             CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
         """
         self.spec, self.experts, self.threads = spec, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
-        self.kv = layer_caches(spec, self.ctx)  # Gated DeltaNet layers: their two states
+        if slots > 1 and gpu_tier is not None:
+            if backend is not None:
+                backend.close()  # nothing holds it yet
+            raise MoestreamError(
+                f"--gpu-tier cannot be combined with --parallel {slots}: the GPU tier's steps run one "
+                "sequence at a time (drop --gpu-tier or run with --parallel 1)"
+            )
+        recurrent_layers = [x.index for x in spec.layers if x.mixer.recurrent]
+        if slots > 1 and recurrent_layers:
+            raise MoestreamError(
+                f"--parallel {slots} is not possible for {spec.family}: its linear-attention layers keep "
+                "one recurrent state, not one per sequence (run it with --parallel 1)"
+            )
+        self.kv = layer_caches(spec, self.ctx * slots)  # Gated DeltaNet layers: their two states
         # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
         # routed expert in stacks of its own (`_on_device`), the step one graph
         self.memory = DeviceMemory(backend) if backend is not None else None
@@ -125,10 +152,12 @@ class GgmlRunner(ModelRunner):
                     if t.numel():
                         self.memory.register(t, "device", f"kv{i}.{j}")
         recurrent = recurrent_bytes(spec, self.kv)
-        self.state = GgmlKV((self.kv_bytes - recurrent) // self.ctx, recurrent)
+        per_token = (self.kv_bytes - recurrent) // (self.ctx * slots)
+        self.seqs = [GgmlKV(per_token, recurrent, slot) for slot in range(slots)]  # one per KV slot
+        self.state = self.seqs[0]  # what a request from scratch runs in (`forward` with no cache)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
-        self._sets: OrderedDict[tuple[int, int], GraphSet] = OrderedDict()
+        self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
         try:
             if gpu_tier is None:
@@ -162,35 +191,65 @@ class GgmlRunner(ModelRunner):
             whole = "; one graph a step while every expert is cached"
         else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
+        slots = len(self.seqs)
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
             f"{whole}), KV cache F16 of {self.ctx} positions"
+            + (f" in each of {slots} slots (--parallel {slots})" if slots > 1 else "")
         )
 
+    @property
+    def chunk(self) -> int:
+        """Prefill tokens a step feeds at most."""
+        return CHUNK if self.memory is None else DEVICE_CHUNK
+
     def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
-        kv = self.state
-        if cache is None:
-            kv.tokens = 0  # a request from scratch
-        elif cache is not kv:
-            raise RuntimeError("the ggml runner continues only its own KV cache")
+        """`ids` after what `cache` holds (None: a request from scratch in slot 0; else one of `seqs`,
+        which may hold 0 tokens: a request from scratch in that slot), in chunks of `chunk` tokens."""
+        kv = self._own(cache)
         logits = None
-        step = CHUNK if self.memory is None else DEVICE_CHUNK
-        for start in range(0, len(ids), step):
-            chunk = ids[start : start + step]
+        for start in range(0, len(ids), self.chunk):
+            chunk = ids[start : start + self.chunk]
             if kv.tokens + len(chunk) > self.ctx:
                 raise ValueError(f"{kv.tokens + len(chunk)} positions exceed the KV cache's {self.ctx}")
-            logits = self._step(chunk, kv.tokens)
+            logits = self._step(chunk, list(range(kv.tokens, kv.tokens + len(chunk))), (kv.slot,))
             kv.tokens += len(chunk)
         return logits.clone(), kv
 
-    def _set(self, tokens: int, span: int, last: bool = False) -> GraphSet:
+    def decode(self, seqs: list[tuple[GgmlKV, int]]) -> torch.Tensor:
+        """One token after each sequence's cache (one of `seqs` each, distinct) as one step of B rows:
+        their logits [B, V]. A single sequence runs the step `forward` runs."""
+        if len(seqs) == 1:
+            kv, token = seqs[0]
+            return self.forward([token], self._own(kv))[0][None]
+        kvs = [self._own(kv) for kv, _ in seqs]
+        if len({kv.slot for kv in kvs}) != len(kvs):
+            raise ValueError("a decode step takes each KV slot once")
+        for kv in kvs:
+            if kv.tokens + 1 > self.ctx:
+                raise ValueError(f"{kv.tokens + 1} positions exceed the KV cache's {self.ctx}")
+        logits = self._step([t for _, t in seqs], [kv.tokens for kv in kvs], tuple(kv.slot for kv in kvs))
+        for kv in kvs:
+            kv.tokens += 1
+        return logits.clone()
+
+    def _own(self, cache: Any) -> GgmlKV:
+        """The slot `cache` is (None: slot 0, emptied)."""
+        if cache is None:
+            self.state.tokens = 0  # a request from scratch
+            return self.state
+        if not any(cache is kv for kv in self.seqs):
+            raise RuntimeError("the ggml runner continues only its own KV cache")
+        return cache
+
+    def _set(self, tokens: int, span: int, last: bool = False, slots: tuple[int, ...] = (0,)) -> GraphSet:
         kern = ggml.kernels(self.threads)
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
         if self.tiered is not None:  # the tier first: made again, it closes the sets over the old one
             self._tier_types()
-        key = (tokens, span)
+        key = (tokens, span, slots)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
         if gs is not None and (gs.pool != kern.pool or gs.last != (last and tokens > 1)):
@@ -199,31 +258,38 @@ class GgmlRunner(ModelRunner):
         if gs is None:
             types = self.experts.graph_types() if self.memory is None else self._device_types()
             experts = self.experts.num_experts
-            args = (self.spec, self.kv, key, experts, types, self.threads, kern.pool, last, self.memory)
+            segments = tuple((slot * self.ctx, 1 if len(slots) > 1 else tokens) for slot in slots)
+            shape = (tokens, span)
+            args = (self.spec, self.kv, shape, experts, types, self.threads, kern.pool, last, self.memory)
             tiered = self.tiered
             if tiered is None:
-                gs = GraphSet(*args)
+                gs = GraphSet(*args, segments)
             else:
-                gs = GraphSet(*args, tiered.device_only, tiered.host_misses)
+                gs = GraphSet(*args, segments, tiered.device_only, tiered.host_misses)
             self._sets[key] = gs
-            same = [k for k in self._sets if (k[0] > 1) == (tokens > 1)]  # oldest first
-            for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if tokens > 1 else KEEP_DECODE_SETS))]:
+            same = [k for k in self._sets if _prefill(k) == _prefill(key)]  # oldest first
+            for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if _prefill(key) else KEEP_DECODE_SETS))]:
                 self._sets.pop(k).close()
         self._sets.move_to_end(key)
         return gs
 
-    def _step(self, ids: list[int], position: int) -> torch.Tensor:
+    def _step(self, ids: list[int], positions: list[int], slots: tuple[int, ...]) -> torch.Tensor:
+        """One step: one sequence's `ids` at `positions` in slot slots[0], or one token of each of
+        len(slots) sequences (a batch); the logits of its last position [V] (a batch: [B, V])."""
         T = len(ids)
-        gs = self._set(T, _round_up(position + T, SPAN_STEP), not self.experts.every_position())
-        if position == 0:  # a request from scratch: linear-attention states start at zero
+        batch = len(slots) > 1
+        last = not batch and not self.experts.every_position()
+        gs = self._set(T, _round_up(max(positions) + 1, SPAN_STEP), last, slots)
+        if positions[0] == 0 and not batch:  # from scratch: linear-attention states start at zero
             for layer, (conv, state) in zip(self.spec.layers, self.kv):
                 if layer.linear is not None:
                     for t in (conv, state):
                         t.zero_() if self.memory is None else self.memory.zero(t)
         b = gs.buf
         b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
-        torch.arange(position, position + T, out=b.rows)
-        b.positions.copy_(b.rows)
+        b.positions.copy_(torch.tensor(positions, dtype=torch.int32))
+        first = torch.tensor(slots if batch else slots * T, dtype=torch.int64) * self.ctx
+        torch.add(first, b.positions, out=b.rows)  # each token's row in its slot
         b.fill_masks(self.spec.window)
         kern = ggml.kernels(self.threads)
         if self.tiered is not None:  # the device, a graph a layer over its GPU tier
@@ -409,13 +475,20 @@ class GgmlRunner(ModelRunner):
             self.memory = None
 
 
-def planned_bytes(spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int) -> tuple[int, int]:
+def planned_bytes(
+    spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int, slots: int = 1
+) -> tuple[int, int]:
     """(its KV cache, its graph sets at most): the bytes a runner of `spec` takes, known before it is
     built: KEEP_PREFILL_SETS sets of the largest step shape (a full prefill chunk attending over the
-    whole context) and KEEP_DECODE_SETS of one token over the whole context, each as `set_bytes`
-    lays it out."""
+    whole context) and KEEP_DECODE_SETS of one token (`slots` > 1: one of each slot's sequences) over
+    the whole context, each as `set_bytes` lays it out (a batch's logits added: one row a sequence)."""
     ctx = _round_up(ctx_size, SPAN_STEP)
-    kv = layer_caches(spec, ctx, "meta")
+    kv = layer_caches(spec, ctx * slots, "meta")
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
-    decode = set_bytes(spec, kv, 1, ctx, experts, inter, threads)
+    decode = set_bytes(spec, kv, slots, ctx, experts, inter, threads) + 4 * spec.vocab * (slots - 1)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
+
+
+def _prefill(key: tuple) -> bool:
+    """Whether a graph set's key (tokens, span, slots) is a prefill shape (several tokens of one sequence)."""
+    return key[0] > 1 and len(key[2]) == 1

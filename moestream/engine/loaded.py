@@ -122,6 +122,7 @@ class LoadedModel:
                 self.no_graph,
                 self.options.gpu_tier,
                 policy_factory(self.options.policy, self.emap),
+                self.options.parallel,
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()
@@ -156,6 +157,7 @@ class LoadedModel:
             self.device,
             self.ctx_size,
             self.threads,
+            options.parallel,
         )
 
     def _plan(self, description: ModelDescription, options: EngineOptions) -> dict[str, Any]:
@@ -299,7 +301,12 @@ class LoadedModel:
 
     def context_line(self) -> str:
         """The context part of the mode line: tokens, and the KV cache's memory when it is full."""
-        return f"context {self.ctx_size} tokens, KV cache {format_size(self.kv_bytes)} when full"
+        slots = self.options.parallel  # sequences decoded together, a KV cache each
+        each = f" ({format_size(self.kv_bytes // slots)} a slot)" if slots > 1 else ""
+        return (
+            f"context {self.ctx_size} tokens, KV cache {format_size(self.kv_bytes)} when full{each}, "
+            f"parallel {slots}"
+        )
 
     @property
     def kv_bytes(self) -> int:

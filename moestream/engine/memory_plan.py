@@ -66,10 +66,11 @@ def memory_need(
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
     on_host = model.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
     kv = kv_cache_bytes(model.config, model.ctx_size, _element_bytes(tensors, dtype)) if on_host else 0
+    kv *= model.parallel  # a KV cache per slot
     parts = [
         (CACHE if on_host else "the pinned staging slots", host),
         ("the trunk", trunk),
-        (f"the KV cache at {model.ctx_size} tokens", kv),
+        (f"the KV cache at {model.ctx_size} tokens{_slots(model.parallel)}", kv),
         ("working memory", WORKING_BYTES),
     ]
     return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
@@ -113,3 +114,8 @@ def plan_restream(model: ModelDescription, options: EngineOptions, cache: Expert
     if options.lock_memory and not lock_allowed(need, lock):
         return dataclasses.replace(options, lock_memory=False)
     return options
+
+
+def _slots(parallel: int) -> str:
+    """The KV cache's words for its slots (`--parallel`)."""
+    return f" in each of {parallel} slots" if parallel > 1 else ""

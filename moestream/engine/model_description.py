@@ -29,6 +29,7 @@ class ModelDescription:
     device: torch.device
     ctx_size: int  # positions a request may use
     threads: int  # compute threads
+    parallel: int = 1  # sequences decoded together: KV caches of `ctx_size` positions each
     # known once the model is built
     dtype: torch.dtype | None = None  # the trunk's compute dtype
     spec: Any = None  # the ggml graphs' `ModelSpec`, where they run the model
@@ -36,7 +37,7 @@ class ModelDescription:
 
     @property
     def kv_bytes(self) -> int:
-        """transformers' KV cache at the full context, in the model's dtype."""
+        """transformers' KV cache at the full context, in the model's dtype (one per parallel slot)."""
         if self.dtype is None:
             raise ValueError("the KV cache's size is known once the model is built")
-        return kv_cache_bytes(self.config, self.ctx_size, self.dtype.itemsize)
+        return kv_cache_bytes(self.config, self.ctx_size, self.dtype.itemsize) * self.parallel

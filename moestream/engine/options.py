@@ -13,6 +13,7 @@ AUTO = "auto"  # a budget sized from the machine at load (engine/auto_budget.py)
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_PARALLEL = 64  # sequences decoded together at most (each holds a KV cache of the whole context)
 MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 # how the non-expert part of a decode step runs (engine/trunk.py): "graphs" (CUDA graphs between the MoE
@@ -59,6 +60,9 @@ class EngineOptions:
     # read every expert at load when the cache holds them all (CPU, unified memory; the GPU tier does so
     # whenever it holds them all): no request then waits for a first read. False: read on first use
     preload: bool = True
+    # sequences decoded together (`--parallel`, llama-server's -np): the ggml runner's KV-cache slots,
+    # each of `ctx_size` positions (engine/batch.py schedules them)
+    parallel: int = 1
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
@@ -101,6 +105,8 @@ class EngineOptions:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.ctx_size is not None and self.ctx_size < 2:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
+        if not 1 <= self.parallel <= MAX_PARALLEL:
+            raise ValueError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if self.trunk not in TRUNK_MODES:
             raise ValueError(f"trunk mode {self.trunk!r} is not one of {', '.join(TRUNK_MODES)}")
         if self.trunk == "ggml" and self.device != "cpu":

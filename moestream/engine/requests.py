@@ -47,30 +47,32 @@ def run_request(
     cache_prompt: bool,
     keep: bool,
     tools: ToolSession | None = None,
+    slot: int | None = None,
 ) -> Iterator[Generation]:
     """Run one request (`Engine.stream` checked it): the GPU floor held, the prompt cache taken and
-    kept, the trace flushed at the end; yields the growing `Generation`."""
+    kept, the trace flushed at the end; yields the growing `Generation`. `slot`: the KV-cache slot the
+    request holds among several running at once (`engine/batch.py`: its forwards batched with theirs,
+    the slot's own prompt cache), or None (one request at a time)."""
     if engine.floor is not None:
         engine.floor.begin()
+    prompt_cache = engine.prompt_cache if slot is None else engine.batch.caches[slot]
     # the held cache is taken out for the run: a request that fails never leaves a half-updated one
-    state = engine.prompt_cache.take(ids) if cache_prompt else KVState()
+    state = prompt_cache.take(ids) if cache_prompt else KVState()
     if not cache_prompt:
-        engine.prompt_cache.clear()
+        prompt_cache.clear()
     try:
         try:
-            yield from _tokens(
-                engine, ids, params, cancelled, _stepper(engine, request_id, len(state.ids)), state, tools
-            )
+            step = _stepper(engine, request_id, len(state.ids), slot)
+            yield from _tokens(engine, ids, params, cancelled, step, state, tools)
         except ContinuationError as exc:  # raised before the first token: run the request cold instead
-            engine.prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
-            warnings.warn(
-                f"the prompt cache is off for this model: {engine.prompt_cache.disabled}", stacklevel=2
-            )
+            prompt_cache.disable(f"transformers cannot continue this model's KV cache ({exc})")
+            warnings.warn(f"the prompt cache is off for this model: {prompt_cache.disabled}", stacklevel=2)
             state = KVState()
-            yield from _tokens(engine, ids, params, cancelled, _stepper(engine, request_id, 0), state, tools)
+            step = _stepper(engine, request_id, 0, slot)
+            yield from _tokens(engine, ids, params, cancelled, step, state, tools)
     finally:
         if keep:
-            engine.prompt_cache.keep(state)
+            prompt_cache.keep(state)
         if engine.recorder is not None:
             engine.recorder.flush()  # a process killed later loses none of this request's rows
         if engine.floor is not None:
@@ -78,13 +80,17 @@ def run_request(
 
 
 def _stepper(
-    engine: Any, request_id: str, position: int
+    engine: Any, request_id: str, position: int, slot: int | None = None
 ) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
-    """The forward step, telling the trace recorder and the routing replay (if any) what each
+    """The forward step, its checkpoint files checked after it (in `slot`: handed to the batch's rounds,
+    which check them once a round), telling the trace recorder and the routing replay (if any) what each
     forward covers."""
+    if slot is not None:  # the batch's rounds check the files and tell the trace each row's request
+        return engine.batch.step(slot, request_id)
+    forward = engine.streaming.checked(engine.runner)  # each forward: its shards unchanged, or no token
     listeners = [x for x in (engine.recorder, engine.replay) if x is not None]
     if not listeners:
-        return engine.runner
+        return forward
     phase = "prefill"
 
     def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
@@ -92,7 +98,7 @@ def _stepper(
         for listener in listeners:
             listener.forward(request_id, phase, position)
         position, phase = position + len(ids), "decode"
-        return engine.runner(ids, cache)
+        return forward(ids, cache)
 
     return step
 
@@ -116,7 +122,6 @@ def _tokens(
     if tools is not None:
         gen.tool_calls = tools.calls
     prefill_end, after_prefill = start, before
-    step = engine.streaming.checked(step)  # each forward: its shards unchanged, or no token from it
     grammar = params.output_grammar
     constraint = engine.grammars.constraint(grammar) if grammar is not None else None
     sampler = Sampler(params, len(ids), constraint)

@@ -6,6 +6,7 @@ applied to layer L's router input, top-2k experts with their softmax scores.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ class TraceRecorder:
         self.predict = predict
         self.routers = router_modules(engine.model) if predict else {}
         self.request, self.phase, self.first_position, self.step = "", "prefill", 0, 0
+        # a batched forward's rows (`forward_rows`): (request, token, phase) each, else None
+        self.rows: list[tuple[str, int, str]] | None = None
+        self._lock = threading.Lock()  # rows come from the round's thread, flushes from each request's
         self.attach(engine)
 
     def attach(self, engine: Any) -> None:
@@ -45,6 +49,13 @@ class TraceRecorder:
     def forward(self, request: str, phase: str, first_position: int) -> None:
         """Called before each model forward: which request, phase and token positions it covers."""
         self.request, self.phase, self.first_position = request, phase, first_position
+        self.rows = None
+        self.step += 1
+
+    def forward_rows(self, rows: list[tuple[str, int, str]]) -> None:
+        """Called before a forward of several requests' tokens (`--parallel`): each row's (request,
+        token, phase), in the forward's row order; the rows share one step."""
+        self.rows = rows
         self.step += 1
 
     @torch.inference_mode()
@@ -52,7 +63,8 @@ class TraceRecorder:
         if self.error is not None:
             return  # a failed trace (a full disk) must not stop the generation; close() reports it
         try:
-            self._append(event)
+            with self._lock:
+                self._append(event)
         except TraceError as exc:
             self.error = exc
 
@@ -64,16 +76,17 @@ class TraceRecorder:
             for out, prefix in ((event.ahead, "pred"), (self._apply(layer + 2, event.hidden), "pred2")):
                 if out is not None:
                     extra[f"{prefix}_experts"], extra[f"{prefix}_scores"] = self._predict(out)
-        self.writer.append_forward(
-            self.request,
-            list(tokens),
-            self.phase,
-            layer,
-            rows,
-            event.weights.float().tolist(),
-            step=self.step,
-            **extra,
-        )
+        weights = event.weights.float().tolist()
+        if self.rows is None:
+            self.writer.append_forward(
+                self.request, list(tokens), self.phase, layer, rows, weights, step=self.step, **extra
+            )
+            return
+        for i, (request, token, phase) in enumerate(self.rows):  # a row each: its own request
+            mine = {name: value[i : i + 1] for name, value in extra.items()}
+            self.writer.append_forward(
+                request, [token], phase, layer, rows[i : i + 1], weights[i : i + 1], step=self.step, **mine
+            )
 
     def _apply(self, layer: int, hidden: torch.Tensor) -> Any:
         router = self.routers.get(layer)
@@ -89,7 +102,8 @@ class TraceRecorder:
         """Hand the rows recorded so far to the kernel (a failure is kept for close(), as in observe)."""
         if self.error is None:
             try:
-                self.writer.flush()
+                with self._lock:
+                    self.writer.flush()
             except TraceError as exc:
                 self.error = exc
 

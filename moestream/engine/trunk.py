@@ -58,26 +58,36 @@ def make_runner(
     no_graph: str | None = None,
     gpu_tier: int | None = None,
     policy: Callable[[], EvictionPolicy] = LRUPolicy,
+    parallel: int = 1,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
-    expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`).
+    expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`). `parallel`:
+    the ggml runner's KV-cache slots (sequences decoded together).
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
             cannot be captured (run over a static KV cache); a GPU tier where no ggml backend runs the
-            model, or one too small for a token's routed experts.
+            model, or one too small for a token's routed experts; --parallel N > 1 where no ggml graphs
+            run the model, or with a GPU tier.
     """
     asked = mode
     if spec is not None:
         from moestream.engine.ggml_runner import GgmlRunner
 
         recurrent = any(layer.linear is not None for layer in spec.layers)
-        return GgmlRunner(spec, experts, ctx_size, threads, _backend(threads, recurrent), gpu_tier, policy)
+        backend = _backend(threads, recurrent)
+        return GgmlRunner(spec, experts, ctx_size, threads, backend, gpu_tier, policy, slots=parallel)
     if gpu_tier is not None:
         raise MoestreamError(
             "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend "
             f"(MOESTREAM_GGML_BACKEND=cuda), which do not run this model here ({no_graph or mode})"
+        )
+    if parallel > 1:
+        why = f"transformers: {no_graph}" if no_graph else f"--trunk {mode}"
+        raise MoestreamError(
+            f"--parallel {parallel} needs the ggml graphs (the CPU's trunk); this run's trunk ({why}) "
+            "runs one request at a time"
         )
     if mode == "auto":
         mode = "graphs" if device.type == "cuda" else "eager"

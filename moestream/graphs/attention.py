@@ -130,13 +130,14 @@ def attention_graph(g: Any, net: Net, h: int, a: Attention, index: int) -> tuple
         net.set_rows(v_all, net.reshape_2d(v, Nkv * D, T), rows),
     ]
     row = Nkv * D * size
-    keys = net.view_3d(k_all, D, S, Nkv, row, D * size, 0)  # [D, S, Nkv]
-    values = net.view_3d(v_all, D, S, Nkv, row, D * size, 0)
+
+    def slot_rows(first: int) -> tuple[int, int]:  # [D, S, Nkv] each, from row `first`
+        views = (net.view_3d(t, D, S, Nkv, row, D * size, first * row) for t in (k_all, v_all))
+        return tuple(views)
+
     mask = g.buf.window if a.window else g.buf.mask  # a sliding window: its own mask
-    mask = net.tensor(F16, [S, T], mask.data_ptr())
-    out = net.flash_attn_ext(net.query(q), keys, values, mask, a.scale, 0.0, 0.0)
-    if a.sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
-        net.lib.base.ggml_flash_attn_ext_add_sinks(out, net.weight(a.sinks, [N]))
+    sinks = net.weight(a.sinks, [N]) if a.sinks is not None else None  # gpt-oss: a logit of value 0
+    out = g.attend(net, q, slot_rows, mask, a.scale, sinks)
     out = net.reshape_2d(out, D * N, T)  # [D, N, T] -> [D * N, T]
     if gate is not None:
         out = net.mul(out, net.sigmoid(gate))

@@ -152,10 +152,13 @@ def mla_graph(g: Any, net: Net, h: int, a: Mla, index: int) -> tuple[list[int], 
     every = net.tensor(F16, [L + R, ctx], cache.data_ptr())
     row = net.concat(latent, net.reshape_2d(k_pe, R, T), 0)  # [L + R, T]
     writes = [net.set_rows(every, row, rows)]
-    keys = net.view_3d(every, L + R, S, 1, (L + R) * size, (L + R) * size * S, 0)  # [L + R, S, 1]
-    values = net.view_3d(every, L, S, 1, (L + R) * size, (L + R) * size * S, 0)  # [L, S, 1]
-    mask = net.tensor(F16, [S, T], g.buf.mask.data_ptr())
-    out = net.flash_attn_ext(net.query(query), keys, values, mask, a.scale, 0.0, 0.0)
+    width = (L + R) * size
+
+    def slot_rows(first: int) -> tuple[int, int]:  # keys [L + R, S, 1] and values [L, S, 1], from row `first`
+        keys = net.view_3d(every, L + R, S, 1, width, width * S, first * width)
+        return keys, net.view_3d(every, L, S, 1, width, width * S, first * width)
+
+    out = g.attend(net, query, slot_rows, g.buf.mask, a.scale)
     # out [L, N, T]: each head's mix of latents -> its values through kv_b's V rows [L, Dv, N]
     size = a.kv_b.element_size()
     v_b = net.tensor(FLOAT_TYPES[a.kv_b.dtype], [L, Dv, N], a.kv_b.data_ptr() + Dn * L * size)

@@ -1,6 +1,7 @@
 """A graph set: the ggml graphs and buffers of one step shape of the ggml runner (`engine/ggml_runner.py`),
-T tokens (1 when decoding, up to the runner's chunk per prefill piece) over an attention span S (positions,
-a multiple of 256), and the bytes one takes, known before it is built."""
+T tokens (1 when decoding, up to the runner's chunk per prefill piece, or one token of each of B sequences
+decoded together) over an attention span S (positions, a multiple of 256) in the KV-cache slots the step's
+sequences hold, and the bytes one takes, known before it is built."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class GraphSet:
         pool: int,
         last: bool = False,
         memory: DeviceMemory | None = None,
+        segments: tuple[tuple[int, int], ...] = ((0, 0),),
         device_only: frozenset[str] = frozenset(),
         mixed: bool = False,
     ) -> None:
@@ -41,7 +43,8 @@ class GraphSet:
         read and write, never copied around a compute (the residual stream between per-layer graphs).
         `mixed`: the `fused` graphs take each expert output from the device or the host (`LayerGraphs`)."""
         tokens, span = shape
-        self.buf = StepBuffers.make(spec, tokens, span, experts)
+        # `segments`: (first KV-cache row of its slot, tokens) per sequence (`LayerGraphs.segments`)
+        self.buf = StepBuffers.make(spec, tokens, span, experts, len(segments))
         self.memory = memory  # a backend's (ggml's CUDA): the graphs compute there, the buffers are io
         self._pinned = None  # the pinned host buffer the step's buffers live in (CUDA)
         if memory is not None:
@@ -54,7 +57,8 @@ class GraphSet:
             for name, t in self.buf.tensors():
                 memory.register(t, "device" if name in device_only else "io", name)
         self.pool = pool
-        self._build = LayerGraphs(spec, kv, self.buf, types, last=last, mixed=mixed)
+        self.segments = segments
+        self._build = LayerGraphs(spec, kv, self.buf, types, last=last, segments=segments, mixed=mixed)
         self.last = self._build.last  # past the last layer's attention, the last position only
         self.rows = self._build.rows
         self.graphs: list[Net] = []  # once built (`layer_graphs`)
@@ -98,7 +102,9 @@ class GraphSet:
             net = Net(ggml.library(), nodes=nodes, memory=self.memory)
             try:
                 net.finish(
-                    LayerGraphs(self.spec, self.kv, self.buf, self.types, whole, self.last).step(net),
+                    LayerGraphs(
+                        self.spec, self.kv, self.buf, self.types, whole, self.last, self.segments
+                    ).step(net),
                     self.threads,
                     self.pool,
                 )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.ggml.lib import GgmlTensor
-from moestream.ggml.net import F32, I32, Net
+from moestream.ggml.net import F16, F32, I32, Net
 from moestream.graphs.moe import Whole, cached_experts, moe_sum, route, shared_expert
 from moestream.graphs.parts import Matrix, Mlp
 from moestream.graphs.spec import Layer, ModelSpec
@@ -63,23 +63,24 @@ class StepBuffers:
 
     tokens: torch.Tensor  # i32 [T]
     positions: torch.Tensor  # i32 [T]
-    rows: torch.Tensor  # i64 [T]: the KV-cache rows the step writes (= positions)
-    mask: torch.Tensor  # f16 [T, S]: 0 where a token may attend, -inf elsewhere
+    rows: torch.Tensor  # i64 [T]: the KV-cache rows the step writes (its slot's first row + position)
+    mask: torch.Tensor  # f16 [T, S]: 0 where a token may attend (in its own slot's rows), -inf elsewhere
     window: torch.Tensor  # f16 [T, S]: the sliding-window layers' mask ([0, S] when none has a window)
     resid: tuple[torch.Tensor, torch.Tensor]  # f32 [T, H] each: layer l writes resid[l % 2]
     moe_in: torch.Tensor  # f32 [T, H]: the routed experts' input (the FFN norm's output)
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
     weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
-    logits: torch.Tensor  # f32 [V]
+    logits: torch.Tensor  # f32 [V], or [B, V] for a batch of B sequences (one token each)
     slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
     outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
     # i32 [T, K]: a `mixed` graph's choice of each (token, k) output: t*K + k, the device's from its slot,
     # or T*K + t*K + k, the host's in `outputs` (a GPU tier's miss computed on the CPU)
     pick: torch.Tensor
     routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
+    zeros: torch.Tensor  # i32 [T] of a batch (else empty): every row's matrix in `LayerGraphs.product`
 
     @classmethod
-    def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int) -> StepBuffers:
+    def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int, seqs: int = 1) -> StepBuffers:
         f32 = dict(dtype=torch.float32)
         k = spec.top_k
         return cls(
@@ -92,11 +93,12 @@ class StepBuffers:
             moe_in=torch.zeros(tokens, spec.hidden, **f32),
             order=torch.zeros(tokens, experts, dtype=torch.int32),
             weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
-            logits=torch.zeros(spec.vocab, **f32),
+            logits=torch.zeros(*((seqs,) if seqs > 1 else ()), spec.vocab, **f32),
             slots=torch.zeros(tokens, k, dtype=torch.int32),
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
             pick=torch.zeros(tokens, k, dtype=torch.int32),
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
+            zeros=torch.zeros(tokens if seqs > 1 else 0, dtype=torch.int32),
         )
 
     def gather(self, alloc: Callable[[int], torch.Tensor]) -> None:
@@ -129,13 +131,13 @@ class StepBuffers:
         return out
 
     def fill_masks(self, window: int | None) -> None:
-        """The step's masks for its rows (= positions): causal; and for the sliding layers, also what lies
-        `window` or more positions back (transformers' sliding mask)."""
+        """The step's masks for its positions (each over its own slot's rows): causal; and for the
+        sliding layers, also what lies `window` or more positions back (transformers' sliding mask)."""
         span = torch.arange(self.mask.shape[1])
-        later = span[None, :] > self.rows[:, None]
+        later = span[None, :] > self.positions[:, None]
         self.mask.masked_fill_(later, float("-inf")).masked_fill_(~later, 0.0)
         if self.window.numel():
-            far = span[None, :] <= self.rows[:, None] - window
+            far = span[None, :] <= self.positions[:, None] - window
             self.window.copy_(self.mask).masked_fill_(far, float("-inf"))
 
 
@@ -150,6 +152,7 @@ class LayerGraphs:
         experts: dict[int, ExpertTypes] | None = None,
         whole: Whole | None = None,
         last: bool = False,
+        segments: tuple[tuple[int, int], ...] = ((0, 0),),
         mixed: bool = False,
     ) -> None:
         """`mixed`: the `fused` graphs take each (token, k) output from the device's slots or from the
@@ -160,10 +163,14 @@ class LayerGraphs:
         self.whole = whole  # where each MoE layer's experts lie, for the `step` graph
         self.tokens = buf.tokens.numel()
         self.span = buf.mask.shape[1]
+        # (first KV-cache row of its slot, its tokens) per sequence, in the step's token order: one
+        # sequence (a prefill chunk, a token decoded alone), or a batch of sequences one token each
+        self.segments = segments if len(segments) > 1 else ((segments[0][0], self.tokens),)
+        self.batch = len(self.segments) > 1  # every position goes on to the head: logits [B, V]
         # `last`: past the last layer's attention only the last position goes on (its FFN or experts,
         # the head), as llama.cpp's graphs do: the logits are the last position's, and the KV cache is
         # written before; the runner hands the layer's expert runtime that one row (`rows`)
-        self.last = last and self.tokens > 1
+        self.last = last and self.tokens > 1 and not self.batch
 
     def rows(self, layer: int) -> int:
         """Token columns of the FFN of `layer` and of the stream past it (len(layers): the head's input)."""
@@ -270,13 +277,48 @@ class LayerGraphs:
         spec = self.spec
         x = self._stream(net, len(spec.layers), fused, carry)
         T = self.rows(len(spec.layers))
-        if T > 1:
+        if T > 1 and not self.batch:
             x = net.view_2d(x, spec.hidden, 1, 4 * spec.hidden, 4 * spec.hidden * (T - 1))
         h = self.norm(net, x, spec.norm)
-        logits = net.mul_mat(net.weight(spec.lm_head.ggml, [spec.hidden, spec.vocab]), h)
+        logits = self.product(net, spec.lm_head.ggml, spec.hidden, spec.vocab, h)
+        if self.batch:  # [V, B] out of a reshape: a view, and a fixed result must be a node of its own
+            logits = net.cont(logits)
         return [net.fix(logits, self.buf.logits.data_ptr())]
 
     # --- the pieces every mixer and FFN builds with ---------------------------------------------
+
+    def attend(
+        self,
+        net: Net,
+        q: int,
+        rows: Callable[[int], tuple[int, int]],
+        mask: torch.Tensor,
+        scale: float,
+        sinks: int | None = None,
+    ) -> int:
+        """Flash attention of q [Dq, N, T] (contiguous) over each sequence's own KV rows ->
+        [Dv, N, T]. `rows(first)`: the (keys, values) views of the span from KV-cache row `first` (its
+        slot's first row); `mask`: the step's mask buffer [T, S]. One sequence: one flash attention;
+        a batch: one per sequence, its query column, its slot's rows and its mask row, the outputs
+        concatenated (each token's attention then has the operands and the shape it has alone)."""
+        S = self.span
+        qt = GgmlTensor.from_address(q)
+        out = None
+        column = 0
+        for first, n in self.segments:
+            part = (
+                q
+                if not self.batch
+                else net.view_3d(q, qt.ne[0], qt.ne[1], n, qt.nb[1], qt.nb[2], column * qt.nb[2])
+            )
+            keys, values = rows(first)
+            m = net.tensor(F16, [S, n], mask.data_ptr() + column * S * mask.element_size())
+            o = net.flash_attn_ext(net.query(part), keys, values, m, scale, 0.0, 0.0)
+            if sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
+                net.lib.base.ggml_flash_attn_ext_add_sinks(o, sinks)
+            out = o if out is None else net.concat(out, o, 2)  # [Dv, N, T]
+            column += n
+        return out
 
     def norm(self, net: Net, x: int, weight: torch.Tensor) -> int:
         """RMSNorm(x) * weight."""
@@ -284,13 +326,32 @@ class LayerGraphs:
 
     def linear(self, net: Net, x: int, m: Matrix, bias: torch.Tensor | None = None) -> int:
         """x [cols, T] -> W x (+ bias) [rows, T]."""
-        y = net.mul_mat(net.weight(m.ggml, [m.cols, m.rows]), x)
+        y = self.product(net, m.ggml, m.cols, m.rows, x)
         return y if bias is None else net.add(y, net.weight(bias, [bias.numel()]))
+
+    def product(self, net: Net, w: torch.Tensor | tuple[int, int], cols: int, rows: int, x: int) -> int:
+        """W x: the weight `w` [rows, cols] (a `Matrix.ggml`) times x [cols, T] -> [rows, T]. A batch's
+        rows through ggml_mul_mat_id over the one matrix: ggml_mul_mat takes llamafile's sgemm for
+        two rows or more, which rounds otherwise than the vec_dot it takes for one, so a token decoded
+        beside others would not get the bits it gets alone; mul_mat_id takes vec_dot for every row
+        (the weights still read once for all of them)."""
+        if not self.batch:
+            return net.mul_mat(net.weight(w, [cols, rows]), x)
+        T = GgmlTensor.from_address(x).ne[1]
+        x3 = net.reshape_3d(x if _contiguous(x) else net.cont(x), cols, 1, T)
+        ids = net.tensor(I32, [1, T], self.buf.zeros.data_ptr())
+        return net.reshape_2d(net.mul_mat_id(net.weight(w, [cols, rows, 1]), x3, ids), rows, T)
 
     def mlp(self, net: Net, x: int, mlp: Mlp) -> int:
         """A SwiGLU MLP: down(silu(gate x) * up x)."""
         g, u = self.linear(net, x, mlp.gate), self.linear(net, x, mlp.up)
         return self.linear(net, net.swiglu_split(g, u), mlp.down)
+
+
+def _contiguous(t: int) -> bool:
+    """Whether the f32 2-D tensor t is laid out row after row with no gap."""
+    g = GgmlTensor.from_address(t)
+    return g.nb[0] == 4 and g.nb[1] == 4 * g.ne[0]
 
 
 def _last_column(net: Net, t: int, tokens: int) -> int:

@@ -78,7 +78,7 @@ def shared_expert(g: Any, net: Net, h: int, r: Router, hidden: int) -> int | Non
         return None
     shared = g.mlp(net, h, r.shared)
     if r.shared_gate is not None:  # Qwen2-MoE: sigmoid(gate . x) * shared(x)
-        gate = net.sigmoid(net.mul_mat(net.weight(r.shared_gate.ggml, [hidden, 1]), h))
+        gate = net.sigmoid(g.product(net, r.shared_gate.ggml, hidden, 1, h))
         shared = net.mul(shared, gate)  # [H, T] * [1, T]
     return shared
 

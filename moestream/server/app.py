@@ -96,7 +96,15 @@ async def health(request: Request) -> Response:
     the engine said once and serves on with (a checkpoint file replaced on disk: a restart loads it)."""
     state = _state(request)
     worker, reason = state.worker, state.engine.unavailable
-    body = {"status": "ok", "waiting": worker.waiting, "running": worker.running is not None}
+    busy = worker.busy
+    body = {
+        "status": "ok",
+        "waiting": worker.waiting,
+        "running": busy > 0,
+        "slots": worker.slots,  # --parallel: requests that run at once
+        "slots_busy": busy,
+        "slots_idle": worker.slots - busy,
+    }
     notices = state.engine.notices
     if notices:
         body["notices"] = notices

@@ -8,6 +8,7 @@ during a long generation already shows its reads.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -42,10 +43,41 @@ class _EngineCollector:
             yield family
 
 
+class _BatchCollector:
+    """Exposes the engine's batch rounds (`--parallel` > 1) as Prometheus counters."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, value in (
+            (
+                "moestream_decode_steps",
+                "Decode steps run for several requests at once.",
+                self.batch.decode_steps,
+            ),
+            (
+                "moestream_decode_rows",
+                "Tokens those steps decoded (rows / steps: the mean batch).",
+                self.batch.decode_rows,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
 class Metrics:
     """The server's metrics; `render()` is the /metrics body."""
 
-    def __init__(self, counters: Callable[[], Counters], waiting: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        counters: Callable[[], Counters],
+        waiting: Callable[[], int],
+        busy: Callable[[], int] = lambda: 0,
+        slots: int = 1,
+        batch: Any = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -78,7 +110,13 @@ class Metrics:
         )
         queued = Gauge("moestream_queue_waiting", "Requests waiting for the model.", registry=r)
         queued.set_function(waiting)
+        running = Gauge("moestream_slots_busy", "Slots running a request (--parallel).", registry=r)
+        running.set_function(busy)
+        total = Gauge("moestream_slots", "Slots: requests that run at once (--parallel).", registry=r)
+        total.set(slots)
         r.register(_EngineCollector(counters))
+        if batch is not None:  # the engine's `Batcher` (engine/batch.py)
+            r.register(_BatchCollector(batch))
 
     def generation(self, gen: Generation) -> None:
         """Count a finished generation (called on the worker thread; prometheus_client is thread-safe)."""

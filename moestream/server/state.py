@@ -35,7 +35,11 @@ class ServerState:
         self.model_id = options.model_id
         self.model_names = {options.model_id, *options.aliases}
         self.created = int(time.time())
-        self.metrics = Metrics(engine.counters, lambda: self.worker.waiting)
+        batch = getattr(engine, "batch", None)
+        slots = batch.slots if batch is not None else 1
+        self.metrics = Metrics(
+            engine.counters, lambda: self.worker.waiting, lambda: self.worker.busy, slots, batch
+        )
         self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
         self.prompts = Prompts(engine, room=lambda: self.worker.jobs.maxsize - self.worker.waiting)
         self.loop: asyncio.AbstractEventLoop | None = None

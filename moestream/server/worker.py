@@ -1,9 +1,11 @@
-"""The one thread that owns the model, fed by a bounded FIFO queue of jobs.
+"""The threads that run the model's requests, fed by a bounded FIFO queue of jobs.
 
 Requests never touch the engine directly: the event loop validates and tokenizes, then submits a Job;
-the worker runs jobs one at a time and hands each token back to the event loop thread-safely. A job
-whose client has gone is skipped if still queued and stopped within one token if running (the engine
-polls `cancelled()` once per token).
+the worker runs jobs on its threads, one per slot (`--parallel N`: N threads, their forwards batched by
+the engine's `Batcher`, engine/batch.py; one thread otherwise), and hands each token back to the event
+loop thread-safely. A job joins the running batch when a thread takes it and leaves it when it ends, at a
+token boundary either way. A job whose client has gone is skipped if still queued and stopped within
+one token if running (the engine polls `cancelled()` once per token).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class Job:
 
 
 class Worker:
-    """Runs jobs one at a time on a dedicated thread; at most `queue_size` jobs wait."""
+    """Runs jobs on `slots` dedicated threads (the engine's parallel slots: one job a slot at a time);
+    at most `queue_size` jobs wait."""
 
     def __init__(
         self, engine: Engine, queue_size: int = 16, on_done: Callable[[Generation], None] | None = None
@@ -112,20 +115,33 @@ class Worker:
         self.engine = engine
         self.on_done = on_done  # sees every finished generation, cancelled ones too (metrics)
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self.running: Job | None = None
+        batch = getattr(engine, "batch", None)
+        self.slots = batch.slots if batch is not None else 1
+        self.running: dict[int, Job] = {}  # id(job) -> job, one per busy thread
+        self._lock = threading.Lock()
         self.closing = False  # set by `shutdown`: no new job is taken, the running one is stopped
         self.mean_seconds = 1.0  # moving average of job durations, for Retry-After
         # torch's thread count is per OS thread under OpenMP: give the worker the one the engine was loaded
         # with
         self._threads = torch.get_num_threads()
-        self._thread = threading.Thread(target=self._run, name="moestream-worker", daemon=True)
+        self._pool = [
+            threading.Thread(target=self._run, name=f"moestream-worker-{i}", daemon=True)
+            for i in range(self.slots)
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._pool:
+            thread.start()
 
     @property
     def waiting(self) -> int:
         return self.jobs.qsize()
+
+    @property
+    def busy(self) -> int:
+        """Slots running a job."""
+        with self._lock:
+            return len(self.running)
 
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise Busy when the queue is full and ShuttingDown when the server is stopping
@@ -138,8 +154,9 @@ class Worker:
             raise Busy(self.retry_after()) from None
 
     def retry_after(self) -> int:
-        """Seconds until the queue has likely drained by one job: at least 1."""
-        return max(1, math.ceil(self.mean_seconds))
+        """Seconds until the queue has likely drained by one job (`slots` end one each mean duration): at
+        least 1."""
+        return max(1, math.ceil(self.mean_seconds / self.slots))
 
     def shutdown(self) -> None:
         """Stop taking jobs: the running one ends within one token and its client is told why, the queued
@@ -153,15 +170,19 @@ class Worker:
             if job is not None:
                 job.cancel()
                 job.emit(Failed(ShuttingDown("the server is shutting down")))
-        if self.running is not None:
-            self.running.cancel()
+        with self._lock:
+            for job in self.running.values():
+                job.cancel()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running job, fail the queued ones (their clients get an answer) and end the thread."""
         self.shutdown()
-        if self._thread.is_alive():
+        alive = [t for t in self._pool if t.is_alive()]
+        for _ in alive:  # one end mark per thread
             self.jobs.put(None)
-            self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        for thread in alive:
+            thread.join(max(0.0, end - time.monotonic()))
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
@@ -171,15 +192,18 @@ class Worker:
                 continue
             if job.stop.is_set():
                 continue  # its client left while it was queued
-            self.running, start = job, time.perf_counter()
+            with self._lock:
+                self.running[id(job)] = job
+            start = time.perf_counter()
             try:
                 self._generate(job)
             except Exception as exc:  # the worker must outlive any one request
                 log.exception("request %s failed", job.request_id)
                 job.emit(Failed(exc))
             finally:
-                self.running = None
-                self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - start)
+                with self._lock:
+                    del self.running[id(job)]
+                    self.mean_seconds = 0.8 * self.mean_seconds + 0.2 * (time.perf_counter() - start)
 
     def _generate(self, job: Job) -> None:
         def cancelled() -> bool:

@@ -1,0 +1,238 @@
+"""Several requests at once (`--parallel N`): their forwards batched, a round at a time.
+
+Each request runs its own token loop (`engine/requests.py`) on a thread of its own, in a KV-cache slot
+of the ggml runner it holds from its first forward to its end (`acquire`, `release`); its forward (`step`)
+is handed to the `Batcher` and waits. When every request holding a slot has handed one over, the thread
+whose forward completed the set runs a round for all, while the others sleep on an event of their own,
+each woken once, when its forward is done (no polling; a request leaving wakes one waiter to lead):
+
+- the single tokens (decoding) as one step of B rows (`GgmlRunner.decode`): each MoE layer acquires the
+  union of their experts and computes each expert once over the rows routed to it;
+- then one prefill chunk (at most the runner's chunk) of the request that has waited longest, so a new
+  prompt never stalls the running streams for more than one chunk's forward a token.
+
+Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
+a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
+it has alone, each token decoded beside others with the bits it gets alone (`tests/test_batch.py`).
+The slot's prompt cache is the slot's own (`PromptCache` per slot): a request takes the free slot whose
+held tokens share the longest prefix with its prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from moestream.engine.prompt_cache import PromptCache, common_prefix
+from moestream.errors import MoestreamError
+
+Step = Callable[[list[int], Any], tuple[torch.Tensor, Any]]
+T = TypeVar("T")
+
+
+@dataclass
+class _Call:
+    """One request's forward, waiting for its round: `ids` after what `kv` (its slot) holds."""
+
+    kv: Any
+    ids: list[int]
+    order: int  # arrival: the oldest prefill goes first
+    request: str = ""  # its name in traces
+    phase: str = "decode"  # "prefill": the request's prompt (traces)
+    fed: int = 0  # tokens of `ids` fed so far (a prefill takes several rounds)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+    lead: bool = False  # its thread is to run the next round
+    event: threading.Event = field(default_factory=threading.Event)  # set when done (or told to lead)
+
+
+class Batcher:
+    """The rounds of a runner with `len(runner.seqs)` KV-cache slots; one per engine (`Engine.batch`).
+    `checked` wraps a round's forward as `ExpertStreaming.checked` wraps a request's (the checkpoint
+    files checked once a round, for every request in it)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        checked: Callable[[Step], Step] = lambda step: step,
+        recorder: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self.runner, self.checked = runner, checked
+        self.recorder = recorder  # the trace recorder now (or None): told which request each row is
+        self.slots = len(runner.seqs)
+        self.caches = [PromptCache() for _ in range(self.slots)]  # one per slot
+        self._lock = threading.Lock()
+        self._free = list(range(self.slots))
+        self._held: set[int] = set()
+        self._calls: dict[int, _Call] = {}  # slot -> the forward it waits for
+        self._leading = False  # a thread is running a round (or was told to)
+        self._arrivals = 0
+        self.rounds = 0  # rounds run (counted for /metrics, tests and benchmarks)
+        self.decode_steps = 0  # decode steps run in them (one a round at most)
+        self.decode_rows = 0  # tokens those steps decoded (rows / steps: the mean batch)
+
+    @property
+    def busy(self) -> int:
+        """Slots held by requests."""
+        with self._lock:
+            return len(self._held)
+
+    def acquire(self, ids: list[int]) -> int:
+        """A free slot for a request of prompt `ids` (the one whose prompt cache shares the longest prefix).
+
+        Raises:
+            MoestreamError: every slot is held (the caller runs at most `slots` requests at once).
+        """
+        with self._lock:
+            if not self._free:
+                raise MoestreamError(
+                    f"all {self.slots} slots are in use: at most {self.slots} requests run at once "
+                    f"(--parallel {self.slots})"
+                )
+            slot = max(self._free, key=lambda s: (common_prefix(self.caches[s].held.ids, ids), -s))
+            self._free.remove(slot)
+            self._held.add(slot)
+            return slot
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` ended: the rounds no longer wait for it."""
+        with self._lock:
+            self._held.discard(slot)
+            self._calls.pop(slot, None)
+            self._free.append(slot)
+            self._kick()
+
+    def step(self, slot: int, request: str = "") -> Step:
+        """The forward of the request in `slot` (named `request` in traces): (ids, its cache or None) ->
+        (logits [V], its cache); its first forward is its prompt's."""
+        kv = self.runner.seqs[slot]
+        phase = ["prefill"]
+
+        def forward(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+            if cache is None:  # a request from scratch in this slot
+                kv.tokens = 0
+            elif cache is not kv:
+                raise RuntimeError("a request continues only its own slot's KV cache")
+            out = self._wait(slot, _Call(kv, list(ids), 0, request, phase[0]))
+            phase[0] = "decode"
+            return out
+
+        return forward
+
+    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor, Any]:
+        """Hand the forward over; run a round where it completes the batch (or this thread is told to);
+        else sleep on the call's own event until its forward is done (each thread woken once a round)."""
+        with self._lock:
+            self._arrivals += 1
+            call.order = self._arrivals
+            self._calls[slot] = call
+            lead = not self._leading and self._ready()
+            self._leading = self._leading or lead
+        while True:
+            if lead:
+                self._lead()
+            call.event.wait()
+            with self._lock:
+                call.event.clear()
+                lead, call.lead = call.lead, False
+                if call.done and not lead:
+                    break
+        if call.error is not None:
+            raise call.error
+        return call.logits, call.kv
+
+    def _ready(self) -> bool:
+        """Every request holding a slot has handed its forward over."""
+        return bool(self._held) and all(s in self._calls for s in self._held)
+
+    def _kick(self) -> None:
+        """(Holding the lock.) Where no round runs and every request waits: tell one of them to run one."""
+        if self._leading or not self._ready():
+            return
+        call = next(iter(self._calls.values()))
+        self._leading = call.lead = True
+        call.event.set()
+
+    def _lead(self) -> None:
+        """Run a round over the calls handed over, then wake the threads whose forward it completed."""
+        with self._lock:
+            calls = dict(self._calls)
+        try:
+            self._round(list(calls.values()))
+        finally:
+            with self._lock:
+                self._leading = False
+                for s, c in calls.items():
+                    if c.done:
+                        if self._calls.get(s) is c:
+                            del self._calls[s]
+                        c.event.set()
+                self._kick()  # a prefill goes on: its chunks run a round each, nobody else waiting
+
+    @torch.inference_mode()
+    def _round(self, calls: list[_Call]) -> None:
+        """The decoding calls as one step, then one chunk of the oldest prefill."""
+        self.rounds += 1
+        # in slot order: the step's graphs are keyed by the slots it uses, in order (a set built once
+        # serves every round of the same requests)
+        decoding = sorted((c for c in calls if len(c.ids) == 1), key=lambda c: c.kv.slot)
+        recorder = self.recorder()
+        if decoding:
+            step = self.checked(lambda seqs, _: (self.runner.decode(seqs), None))
+            if recorder is not None:  # each row's request
+                recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
+            try:
+                logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
+                for c, row in zip(decoding, logits):
+                    c.logits = row
+                self.decode_steps += 1
+                self.decode_rows += len(decoding)
+            except BaseException as exc:  # each request raises it; the next round goes on without them
+                for c in decoding:
+                    c.error = exc
+            for c in decoding:
+                c.done = True
+        prefill = sorted((c for c in calls if len(c.ids) > 1), key=lambda c: c.order)
+        if prefill:
+            c = prefill[0]
+            chunk = c.ids[c.fed : c.fed + self.runner.chunk]
+            if recorder is not None:
+                recorder.forward(c.request, c.phase, c.kv.tokens)
+            try:
+                c.logits, _ = self.checked(self.runner)(chunk, c.kv)
+                c.fed += len(chunk)
+                c.done = c.fed == len(c.ids)
+            except BaseException as exc:
+                c.error, c.done = exc, True
+
+
+def run_all(jobs: Sequence[Callable[[], T]], workers: int) -> list[T]:
+    """Each job on one of `workers` threads (each with the caller's torch thread count, which OpenMP
+    keeps per thread); their results in order. A job that raised: the first such error, once every
+    job has ended."""
+    threads = torch.get_num_threads()
+
+    def run(job: Callable[[], T]) -> T:
+        torch.set_num_threads(threads)
+        return job()
+
+    if workers == 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moestream-batch") as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        return [f.result() for f in futures]
+
+
+def generate_all(engine: Any, prompts: Sequence[Any], params: Any = None, **options: Any) -> list[Any]:
+    """`Engine.generate_batch`: each prompt's `Generation`, up to `engine.batch.slots` at once."""
+    if isinstance(params, list) and len(params) != len(prompts):
+        raise MoestreamError(f"{len(params)} sampling params were given for {len(prompts)} prompts")
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    jobs = [lambda p=p, s=s: engine.generate(p, s, **options) for p, s in zip(prompts, each)]
+    return run_all(jobs, engine.batch.slots if engine.batch is not None else 1)

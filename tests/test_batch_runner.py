@@ -1,0 +1,127 @@
+"""Several sequences in one step of the ggml runner (`--parallel N`): each in its own KV-cache slot, one
+token of each decoded as one step of B rows.
+
+Oracle: the same runner with each sequence run alone (prefill, then a step a token, in slot 0): every
+logit of every step bit for bit (the batched step's products take ggml's vec_dot for every row, as a
+one-row step does; attention runs per sequence over its own slot), at every budget (every expert
+cached: one graph a step; a few slots: experts streamed between the layers' graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+from moestream.engine import ggml_runner
+from moestream.errors import MoestreamError
+from moestream.graphs import layers
+
+PROMPTS = [[5, 17, 33, 2, 99, 41, 7], [250, 3, 12, 80], [9, 150, 77, 31, 200, 6, 18, 42, 1, 2, 3], [64, 7]]
+STEPS = 10
+BATCHED = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
+
+
+def _alone(runner, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and every step's logits [STEPS, V] of `prompt` run alone (slot 0)."""
+    logits, kv = runner(prompt, None)
+    tokens, seen = [], []
+    for _ in range(STEPS):
+        tokens.append(int(logits.argmax()))
+        seen.append(logits)
+        logits, kv = runner([tokens[-1]], kv)
+    return tokens, torch.stack(seen)
+
+
+def _together(runner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The same, the prompts each prefilled in a slot of its own, then decoded together a token a step."""
+    seqs = runner.seqs[: len(prompts)]
+    logits = []
+    for kv, prompt in zip(seqs, prompts):
+        kv.tokens = 0
+        logits.append(runner(prompt, kv)[0])
+    tokens: list[list[int]] = [[] for _ in prompts]
+    seen: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for _ in range(STEPS):
+        for i, row in enumerate(logits):
+            tokens[i].append(int(row.argmax()))
+            seen[i].append(row)
+        logits = list(runner.decode([(kv, t[-1]) for kv, t in zip(seqs, tokens)]))
+    return tokens, [torch.stack(s) for s in seen]
+
+
+@pytest.mark.parametrize("arch", BATCHED)
+def test_a_batched_decode_step_gives_each_sequence_its_logits_alone(arch, tiny_dir):
+    with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml", parallel=4) as engine:
+        runner = engine.runner
+        assert (
+            len(runner.seqs) == 4 and "KV cache F16 of 256 positions in each of 4 slots" in engine.mode_line()
+        )
+        assert engine.mode_line().endswith(", parallel 4")
+        alone = [_alone(runner, p) for p in PROMPTS]
+        tokens, seen = _together(runner, PROMPTS)
+    for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+        assert got_tokens == want_tokens
+        assert torch.equal(got, want), (arch, (got - want).abs().max().item())
+
+
+def test_streamed_experts_and_spans_in_a_batch(tiny_dir, monkeypatch):
+    """A budget of a few slots (each layer's experts read between graphs), spans of 8 positions (the
+    batch crosses them), prefill chunks of 5 tokens: the same bits as alone; three sequences of four
+    slots, then two (graph sets keyed by the slots they use)."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
+    monkeypatch.setattr(layers, "SPAN_STEP", 8)
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="150KiB", trunk="ggml", parallel=4) as engine:
+        runner = engine.runner
+        assert engine.counters().misses == 0 and engine.runner.experts.resident_slots() is None
+        alone = [_alone(runner, p) for p in PROMPTS[:3]]
+        for n in (3, 2):
+            tokens, seen = _together(runner, PROMPTS[:n])
+            for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+                assert got_tokens == want_tokens and torch.equal(got, want)
+        assert engine.counters().misses > 0  # experts were read between the graphs
+
+
+def test_decode_refuses_a_slot_twice_and_a_foreign_cache(tiny_dir):
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml", parallel=2) as engine:
+        runner = engine.runner
+        kv = runner.seqs[0]
+        with pytest.raises(ValueError, match="each KV slot once"):
+            runner.decode([(kv, 1), (kv, 2)])
+        with pytest.raises(RuntimeError, match="only its own KV cache"):
+            runner.decode([(object(), 1), (runner.seqs[1], 2)])
+
+
+def test_parallel_is_refused_where_it_cannot_run(tiny_dir):
+    with pytest.raises(
+        MoestreamError, match="--parallel 2 is not possible for qwen3_next: its linear-attention"
+    ):
+        moestream.load(str(tiny_dir("qwen3_next")), cache="64MiB", trunk="ggml", parallel=2)
+    with pytest.raises(MoestreamError, match=r"--parallel 2 needs the ggml graphs .*--trunk eager"):
+        moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="eager", parallel=2)
+    with pytest.raises(MoestreamError, match="--parallel must be between 1 and 64, got 0"):
+        moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", parallel=0)
+
+
+def test_the_memory_plan_counts_a_kv_cache_per_slot(tiny_dir):
+    path = str(tiny_dir("qwen3_moe"))
+    sizes = {}
+    for n in (1, 3):
+        with moestream.load(path, cache="64MiB", trunk="ggml", parallel=n) as engine:
+            sizes[n] = (engine.loaded.kv_bytes, engine.runner.kv_bytes)
+    assert sizes[3] == (3 * sizes[1][0], 3 * sizes[1][1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, tiny_dir, monkeypatch):
+    """ggml's CPU backend through the device path (buffers copied in and out, the KV cache and the
+    expert stacks on the device), as ggml's CUDA backend runs the graphs: the same bits alone and batched."""
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml", parallel=3) as engine:
+        runner = engine.runner
+        assert runner.memory is not None
+        alone = [_alone(runner, p) for p in PROMPTS[:3]]
+        tokens, seen = _together(runner, PROMPTS[:3])
+    for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+        assert got_tokens == want_tokens and torch.equal(got, want)

@@ -1,0 +1,110 @@
+"""Router traces of several requests at once: the engine records each row's request in a batched step,
+and `moestream simulate --parallel N` regroups any trace's forwards as N requests running at once.
+
+Oracles: the rounds worked out by hand on a small trace; a trace recorded with parallel=2 holds, for
+every (request, token, layer), the experts the same request routes to recorded alone (the batched step
+gives each row its bits alone), and steps holding both requests' rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moestream
+from moestream.cli import main
+from moestream.engine.batch import run_all
+from moestream.trace import TraceHeader, TraceWriter, read_trace
+from moestream.trace.batched import batch_steps
+from moestream.trace.replay import build_replay
+from moestream.units import MiB
+
+
+def _three_requests(tmp_path: Path) -> Path:
+    """Requests a, b, c one after another: a 2-token prompt, then 2 decoded tokens each, 2 layers x 4
+    experts, top-2 (a's decode tokens route to experts 0, 1; b's to 2, 3; c's to 0, 3)."""
+    path = tmp_path / "three.parquet"
+    routes = {"a": [0, 1], "b": [2, 3], "c": [0, 3]}
+    step = 0
+    with TraceWriter(path, TraceHeader("t", 2, 4, 2, expert_bytes=MiB)) as w:
+        for name, experts in routes.items():
+            for layer in (0, 1):
+                w.append_forward(
+                    name, [0, 1], "prefill", layer, [[0, 1], [2, 3]], [[0.5, 0.5]] * 2, step=step
+                )
+            step += 1
+            for token in (2, 3):
+                for layer in (0, 1):
+                    w.append(name, token, "decode", layer, experts, [0.5, 0.5], step=step)
+                step += 1
+    return path
+
+
+def _steps(trace) -> dict[tuple[str, int], int]:
+    return {
+        (trace.request_names[r], int(t)): int(s)
+        for r, t, s, lay in zip(trace.request, trace.token, trace.step, trace.layer)
+        if lay == 0
+    }
+
+
+def test_rounds_of_two_slots_worked_out_by_hand(tmp_path):
+    trace = read_trace(_three_requests(tmp_path))
+    got = _steps(batch_steps(trace, 2))
+    # round 0: a's prompt; 1: a decodes, b's prompt; 2: a and b decode (a ends: c takes its slot);
+    # 3: b decodes (b ends), c's prompt; 4, 5: c decodes
+    assert got == {
+        ("a", 0): 0, ("a", 1): 0, ("a", 2): 1, ("b", 0): 2, ("b", 1): 2,
+        ("a", 3): 3, ("b", 2): 3, ("b", 3): 4, ("c", 0): 5, ("c", 1): 5,
+        ("c", 2): 6, ("c", 3): 7,
+    }  # fmt: skip
+    alone = _steps(batch_steps(trace, 1))
+    assert alone == _steps(trace)  # one slot: the order recorded
+    # one decode forward of a and b: the union of their experts, read once
+    replay = build_replay(batch_steps(trace, 2))
+    assert [(0, 0), (0, 1), (0, 2), (0, 3)] in replay.keys
+    with pytest.raises(ValueError, match="--parallel must be at least 1, got 0"):
+        batch_steps(trace, 0)
+
+
+def test_simulate_parallel_on_the_command_line(tmp_path, capsys):
+    path = str(_three_requests(tmp_path))
+    assert main(["simulate", path, "--budgets", "4MiB", "--policy", "lru", "-np", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "forwards regrouped as 2 requests at once (--parallel 2)" in out.err
+    assert main(["simulate", path, "--budgets", "4MiB", "--parallel", "0"]) == 2
+    assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
+
+
+def _record(path: str, out: Path, parallel: int, prompts: list[list[int]]) -> None:
+    with moestream.load(path, cache="150KiB", trunk="ggml", parallel=parallel) as engine:
+        engine.start_trace(out, predict=False)
+        jobs = [
+            lambda i=i, p=p: engine.generate(p, max_tokens=6, ignore_eos=True, request_id=f"r{i}")
+            for i, p in enumerate(prompts)
+        ]
+        run_all(jobs, parallel)
+        engine.stop_trace()
+
+
+def test_a_trace_of_a_batch_says_which_request_each_row_is(tiny_dir, tmp_path):
+    path = str(tiny_dir("qwen3_moe"))
+    prompts = [[5, 17, 33, 2], [250, 3, 12, 80, 9, 9]]
+    _record(path, tmp_path / "alone.parquet", 1, prompts)
+    _record(path, tmp_path / "batch.parquet", 2, prompts)
+    alone, batch = read_trace(tmp_path / "alone.parquet"), read_trace(tmp_path / "batch.parquet")
+
+    def rows(trace):
+        names = trace.request_names
+        return sorted(
+            (names[r], int(t), int(lay), tuple(e.tolist()))
+            for r, t, lay, e in zip(trace.request, trace.token, trace.layer, trace.experts)
+        )
+
+    assert rows(batch) == rows(alone)
+    shared = [s for s in np.unique(batch.step) if len(np.unique(batch.request[batch.step == s])) == 2]
+    assert shared  # decode steps of both requests
+    decode = batch.phase[np.isin(batch.step, shared)]
+    assert (decode == 1).all()
