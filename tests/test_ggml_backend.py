@@ -269,3 +269,16 @@ def test_cuda_graphs_are_on_but_for_linear_attention_and_when_asked(monkeypatch)
     monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "yes")
     with pytest.raises(ggml.GgmlUnavailableError, match="say 0 or 1"):
         cuda_graphs(recurrent=False)
+
+
+def test_copies_around_a_backend_graph_are_coalesced_per_region():
+    """Overlapping or touching ranges of one region become one copy; a gap or another region keeps
+    them apart (the gap's bytes are not the graph's to copy)."""
+    from moestream.ggml.net import _coalesce
+
+    a, b = object(), object()
+    copies = [(a, 64, 64), (a, 0, 64), (a, 0, 64), (a, 96, 64), (a, 256, 16), (b, 0, 8)]
+    merged = _coalesce(copies)
+    assert sorted((id(r), o, n) for r, o, n in merged) == sorted(
+        [(id(a), 0, 160), (id(a), 256, 16), (id(b), 0, 8)]
+    )

@@ -185,6 +185,7 @@ class Net:
         for t, region, offset, nbytes in self._io:
             written = GgmlTensor.from_address(t).op != 0  # a result, not a leaf (GGML_OP_NONE)
             (self._outputs if written else self._inputs).append((region, offset, nbytes))
+        self._inputs, self._outputs = _coalesce(self._inputs), _coalesce(self._outputs)
 
     def place(self, scratch: int, work: int, buffer: int = 0) -> None:
         """Put the scratch tensors at `scratch` (scratch_bytes long) and the plan's work buffer at `work`
@@ -215,6 +216,20 @@ class Net:
 
     def close(self) -> None:
         self.ctx = free_context(self.lib, self.ctx)
+
+
+def _coalesce(copies: list[tuple[Region, int, int]]) -> list[tuple[Region, int, int]]:
+    """One copy per run of overlapping or touching byte ranges of a region (each layer's set_rows reads
+    the step's rows: one upload, not one a layer; each layer's routing written into its slice of one
+    buffer: one download). Ranges with a gap between them stay apart: the gap's bytes are not the graph's."""
+    merged: list[tuple[Region, int, int]] = []
+    for region, offset, nbytes in sorted(copies, key=lambda c: (id(c[0]), c[1])):
+        if merged and merged[-1][0] is region and offset <= merged[-1][1] + merged[-1][2]:
+            start = merged[-1][1]
+            merged[-1] = (region, start, max(merged[-1][1] + merged[-1][2], offset + nbytes) - start)
+        else:
+            merged.append((region, offset, nbytes))
+    return merged
 
 
 def _root(ptr: int) -> int:
