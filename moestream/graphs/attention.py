@@ -126,7 +126,9 @@ def attention_graph(g: Any, net: Net, h: int, a: Attention, index: int) -> tuple
     k_all = net.tensor(F16, [Nkv * D, ctx], kc.data_ptr())
     v_all = net.tensor(F16, [Nkv * D, ctx], vc.data_ptr())
     writes = [
-        net.set_rows(k_all, net.reshape_2d(k, Nkv * D, T), rows),
+        # the roped keys as a view: ggml's CUDA backend fuses norm, rope, this view and set_rows into one
+        # kernel (llama.cpp's KV write is a view too; a reshape ends the run of fusable nodes)
+        net.set_rows(k_all, net.view_2d(k, Nkv * D, T, 4 * Nkv * D, 0), rows),
         net.set_rows(v_all, net.reshape_2d(v, Nkv * D, T), rows),
     ]
     row = Nkv * D * size

@@ -247,9 +247,10 @@ class LayerGraphs:
         for layer in self.spec.layers:
             carry = self._layer(net, layer, self._stream(net, layer.index, carry=carry))
             outputs += carry.writes
-            if layer.router is not None:  # the routing, for the cache's counts and the tests
+            if layer.router is not None:
                 outputs.append(carry.weights3)  # the router's nodes in one run (see moe.route)
-                outputs.append(net.fix(net.cont(carry.top), self.buf.routed[moe].data_ptr()))
+                if self.tokens > 1:  # the routing, for the cache's counts (one token: K experts a layer)
+                    outputs.append(net.fix(net.cont(carry.top), self.buf.routed[moe].data_ptr()))
                 moe += 1
         return [*outputs, *self.head(net, carry=carry)]
 
