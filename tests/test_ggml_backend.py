@@ -282,3 +282,28 @@ def test_copies_around_a_backend_graph_are_coalesced_per_region():
     assert sorted((id(r), o, n) for r, o, n in merged) == sorted(
         [(id(a), 0, 160), (id(a), 256, 16), (id(b), 0, 8)]
     )
+
+
+@pytest.mark.parametrize("window", [None, 4, 100])
+def test_a_one_token_steps_inputs_are_those_fill_masks_makes(window):
+    """`StepBuffers.one_token` (the decode step's fast path) writes the same tokens, positions, rows and
+    masks as the general path (`fill_masks`), at the span's edges and across a sliding window."""
+    from moestream.graphs.layers import StepBuffers
+
+    span = 256
+
+    def buffers() -> StepBuffers:
+        b = StepBuffers.__new__(StepBuffers)
+        b.tokens, b.positions = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        b.rows = torch.zeros(1, dtype=torch.int64)
+        b.mask = torch.zeros(1, span, dtype=torch.float16)
+        b.window = torch.zeros(1 if window else 0, span, dtype=torch.float16)
+        return b
+
+    for position in (0, 1, 3, 4, 5, 99, 100, 101, 254, 255):
+        fast, general = buffers(), buffers()
+        fast.one_token(7, position, 512, window)
+        general.tokens[0], general.positions[0], general.rows[0] = 7, position, 512 + position
+        general.fill_masks(window)
+        for name in ("tokens", "positions", "rows", "mask", "window"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), (name, position)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moestream.ggml.lib import GgmlTensor
@@ -129,6 +130,20 @@ class StepBuffers:
                 if t.numel():
                     out.append((f"{name}{i if isinstance(value, tuple) else ''}", t))
         return out
+
+    def one_token(self, token: int, position: int, first_row: int, window: int | None) -> None:
+        """The inputs of a one-token step (`tokens`, `positions`, `rows`, the masks as `fill_masks` makes
+        them), written through numpy views: a few microseconds instead of torch's tens."""
+        self.tokens.numpy()[0] = token
+        self.positions.numpy()[0] = position
+        self.rows.numpy()[0] = first_row + position
+        mask = self.mask.numpy()[0]
+        mask[: position + 1] = 0.0
+        mask[position + 1 :] = -np.inf
+        if self.window.numel():
+            sliding = self.window.numpy()[0]
+            sliding[:] = mask
+            sliding[: max(0, position - window + 1)] = -np.inf
 
     def fill_masks(self, window: int | None) -> None:
         """The step's masks for its positions (each over its own slot's rows): causal; and for the
