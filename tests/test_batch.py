@@ -112,13 +112,26 @@ def test_a_new_prompt_is_prefilled_a_chunk_a_round_beside_the_running_stream(tin
     want = _alone(path, [PROMPTS[0], long_prompt], [params, params])
     with moestream.load(path, cache="64MiB", trunk="ggml", parallel=2) as engine:
         log = _recorded(engine)
-        three = threading.Event()
+        three, joined = threading.Event(), threading.Event()
         out = {}
+        acquire = engine.batch.acquire
+
+        def acquired(ids: list[int]) -> int:  # the long prompt's request holds its slot
+            slot = acquire(ids)
+            if engine.batch.busy == 2:
+                joined.set()
+            return slot
+
+        engine.batch.acquire = acquired
 
         def first() -> None:
             for gen in engine.stream(PROMPTS[0], params):
                 if len(gen.tokens) == 3:
                     three.set()
+                    # the running request has 27 tokens left when the long prompt joins, more than its 5
+                    # chunks' rounds (its own thread would otherwise decode on, alone, and might finish
+                    # before the other joins on a busy machine)
+                    assert joined.wait(60)
             out["first"] = gen.tokens
 
         thread = threading.Thread(target=first)
