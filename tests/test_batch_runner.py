@@ -68,7 +68,7 @@ def test_a_batched_decode_step_gives_each_sequence_its_logits_alone(arch, tiny_d
 def test_streamed_experts_and_spans_in_a_batch(tiny_dir, monkeypatch):
     """A budget of a few slots (each layer's experts read between graphs), spans of 8 positions (the
     batch crosses them), prefill chunks of 5 tokens: the same bits as alone; three sequences of four
-    slots, then two (graph sets keyed by the slots they use)."""
+    slots, then two."""
     monkeypatch.setattr(ggml_runner, "CHUNK", 5)
     monkeypatch.setattr(ggml_runner, "SPAN_STEP", 8)
     monkeypatch.setattr(layers, "SPAN_STEP", 8)
@@ -81,6 +81,42 @@ def test_streamed_experts_and_spans_in_a_batch(tiny_dir, monkeypatch):
             for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
                 assert got_tokens == want_tokens and torch.equal(got, want)
         assert engine.counters().misses > 0  # experts were read between the graphs
+
+
+@pytest.mark.parametrize(
+    "arch,cache", [("qwen3_moe", "64MiB"), ("qwen3_moe", "150KiB"), ("deepseek_v2", "64MiB")]
+)
+def test_one_graph_set_serves_a_batch_in_any_slots(arch, cache, tiny_dir):
+    """Batches of two rows in slots that change each step ((0, 1), (2, 3), (0, 3), (1, 2), (3, 0), ...):
+    one decode set of two rows for them all (its keys and values pointed at each step's slots, every
+    expert cached: one graph a step; a few slots: a graph a layer), and each sequence's logits at each
+    of its tokens the bits it gets alone."""
+    with moestream.load(str(tiny_dir(arch)), cache=cache, trunk="ggml", parallel=4) as engine:
+        runner = engine.runner
+        alone = [_alone(runner, p) for p in PROMPTS]
+        logits = []
+        for kv, prompt in zip(runner.seqs, PROMPTS):
+            kv.tokens = 0
+            logits.append(runner(prompt, kv)[0])
+        seen: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+        tokens: list[list[int]] = [[] for _ in PROMPTS]
+        pairs = [(0, 1), (2, 3), (0, 3), (1, 2), (3, 0), (2, 1)] * STEPS
+        built = None
+        for a, b in pairs:
+            if len(seen[a]) == STEPS or len(seen[b]) == STEPS:
+                continue
+            for i in (a, b):
+                seen[i].append(logits[i])
+                tokens[i].append(int(logits[i].argmax()))
+            rows = runner.decode([(runner.seqs[i], tokens[i][-1]) for i in (a, b)])
+            logits[a], logits[b] = rows[0], rows[1]
+            sets = [gs for key, gs in runner._sets.items() if key[2] == 2]
+            assert len(sets) == 1 and (built is None or sets[0] is built)
+            built = sets[0]
+    for i, (want_tokens, want) in enumerate(alone):
+        got = torch.stack(seen[i])
+        assert tokens[i] == want_tokens[: len(tokens[i])] and torch.equal(got, want[: len(got)]), i
+        assert len(got) >= STEPS - 2
 
 
 def test_decode_refuses_a_slot_twice_and_a_foreign_cache(tiny_dir):

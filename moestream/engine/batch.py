@@ -179,7 +179,7 @@ class Batcher:
     def _round(self, calls: list[_Call]) -> None:
         """The decoding calls as one step, then one chunk of the oldest prefill."""
         self.rounds += 1
-        # in slot order: the step's graphs are keyed by the slots it uses, in order (a set built once
+        # in slot order: a device's step graphs are keyed by the slots it uses, in order (a set built once
         # serves every round of the same requests)
         decoding = sorted((c for c in calls if len(c.ids) == 1), key=lambda c: c.kv.slot)
         recorder = self.recorder()

@@ -249,7 +249,10 @@ class GgmlRunner(ModelRunner):
             self._generation = self.experts.generation
         if self.tiered is not None:  # the tier first: made again, it closes the sets over the old one
             self._tier_types()
-        key = (tokens, span, slots)
+        # a batch on the host: keyed by its row count, its slots pointed at each step (`GraphSet.rebase`),
+        # so that requests joining and leaving build no graphs (a device's sets keep their slots)
+        rebase = len(slots) > 1 and self.memory is None and self.tiered is None
+        key = (tokens, span, len(slots) if rebase else slots)
         gs = self._sets.get(key)
         # the pool was replaced (another thread count), or the routing is wanted on the host now
         if gs is not None and (gs.pool != kern.pool or gs.last != (last and tokens > 1)):
@@ -271,6 +274,8 @@ class GgmlRunner(ModelRunner):
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if _prefill(key) else KEEP_DECODE_SETS))]:
                 self._sets.pop(k).close()
         self._sets.move_to_end(key)
+        if rebase:
+            gs.rebase(tuple(slot * self.ctx for slot in slots))
         return gs
 
     def _step(self, ids: list[int], positions: list[int], slots: tuple[int, ...]) -> torch.Tensor:
@@ -493,5 +498,6 @@ def planned_bytes(
 
 
 def _prefill(key: tuple) -> bool:
-    """Whether a graph set's key (tokens, span, slots) is a prefill shape (several tokens of one sequence)."""
-    return key[0] > 1 and len(key[2]) == 1
+    """Whether a graph set's key (tokens, span, slots or a batch's row count) is a prefill shape (several
+    tokens of one sequence)."""
+    return key[0] > 1 and isinstance(key[2], tuple) and len(key[2]) == 1

@@ -9,6 +9,7 @@ import torch
 
 from moestream import ggml
 from moestream.ggml.backend import DeviceMemory
+from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import Arena, Net
 from moestream.graphs.layers import LayerGraphs, StepBuffers
 from moestream.graphs.moe import Whole
@@ -58,7 +59,15 @@ class GraphSet:
                 memory.register(t, "device" if name in device_only else "io", name)
         self.pool = pool
         self.segments = segments
-        self._build = LayerGraphs(spec, kv, self.buf, types, last=last, segments=segments, mixed=mixed)
+        # a batch's KV views (`LayerGraphs.kv_views`): each built over `segments`' rows, pointed at the
+        # rows of `firsts` (`rebase`), so that one set serves any B slots
+        self.kv_views: list[tuple[int, int, int]] = []
+        self._based: list[int] = []  # each view's data pointer at the rows of segment 0 of its slot
+        self._whole_views = (0, 0)  # the whole graph's views: that range of kv_views
+        self.firsts = tuple(first for first, _ in segments)
+        self._build = LayerGraphs(
+            spec, kv, self.buf, types, last=last, segments=segments, mixed=mixed, kv_views=self.kv_views
+        )
         self.last = self._build.last  # past the last layer's attention, the last position only
         self.rows = self._build.rows
         self.graphs: list[Net] = []  # once built (`layer_graphs`)
@@ -71,6 +80,7 @@ class GraphSet:
         """(graph of each layer and the head, the fused ones), built on first use."""
         if not self.graphs:
             build, graphs, fused = self._build, [], {}
+            start = len(self.kv_views)
             try:
                 for i in range(len(self.spec.layers) + 1):
                     for with_experts in (False, True) if build.can_fuse(i) else (False,):
@@ -88,6 +98,7 @@ class GraphSet:
             except BaseException:
                 for net in [*graphs, *fused.values()]:
                     net.close()
+                del self.kv_views[start:]
                 raise
             self.graphs, self.fused = graphs, fused
             self._place()
@@ -99,19 +110,28 @@ class GraphSet:
         if self.whole is None or self.whole[0] != whole:
             self.drop_whole()
             nodes = max(1024, 128 * (len(self.spec.layers) + 1))
+            start = len(self.kv_views)  # its views from here on (dropped with it)
             net = Net(ggml.library(), nodes=nodes, memory=self.memory)
             try:
                 net.finish(
                     LayerGraphs(
-                        self.spec, self.kv, self.buf, self.types, whole, self.last, self.segments
+                        self.spec,
+                        self.kv,
+                        self.buf,
+                        self.types,
+                        whole,
+                        self.last,
+                        self.segments,
+                        kv_views=self.kv_views,
                     ).step(net),
                     self.threads,
                     self.pool,
                 )
             except BaseException:
                 net.close()
+                del self.kv_views[start:]
                 raise
-            self.whole = (whole, net)
+            self.whole, self._whole_views = (whole, net), (start, len(self.kv_views))
             self._place()
         return self.whole[1]
 
@@ -120,11 +140,34 @@ class GraphSet:
         whole = [self.whole[1]] if self.whole is not None else []
         self.arena.close()
         self.arena = Arena([*self.graphs, *self.fused.values(), *whole], self.memory)
+        self._aim(len(self._based))  # the views just built: at `firsts`' rows
+
+    def rebase(self, firsts: tuple[int, ...]) -> None:
+        """A batch's sequences now in the slots whose first KV-cache rows are `firsts` (one per segment,
+        in the step's order): every graph's keys and values views read those rows (a host set's data
+        pointers, as ggml's CPU backend reads them; nothing else in the graphs depends on the slot)."""
+        if len(firsts) != len(self.segments):
+            raise ValueError(f"{len(firsts)} slots for a set of {len(self.segments)} sequences")
+        if firsts != self.firsts:
+            self.firsts = firsts
+            self._aim(0)
+
+    def _aim(self, start: int) -> None:
+        """Point the views from `start` on at `firsts`' rows."""
+        for i, (t, segment, row) in enumerate(self.kv_views):
+            view = GgmlTensor.from_address(t)
+            if i >= len(self._based):
+                self._based.append(view.data - self.segments[segment][0] * row)
+            if i >= start:
+                view.data = self._based[i] + self.firsts[segment] * row
 
     def drop_whole(self) -> None:
         if self.whole is not None:
             self.whole[1].close()
             self.whole = None
+        start, end = self._whole_views
+        del self.kv_views[start:end], self._based[start:end]
+        self._whole_views = (0, 0)
 
     def close(self) -> None:
         self.drop_whole()

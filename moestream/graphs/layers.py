@@ -169,10 +169,14 @@ class LayerGraphs:
         last: bool = False,
         segments: tuple[tuple[int, int], ...] = ((0, 0),),
         mixed: bool = False,
+        kv_views: list[tuple[int, int, int]] | None = None,
     ) -> None:
         """`mixed`: the `fused` graphs take each (token, k) output from the device's slots or from the
-        host's `outputs`, as `pick` says (a GPU tier whose misses the CPU computes)."""
+        host's `outputs`, as `pick` says (a GPU tier whose misses the CPU computes). `kv_views`: a
+        batch's attention appends each (keys or values view's address, its segment, its bytes a KV
+        row) there, so that `GraphSet.rebase` can point them at other slots' rows."""
         self.spec, self.kv, self.buf = spec, kv, buf
+        self.kv_views = kv_views
         self.mixed = mixed
         self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
         self.whole = whole  # where each MoE layer's experts lie, for the `step` graph
@@ -321,13 +325,16 @@ class LayerGraphs:
         qt = GgmlTensor.from_address(q)
         out = None
         column = 0
-        for first, n in self.segments:
+        for segment, (first, n) in enumerate(self.segments):
             part = (
                 q
                 if not self.batch
                 else net.view_3d(q, qt.ne[0], qt.ne[1], n, qt.nb[1], qt.nb[2], column * qt.nb[2])
             )
             keys, values = rows(first)
+            if self.batch and self.kv_views is not None:  # [D, S, ...] views: dim 1 steps a KV row
+                for t in (keys, values):
+                    self.kv_views.append((t, segment, GgmlTensor.from_address(t).nb[1]))
             m = net.tensor(F16, [S, n], mask.data_ptr() + column * S * mask.element_size())
             o = net.flash_attn_ext(net.query(part), keys, values, m, scale, 0.0, 0.0)
             if sinks is not None:  # one more logit per head, whose value is 0 (gpt-oss)
