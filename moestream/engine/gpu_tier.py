@@ -88,7 +88,7 @@ def plan_tier(
             least = minimum_budget(types, layers, hidden, experts, top_k)
             raise CacheBudgetError(
                 f"--gpu-tier {format_size(budget)} holds {slots} of the {format_size(size)} experts of "
-                f"layers {_layers(ls)}, fewer than the {top_k} one token routes to: give it at least "
+                f"{_layers(ls)}, fewer than the {top_k} one token routes to: give it at least "
                 f"{format_size(least)}"
             )
         plans.append(ClassPlan(kinds, slots, tuple(ls)))
@@ -96,7 +96,11 @@ def plan_tier(
 
 
 def _layers(layers: list[int]) -> str:
-    return ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}-{layers[-1]} ({len(layers)})"
+    """'layer 3', 'layers 0, 2', 'layers 0-46 (24)'."""
+    if len(layers) == 1:
+        return f"layer {layers[0]}"
+    listed = ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}-{layers[-1]} ({len(layers)})"
+    return f"layers {listed}"
 
 
 @dataclass
