@@ -285,25 +285,36 @@ def test_copies_around_a_backend_graph_are_coalesced_per_region():
 
 
 @pytest.mark.parametrize("window", [None, 4, 100])
-def test_a_one_token_steps_inputs_are_those_fill_masks_makes(window):
-    """`StepBuffers.one_token` (the decode step's fast path) writes the same tokens, positions, rows and
-    masks as the general path (`fill_masks`), at the span's edges and across a sliding window."""
+def test_a_steps_inputs_are_its_tokens_rows_and_masks(window):
+    """`StepBuffers.set_inputs` writes the tokens, positions, KV-cache rows (slot's first row + position)
+    and masks that torch's formulas give (causal: -inf past a token's position; sliding: also -inf
+    `window` or more positions back): one token at the span's edges, a prefill chunk, a batch of
+    sequences in their own slots."""
     from moestream.graphs.layers import StepBuffers
 
     span = 256
 
-    def buffers() -> StepBuffers:
+    def buffers(T: int) -> StepBuffers:
         b = StepBuffers.__new__(StepBuffers)
-        b.tokens, b.positions = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-        b.rows = torch.zeros(1, dtype=torch.int64)
-        b.mask = torch.zeros(1, span, dtype=torch.float16)
-        b.window = torch.zeros(1 if window else 0, span, dtype=torch.float16)
+        b.tokens, b.positions = torch.zeros(T, dtype=torch.int32), torch.zeros(T, dtype=torch.int32)
+        b.rows = torch.zeros(T, dtype=torch.int64)
+        b.mask = torch.zeros(T, span, dtype=torch.float16)
+        b.window = torch.zeros(T if window else 0, span, dtype=torch.float16)
         return b
 
-    for position in (0, 1, 3, 4, 5, 99, 100, 101, 254, 255):
-        fast, general = buffers(), buffers()
-        fast.one_token(7, position, 512, window)
-        general.tokens[0], general.positions[0], general.rows[0] = 7, position, 512 + position
-        general.fill_masks(window)
-        for name in ("tokens", "positions", "rows", "mask", "window"):
-            assert torch.equal(getattr(fast, name), getattr(general, name)), (name, position)
+    one = [([7], [p], [512]) for p in (0, 1, 3, 4, 5, 99, 100, 101, 254, 255)]
+    chunk = [(list(range(10, 30)), list(range(90, 110)), [0] * 20)]
+    batch = [([3, 4, 5], [0, 100, 255], [1024, 0, 512])]
+    for ids, positions, firsts in one + chunk + batch:
+        b = buffers(len(ids))
+        b.set_inputs(ids, positions, firsts, window)
+        pos = torch.tensor(positions)
+        later = torch.arange(span)[None, :] > pos[:, None]
+        mask = torch.zeros(len(ids), span, dtype=torch.float16).masked_fill_(later, float("-inf"))
+        assert torch.equal(b.tokens, torch.tensor(ids, dtype=torch.int32))
+        assert torch.equal(b.positions, pos.to(torch.int32))
+        assert torch.equal(b.rows, torch.tensor(firsts) + pos)
+        assert torch.equal(b.mask, mask), positions
+        if window:
+            far = torch.arange(span)[None, :] <= pos[:, None] - window
+            assert torch.equal(b.window, mask.clone().masked_fill_(far, float("-inf"))), positions

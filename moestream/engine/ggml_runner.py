@@ -291,14 +291,9 @@ class GgmlRunner(ModelRunner):
                     for t in (conv, state):
                         t.zero_() if self.memory is None else self.memory.zero(t)
         b = gs.buf
-        if T == 1 and not batch:  # a decoded token: its inputs written in place (Python's share of a token)
-            b.one_token(ids[0], positions[0], slots[0] * self.ctx, self.spec.window)
-        else:
-            b.tokens.copy_(torch.tensor(ids, dtype=torch.int32))
-            b.positions.copy_(torch.tensor(positions, dtype=torch.int32))
-            first = torch.tensor(slots if batch else slots * T, dtype=torch.int64) * self.ctx
-            torch.add(first, b.positions, out=b.rows)  # each token's row in its slot
-            b.fill_masks(self.spec.window)
+        b.set_inputs(
+            ids, positions, [slot * self.ctx for slot in (slots if batch else slots * T)], self.spec.window
+        )
         kern = ggml.kernels(self.threads)
         if self.tiered is not None:  # the device, a graph a layer over its GPU tier
             # the pool computes the experts the host does; its workers poll between those computes, but

@@ -131,29 +131,30 @@ class StepBuffers:
                     out.append((f"{name}{i if isinstance(value, tuple) else ''}", t))
         return out
 
-    def one_token(self, token: int, position: int, first_row: int, window: int | None) -> None:
-        """The inputs of a one-token step (`tokens`, `positions`, `rows`, the masks as `fill_masks` makes
-        them), written through numpy views: a few microseconds instead of torch's tens."""
-        self.tokens.numpy()[0] = token
-        self.positions.numpy()[0] = position
-        self.rows.numpy()[0] = first_row + position
-        mask = self.mask.numpy()[0]
-        mask[: position + 1] = 0.0
-        mask[position + 1 :] = -np.inf
-        if self.window.numel():
-            sliding = self.window.numpy()[0]
-            sliding[:] = mask
-            sliding[: max(0, position - window + 1)] = -np.inf
+    def set_inputs(
+        self, ids: list[int], positions: list[int], first_rows: list[int], window: int | None
+    ) -> None:
+        """The step's inputs: its tokens, their positions, the KV-cache rows they write (each its slot's
+        first row, `first_rows`, plus its position) and the masks (`fill_masks`), written through numpy
+        views (a decoded token's step: a few microseconds, not torch's tens)."""
+        self.tokens.numpy()[:] = ids
+        self.positions.numpy()[:] = positions
+        self.rows.numpy()[:] = np.add(first_rows, positions)
+        self.fill_masks(window)
 
     def fill_masks(self, window: int | None) -> None:
         """The step's masks for its positions (each over its own slot's rows): causal; and for the
         sliding layers, also what lies `window` or more positions back (transformers' sliding mask)."""
-        span = torch.arange(self.mask.shape[1])
-        later = span[None, :] > self.positions[:, None]
-        self.mask.masked_fill_(later, float("-inf")).masked_fill_(~later, 0.0)
+        positions = self.positions.numpy()[:, None]
+        span = np.arange(self.mask.shape[1])
+        later = span > positions
+        mask = self.mask.numpy()
+        np.copyto(mask, np.float16(-np.inf), where=later)
+        np.copyto(mask, np.float16(0.0), where=~later)
         if self.window.numel():
-            far = span[None, :] <= self.positions[:, None] - window
-            self.window.copy_(self.mask).masked_fill_(far, float("-inf"))
+            sliding = self.window.numpy()
+            np.copyto(sliding, mask)
+            np.copyto(sliding, np.float16(-np.inf), where=span <= positions - window)
 
 
 class LayerGraphs:
