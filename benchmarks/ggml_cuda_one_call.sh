@@ -4,7 +4,7 @@
 # moestream with every expert on the device), then the GPU tier against --n-cpu-moe (the tier script).
 set -uo pipefail
 NCMOE=1 NCMOE_BEFORE=${NCMOE_BEFORE:-520} bash benchmarks/ggml_cuda_lease.sh
-SECONDS=$SECONDS bash benchmarks/ggml_cuda_tier_lease.sh
+bash benchmarks/ggml_cuda_tier_lease.sh
 # and, while the call has time left, the experts streamed from disk under a 5 GiB host cache
 [ $SECONDS -lt ${STREAM_BEFORE:-480} ] && RUNS=${STREAM_RUNS:-5GiB:2GiB:upload} CEILING=5 bash benchmarks/ggml_cuda_stream_lease.sh
 true

@@ -8,20 +8,9 @@
 # (benchmarks/ggml_cuda.py speed --ceiling). RUNS: cache:tier:misses entries. Outputs under $OUT
 # (stream-*.log).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-[ -d /tmp/llama.cpp-cuda-sm90 ] || { cat .gpu/llama-cuda.tar.xz.part0* | tar xJ -C /tmp || exit 1; }
-LC=/tmp/llama.cpp-cuda-sm90
-export MOESTREAM_GGML_LIB=$LC LD_LIBRARY_PATH=$LC${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+. benchmarks/ggml_cuda_env.sh || exit 1
 nvidia-smi -L; nproc; free -g | head -2; df -h /tmp | tail -1
-MODEL=${MODEL:-/tmp/q24.gguf}
-THREADS=${THREADS:-8}
-if [ ! -f "$MODEL" ]; then
-  (time python3 -m moestream synth "$MODEL" --preset qwen3-30b-a3b --layers 24 --experts 128 \
-     --quant Q4_K_M --threads 12) > $OUT/synth.log 2>&1 || { tail -5 $OUT/synth.log; exit 1; }
-  tail -3 $OUT/synth.log
-fi
+synth_model || { tail -5 $OUT/synth.log; exit 1; }
 for run in ${RUNS:-5GiB:2GiB:upload 5GiB:2GiB:host}; do
   IFS=: read -r cache tier misses <<< "$run"
   echo "== cache $cache, tier $tier, misses $misses"

@@ -1,0 +1,34 @@
+# Sourced by the GPU machine's lease scripts (ggml_cuda_lease.sh, ggml_cuda_tier_lease.sh,
+# ggml_cuda_stream_lease.sh; run from the repository root there, `.gpu/` carried): the wheels the image
+# lacks (gguf; transformers >= 5.24 for a GGUF's tokenizer) into /tmp/site, llama.cpp's CUDA build and
+# ggml's CUDA library from ../shared/h200's tar parts into /tmp (once a machine), the environment that
+# points moestream and llama.cpp at them, MODEL and THREADS, and the helpers the scripts share.
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD
+[ -d /tmp/llama.cpp-cuda-sm90 ] || { cat .gpu/llama-cuda.tar.xz.part0* | tar xJ -C /tmp || return 1; }
+LC=/tmp/llama.cpp-cuda-sm90
+export MOESTREAM_GGML_LIB=$LC LD_LIBRARY_PATH=$LC${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+MODEL=${MODEL:-/tmp/q24.gguf}
+THREADS=${THREADS:-8}
+
+# bench_rows LABEL FILE: a llama-bench JSON's rows as "LABEL prompt-tokens generated-tokens tok/s"
+bench_rows() {
+  python3 -c "import json,sys; [print(sys.argv[1], r['n_prompt'], r['n_gen'], round(r['avg_ts'],1)) for r in json.load(open(sys.argv[2]))]" "$1" "$2"
+}
+
+# ncmoe_baseline: llama.cpp with every expert on the CPU (-ngl 99 --n-cpu-moe 24), the GPU tier's
+# baseline, measured once a machine (kept in /tmp/ncmoe.json for the lease's later calls), into $OUT
+ncmoe_baseline() {
+  [ -s /tmp/ncmoe.json ] || $LC/llama-bench -m "$MODEL" -ngl 99 --n-cpu-moe 24 -t $THREADS -p 36,512 -n 32 -r 2 \
+    -o json > /tmp/ncmoe.json 2> $OUT/llama-bench-ncmoe.err
+  cp /tmp/ncmoe.json $OUT/llama-bench-ncmoe.json
+  bench_rows "llama.cpp n-cpu-moe" /tmp/ncmoe.json
+}
+
+# synth_model: the 24 x 128 (LAYERS x 128) Q4_K_M synthetic of Qwen3-30B-A3B's shape at $MODEL, unless
+# there (3 minutes on that machine; its output in $OUT/synth.log)
+synth_model() {
+  [ -f "$MODEL" ] || { time python3 -m moestream synth "$MODEL" --preset qwen3-30b-a3b --layers ${LAYERS:-24} \
+    --experts 128 --quant Q4_K_M --threads 12; } > $OUT/synth.log 2>&1
+}
