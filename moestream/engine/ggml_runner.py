@@ -401,12 +401,7 @@ class GgmlRunner(ModelRunner):
             p = host[layer]
             arena = p.arena
             address, strides = {}, {}
-            for kind, rows, cols, type_id in (
-                ("gate", p.inter, self.spec.hidden, p.gate),
-                ("up", p.inter, self.spec.hidden, p.up),
-                ("down", self.spec.hidden, p.inter, p.down),
-            ):
-                nbytes = rows * ggml.row_bytes(type_id, cols)
+            for kind, nbytes in p.matrix_bytes(self.spec.hidden):
                 stack = self.memory.alloc(nbytes * n, f"experts{layer}.{kind}")
                 self._stacks.append(stack)
                 for e in range(n):

@@ -22,7 +22,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget
 from moestream.engine.stats import TierCounters
 from moestream.errors import CacheBudgetError
@@ -48,13 +47,7 @@ def _classes(types: dict[int, ExpertTypes], layers: list[int], hidden: int) -> d
     """Each size class's kinds ((kind, bytes of one expert's matrix), ...) -> its layers."""
     by_kinds: dict[tuple, list[int]] = {}
     for layer in layers:
-        p = types[layer]
-        kinds = (
-            ("gate", p.inter * ggml.row_bytes(p.gate, hidden)),
-            ("up", p.inter * ggml.row_bytes(p.up, hidden)),
-            ("down", hidden * ggml.row_bytes(p.down, p.inter)),
-        )
-        by_kinds.setdefault(kinds, []).append(layer)
+        by_kinds.setdefault(types[layer].matrix_bytes(hidden), []).append(layer)
     return by_kinds
 
 

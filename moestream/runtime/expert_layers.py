@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moestream import ggml
 from moestream.cache.policy import execution_order
 from moestream.runtime.experts import ExpertRuntime, Routed
 from moestream.runtime.held_experts import HeldExperts
@@ -51,6 +52,15 @@ class ExpertTypes:
     # ggml_swiglu_oai; else none and ggml_swiglu_split
     biases: dict[str, torch.Tensor] | None = field(default=None, compare=False)
     oai: tuple[float, float] | None = None
+
+    def matrix_bytes(self, hidden: int) -> tuple[tuple[str, int], ...]:
+        """(kind, bytes of one expert's matrix of that kind) for gate, up and down, as ggml lays them
+        out (a whole number of blocks a row)."""
+        return (
+            ("gate", self.inter * ggml.row_bytes(self.gate, hidden)),
+            ("up", self.inter * ggml.row_bytes(self.up, hidden)),
+            ("down", hidden * ggml.row_bytes(self.down, self.inter)),
+        )
 
 
 class ExpertLayers:
