@@ -240,7 +240,7 @@ def _profile(runner, run, n: int = 100) -> dict:
     """Where a decoded token's time goes: the decode step's one graph (the last one used) run `n` times
     with its copies (`Net.run`), its compute alone (the graph replayed, no copies) and its copies alone;
     its node count and how many copies of how many bytes go each way."""
-    nets = [gs.whole[1] for (t, _), gs in runner._sets.items() if t == 1 and gs.whole is not None]
+    nets = [gs.whole[1] for (t, *_), gs in runner._sets.items() if t == 1 and gs.whole is not None]
     if not nets:
         return {}
     net = nets[-1]

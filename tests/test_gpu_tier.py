@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 import moestream
 from moestream.engine.gpu_tier import minimum_budget
+from moestream.engine.host_misses import HostMisses
 from moestream.engine.options import EngineOptions
 from moestream.errors import CacheBudgetError, MoestreamError
 
@@ -72,11 +73,15 @@ def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_di
         assert len(plans) == 2 and downs[0] < downs[1]
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
     words = {"upload": "misses copied before their graph", "host": "misses computed by the CPU from it"}
+    calls = []  # the host way's misses: by one CPU graph a layer over the host cache's slots
+    compute = HostMisses.compute
+    monkeypatch.setattr(HostMisses, "compute", lambda self, *a: calls.append(len(a[2])) or compute(self, *a))
     for size in (least, middle, every):
         got, tokens, mode = _run(path, monkeypatch, "cpu", gpu_tier=size)
         assert "routed experts in a GPU tier of" in mode and words[misses] in mode
         assert torch.equal(got, want), (which, size)
         assert tokens == want_tokens
+    assert bool(calls) == (misses == "host")
 
 
 def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monkeypatch):
@@ -217,10 +222,13 @@ def test_layer_graphs_copy_only_the_routing_and_the_experts_outputs(tiny_dir, mo
     assert {"order", "slots", "logits"} <= crossing
 
 
+@pytest.mark.parametrize("misses", ["upload", "host"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, tiny_dir, monkeypatch):
+def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, misses, tiny_dir, monkeypatch):
     """The tier's residency is `cache/policy`'s (the classes the simulator replays): the layers' routing it
-    placed, replayed through fresh `ResidentSet`s of its classes' slots, misses exactly as often."""
+    placed, replayed through fresh `ResidentSet`s of its classes' slots, misses exactly as often; where
+    the CPU computes the misses, with the same `FrequencyGate` admitting them (and fewer copies)."""
+    from moestream.cache.admission import FrequencyGate
     from moestream.cache.policy import ResidentSet, execution_order
     from moestream.engine.gpu_tier import GpuTier
     from moestream.runtime.streaming import POLICY_CLASSES
@@ -228,22 +236,34 @@ def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, tiny_dir
     seen = []
     place = GpuTier.place
 
-    def recorded(self, layer, rows):
-        out = place(self, layer, rows)
+    def recorded(self, layer, rows, gated=False):
+        out = place(self, layer, rows, gated)
         if out is not None:
-            seen.append((layer, rows))
+            seen.append((layer, rows, gated))
         return out
 
     monkeypatch.setattr(GpuTier, "place", recorded)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
     path = tiny_dir("qwen3_moe")
     least, *_ = _sizes(path, monkeypatch)
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least, policy=policy) as engine:
         engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
-        measured = engine.runner.tier_counters().misses
+        counters = engine.runner.tier_counters()
+        measured = counters.misses
         (plan,) = engine.runner.tiered.plans
     replay = ResidentSet(plan.slots, POLICY_CLASSES[policy]())
-    simulated = 0
-    for layer, rows in seen:
+    gate = FrequencyGate()
+    simulated = admitted = 0
+    for layer, rows, gated in seen:
+        assert gated == (misses == "host")
         keys = [(layer, e) for e in execution_order(rows)]
-        simulated += len(replay.access_group(keys)[1])
+        uses = [sum(row.count(e) for row in rows) for _, e in keys]
+        gate.count(keys, uses)
+        missed = replay.access_group(keys, uses, len(rows), gate.admits if gated else None)[1]
+        simulated += len(missed)
+        admitted += sum(key in replay for key in missed)
     assert seen and simulated == measured
+    # every admitted miss is copied in once (a whole expert), and no other
+    assert counters.bytes_uploaded == admitted * plan.slot_bytes
+    if misses == "host":  # the gate kept some out
+        assert admitted < simulated

@@ -17,7 +17,7 @@ import heapq
 import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 Key = Hashable
@@ -177,11 +177,17 @@ class ResidentSet:
         self.policy.on_group(keys, uses, tokens)
 
     def access_group(
-        self, keys: Iterable[Key], uses: Sequence[int] | None = None, tokens: int = 1
+        self,
+        keys: Iterable[Key],
+        uses: Sequence[int] | None = None,
+        tokens: int = 1,
+        admits: Callable[[Key, Key | None], bool] | None = None,
     ) -> tuple[list[Key], list[Key]]:
         """One layer forward with instantaneous compute: `begin_group`, touch hits, then admit the misses
         that `keeps` allows, never evicting one of the group's own keys while another key can go (as the
-        engine, whose layer holds them pinned). Returns (hits, misses)."""
+        engine, whose layer holds them pinned). `admits(miss, victim)`: an admission rule besides (e.g.
+        `admission.FrequencyGate`; victim None: a free slot); a miss it refuses stays out. Returns
+        (hits, misses)."""
         keys = list(keys)
         self.policy.on_group(keys, uses, tokens)
         slot_of = self._slot_of
@@ -191,7 +197,7 @@ class ResidentSet:
             self.touch(key)
         group = set(keys)
         for key in misses:
-            if self.keeps(key):
+            if self.keeps(key) and (admits is None or admits(key, self.next_victim(group))):
                 self.admit(key, group)
         return hits, misses
 

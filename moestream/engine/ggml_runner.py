@@ -168,7 +168,7 @@ class GgmlRunner(ModelRunner):
                     "MOESTREAM_GGML_BACKEND=cuda (or drop --gpu-tier)"
                 )
             else:
-                self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy)
+                self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy, threads)
         except BaseException:
             self.close()
             raise

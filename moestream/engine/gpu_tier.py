@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moestream.cache.admission import FrequencyGate
 from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget
 from moestream.engine.stats import TierCounters
 from moestream.errors import CacheBudgetError
@@ -101,6 +102,7 @@ class _Class:
     plan: ClassPlan
     pools: dict[str, Region]  # kind -> the device region of its `slots` matrices
     residents: ResidentSet
+    gate: FrequencyGate  # each key's uses, for a gated admission (`place`)
 
 
 class GpuTier:
@@ -121,7 +123,7 @@ class GpuTier:
         self.types: dict[int, ExpertTypes] = {}
         try:
             for k, plan in enumerate(plans):
-                c = _Class(plan, {}, ResidentSet(plan.slots, policy()))
+                c = _Class(plan, {}, ResidentSet(plan.slots, policy()), FrequencyGate())
                 self._classes.append(c)
                 for kind, nbytes in plan.kinds:
                     c.pools[kind] = memory.alloc(plan.slots * nbytes, f"tier{k}.{kind}")
@@ -134,11 +136,14 @@ class GpuTier:
             self.close()
             raise
 
-    def place(self, layer: int, rows: list[list[int]]) -> tuple[dict[int, int], list[int]] | None:
+    def place(
+        self, layer: int, rows: list[list[int]], gated: bool = False
+    ) -> tuple[dict[int, int], list[int]] | None:
         """Each token's experts of `layer` (`rows`, in router order) given device slots: (expert -> slot,
         the misses, whose bytes the caller copies in with `upload`, or `forget`s); None when they are
         more than the layer's class has slots (a prefill chunk's union: the caller computes them from
-        the host tier instead)."""
+        the host tier instead). `gated` (the caller computes the misses elsewhere): a miss is admitted
+        only as the class's `FrequencyGate` allows; one it refuses has no slot in the map."""
         c = self._class_of[layer]
         experts = execution_order(rows)
         if len(experts) > c.plan.slots:
@@ -151,8 +156,10 @@ class GpuTier:
         # the simulator's protocol (`ResidentSet.access_group`): the policy hears of the group, hits are
         # touched, misses admitted without evicting one of the group (pinned: the layer's graph reads them)
         residents = c.residents
-        _, missed = residents.access_group(keys, list(uses.values()), len(rows))
-        slot = {e: residents.slot_of(key) for e, key in zip(experts, keys)}
+        c.gate.count(keys, list(uses.values()))
+        admits = c.gate.admits if gated else None
+        _, missed = residents.access_group(keys, list(uses.values()), len(rows), admits)
+        slot = {e: residents.slot_of(key) for e, key in zip(experts, keys) if key in residents}
         misses = [e for _, e in missed]
         self.counters.hits += len(experts) - len(misses)
         self.counters.misses += len(misses)

@@ -8,11 +8,16 @@ the layer's experts in slots by its policy, and the next graph (`fused`) compute
 - "upload" (default): held in a host slot by the expert cache (`ExpertLayers.hold`: a hit pinned, a miss
   read from disk by the cache's reader) and copied into its device slot before that graph, each kind as
   its bytes land;
-- "host": the expert runtime computes the miss's (token, k) pairs from the host cache on the CPU into
-  `b.outputs` (its schedule: hits at once, misses as their bytes land), the graph (`mixed`) takes each
-  output from the device's slots or the host's outputs as `b.pick` says, and the miss is copied into its
-  slot after the graph, for later tokens, from the host slot it was computed from (pinned until then; one
-  the cache evicted meanwhile, the layer's misses being more than its slots, leaves the tier instead).
+- "host": the CPU computes the misses' (token, k) pairs from the host cache into `b.outputs`: one ggml
+  CPU graph a layer over the host size class's slots (`HostMisses`, as llama.cpp's --n-cpu-moe computes
+  a layer's experts), or, where the host cache lacks a miss, the expert runtime (its schedule: a miss
+  read from disk as its bytes land); the graph (`mixed`) takes each output from the device's slots or
+  the host's outputs as `b.pick` says. A miss gets a device slot only as the tier's `FrequencyGate`
+  allows (used more than twice as often as the expert it would evict): such a one is copied into its
+  slot after the graph, for later tokens, from the host slot it was computed from (pinned until then;
+  one the cache evicted meanwhile, the layer's misses being more than its slots, leaves the tier
+  instead). Every miss admitted, as the way "upload" must, copied an expert a miss for nothing under
+  routing close to uniform: 204 MiB a token on the H100 12-layer synthetic.
 
 The host cache may hold fewer experts than the model has (`--cache`): the tier's misses that it lacks are
 then read from disk, so the model may be bigger than the host and device tiers together.
@@ -31,6 +36,7 @@ import torch
 
 from moestream.cache.policy import EvictionPolicy
 from moestream.engine.gpu_tier import ClassPlan, GpuTier, plan_tier
+from moestream.engine.host_misses import HostMisses
 from moestream.engine.stats import TierCounters
 from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.lib import GgmlUnavailableError
@@ -55,13 +61,18 @@ class TieredSteps:
         spec: ModelSpec,
         budget: int,
         policy: Callable[[], EvictionPolicy],
+        threads: int,
     ) -> None:
-        """Raises:
+        """`threads`: the CPU's for the misses it computes (the way "host").
+
+        Raises:
         GgmlUnavailableError: experts the graphs cannot compute from slots, or MOESTREAM_TIER_MISSES
             says neither way.
         CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
         """
         self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
+        self.threads = threads
+        self._host: tuple[int, HostMisses] | None = None  # (the streaming's generation, its CPU graphs)
         self.host_misses = tier_misses(True) == "host"
         # the residual stream and the experts' input stay on the device (the experts' input comes back
         # only for a layer computed on the host); the step's inputs go there once a step
@@ -137,17 +148,18 @@ class TieredSteps:
                     continue
                 n = gs.rows(i)
                 rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-                placed = tier.place(i, rows) if i + 1 in fused else None
+                placed = tier.place(i, rows, self.host_misses) if i + 1 in fused else None
                 if placed is None:
                     self._fetch(b.moe_in[:n])
                     host_layer(i, n)
                     continue
                 slot, misses = placed
-                b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
+                # a miss the gate kept out: any slot (its output on the device is not picked)
+                b.slots.numpy()[:n] = [[slot.get(e, 0) for e in row] for row in rows]
                 try:
                     if self.host_misses:
                         self._host_pairs(i, b, rows, set(misses))
-                        self._defer(tier, i, slot, misses)
+                        self._defer(tier, i, slot, [e for e in misses if e in slot])
                     else:
                         self._upload(tier, i, rows, slot, misses)
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
@@ -213,24 +225,43 @@ class TieredSteps:
             self.experts.unpin(layer, list(sources))
 
     def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
-        """The (token, k) outputs of `misses` computed by the expert runtime from the host cache (the CPU;
-        a miss there read from disk as the schedule reads one) into `b.outputs`, and `b.pick` choosing
-        them there and the device's slots elsewhere."""
+        """The (token, k) outputs of `misses` computed on the CPU into `b.outputs`, and `b.pick` choosing
+        them there and the device's slots elsewhere: by one ggml CPU graph over the host cache's slots
+        (`HostMisses`) where the host cache holds every miss, else by the expert runtime (a miss there
+        read from disk as the schedule reads one)."""
         n, k = len(rows), len(rows[0])
         pick = torch.arange(n * k, dtype=torch.int32)
         pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]
         if pairs:
             self._fetch(b.moe_in[:n])
             index = torch.tensor(pairs)
-            hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
-            top = b.order[:n, :k].reshape(-1)[index].view(-1, 1)  # [P, 1]
-            weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
-            routed = self.experts.compute(layer, hidden, top, weights)
-            outputs = torch.cat([as_f32(routed.outputs[e]) for e in routed.routing.by_expert])
             flat = b.outputs.view(-1, b.outputs.shape[2])
-            flat.index_copy_(0, index[routed.routing.tokens], outputs)
+            hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
+            top = b.order[:n, :k].reshape(-1)[index]  # [P]
+            held = self.experts.pin(layer, [[e for e in row if e in misses] for row in rows])
+            if held is not None:
+                try:
+                    experts = top.tolist()
+                    out = self._graphs().compute(layer, hidden, [held[e] for e in experts], experts)
+                    flat.index_copy_(0, index, out)
+                finally:
+                    self.experts.unpin(layer, list(held))
+            else:
+                weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
+                routed = self.experts.compute(layer, hidden, top.view(-1, 1), weights)
+                outputs = torch.cat([as_f32(routed.outputs[e]) for e in routed.routing.by_expert])
+                flat.index_copy_(0, index[routed.routing.tokens], outputs)
             pick[index] += n * k
         b.pick[:n].copy_(pick.view(n, k))
+
+    def _graphs(self) -> HostMisses:
+        """The CPU graphs of the misses over the host cache's slots (made again after a restream)."""
+        key = self.experts.generation
+        if self._host is None or self._host[0] != key:
+            if self._host is not None:
+                self._host[1].close()
+            self._host = (key, HostMisses(self.experts.graph_types(), self.spec.hidden, self.threads))
+        return self._host[1]
 
     def _fetch(self, t: torch.Tensor) -> None:
         """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
@@ -249,6 +280,9 @@ class TieredSteps:
             self._closed = self.counters()
             self._tier[1].close()
             self._tier = None
+        if self._host is not None:
+            self._host[1].close()
+            self._host = None
 
 
 def tier_misses(tier: bool) -> str:

@@ -175,6 +175,13 @@ class Kernels:
                 if not self._held and g.pool == self.pool:
                     self.lib.cpu.ggml_threadpool_pause(self.pool)
 
+    def idle(self) -> None:
+        """After a graph run on the pool outside `compute` (a `Net`'s): its workers paused unless a
+        hold() is open (polling, they take cores another pool computes on: ggml's CPU backend's)."""
+        with self._lock:
+            if not self._held:
+                self.lib.cpu.ggml_threadpool_pause(self.pool)
+
     @contextmanager
     def hold(self) -> Iterator[None]:
         """Keep the pool's workers polling between computes inside this block; pause them on exit."""
