@@ -267,3 +267,12 @@ def test_the_tier_misses_what_the_simulators_resident_sets_miss(policy, misses, 
     assert counters.bytes_uploaded == admitted * plan.slot_bytes
     if misses == "host":  # the gate kept some out
         assert admitted < simulated
+
+
+def test_a_rows_ids_stay_distinct_where_the_gate_kept_misses_out():
+    """A miss without a device slot takes one its token's other experts do not hold (ids distinct per
+    token, as a router's are)."""
+    from moestream.engine.tiered_steps import row_slots
+
+    assert row_slots({3: 0, 5: 2}, [5, 9, 3, 7]) == [2, 1, 0, 3]
+    assert row_slots({}, [4, 1]) == [0, 1]

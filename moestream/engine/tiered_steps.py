@@ -29,6 +29,7 @@ the device between the graphs (`device_only`); the step's inputs are copied ther
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 
@@ -154,8 +155,7 @@ class TieredSteps:
                     host_layer(i, n)
                     continue
                 slot, misses = placed
-                # a miss the gate kept out: any slot (its output on the device is not picked)
-                b.slots.numpy()[:n] = [[slot.get(e, 0) for e in row] for row in rows]
+                b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
                 try:
                     if self.host_misses:
                         self._host_pairs(i, b, rows, set(misses))
@@ -283,6 +283,16 @@ class TieredSteps:
         if self._host is not None:
             self._host[1].close()
             self._host = None
+
+
+def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
+    """A token's experts' device slots, in router order; an expert without one (a miss the gate kept out:
+    its output on the device is not picked) gets a slot no other of the row has, so that the row's ids are
+    distinct as a router's are (ggml's CUDA kernels for mul_mat_id may count on it; the lowest such slots,
+    below the row's length, which every class has)."""
+    used = {slot[e] for e in row if e in slot}
+    spare = (s for s in itertools.count() if s not in used)
+    return [slot[e] if e in slot else next(spare) for e in row]
 
 
 def tier_misses(tier: bool) -> str:
