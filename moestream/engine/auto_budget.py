@@ -278,6 +278,7 @@ class SlotPlan:
     slots: int
     kv: int  # the KV cache of every slot (the ggml runner's F16 tensors)
     extra: int  # bytes these slots take beyond one slot's plan (KV slots + graph buffers)
+    kept: int = 0  # what the room keeps besides the cache and the margin (these slots' KV and graphs...)
     cache: int | None = None  # an auto cache: its bytes with these slots (None: not even its smallest)
     fits: bool = True  # an explicit cache: the plan with these slots passes the memory check
 
@@ -366,11 +367,25 @@ def auto_parallel(
     rooms: list[Room] | None = None,
 ) -> tuple[int, str]:
     """--parallel auto for the loaded `model` (its trunk in, `model.spec` set; `model.parallel` 1):
-    (slots, the mode line's words why), by `choose_parallel` over the plan of each of PARALLEL_CHOICES
-    slots against `rooms` (default: `memory_rooms()`, measured now). 1 where the runner cannot batch."""
+    (slots, the mode line's words why), by `choose_parallel` over `slot_plans`. 1 where the runner
+    cannot batch (`no_batching`)."""
     unbatched = no_batching(model, options, no_graph)
     if unbatched is not None:
         return 1, unbatched
+    plans, every = slot_plans(model, options, rooms)
+    chosen, words = choose_parallel(plans, every, model.ctx_size)
+    return chosen.slots, words
+
+
+def slot_plans(
+    model: ModelDescription, options: EngineOptions, rooms: list[Room] | None = None
+) -> tuple[list[SlotPlan], int | None]:
+    """The memory plan of each of PARALLEL_CHOICES slots for the ggml runner of `model` against the
+    tightest of `rooms` (default: `memory_rooms()`, measured now), and the bytes of every expert (None:
+    an explicit cache). Each plan keeps what `size_auto` keeps besides the cache: the runner's KV cache
+    and graph buffers for those slots (`_runner_parts`), the libraries' mapped files, working memory
+    and the margin. An auto cache: what `largest_fit` gives it then; an explicit one: whether
+    `check_memory` passes with it."""
     if rooms is None:
         rooms = memory_rooms()
     room = min(rooms, key=lambda r: r.nbytes, default=Room(_EVERY, "no memory limit could be read"))
@@ -378,29 +393,30 @@ def auto_parallel(
     kv = (f"the KV cache at {model.ctx_size} tokens", model.kv_bytes)
     emap, top_k = model.emap, model.top_k
     every = planned_bytes(emap, _EVERY, top_k) if options.cache == AUTO else None
+    fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
+    minimum = budget_requirements(emap, top_k)[0]
     parts = {n: _runner_parts(dataclasses.replace(model, parallel=n), kv) for n in PARALLEL_CHOICES}
+    host = 0
+    if every is None:
+        from moestream.runtime.streaming import host_cache_bytes
+
+        given = dataclasses.replace(options, gpu_cache=options.cache, host_cache=0)  # as `_size`
+        host = host_cache_bytes(emap, given.stream_config(), top_k, model.device)
     plans = []
     for n, kept in parts.items():
         extra = sum(b for _, b in kept) - sum(b for _, b in parts[1])
-        plan = SlotPlan(n, kept[0][1], extra)
+        plan = SlotPlan(n, kept[0][1], extra, sum(b for _, b in [*kept, *libraries]))
         if every is not None:
-            fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
-            minimum = budget_requirements(emap, top_k)[0]
             try:
                 cache = largest_fit("cache", room, [*kept, *libraries], every, minimum, fit).nbytes
             except MemoryBudgetError:
                 cache = None
             plan = dataclasses.replace(plan, cache=cache)
         else:
-            from moestream.runtime.streaming import host_cache_bytes
-
-            given = dataclasses.replace(options, gpu_cache=options.cache, host_cache=0)  # as `_size`
-            host = host_cache_bytes(emap, given.stream_config(), top_k, model.device)
             margin = (f"a margin of 1/{MARGIN_SHARE}", max(room.nbytes, 0) // MARGIN_SHARE)
             try:
                 check_memory(MemoryNeed([("the expert cache", host), *kept, *libraries, margin]), [room])
             except MemoryBudgetError:
                 plan = dataclasses.replace(plan, fits=False)
         plans.append(plan)
-    chosen, words = choose_parallel(plans, every, model.ctx_size)
-    return chosen.slots, words
+    return plans, every
