@@ -278,7 +278,7 @@ class SlotPlan:
     slots: int
     kv: int  # the KV cache of every slot (the ggml runner's F16 tensors)
     extra: int  # bytes these slots take beyond one slot's plan (KV slots + graph buffers)
-    kept: int = 0  # what the room keeps besides the cache and the margin (these slots' KV and graphs...)
+    kept: int = 0  # what the room keeps besides the cache and the margin (KV, graphs, libraries, working)
     cache: int | None = None  # an auto cache: its bytes with these slots (None: not even its smallest)
     fits: bool = True  # an explicit cache: the plan with these slots passes the memory check
 
