@@ -1249,7 +1249,8 @@ PYTHON_LOAD = {
     "gpu_floor": "generate --gpu-floor",
     "ctx_size": "generate --ctx-size",
     "trunk": "generate --trunk",
-    "parallel": "tests/test_batch_runner.py, tests/test_batch.py (KV slots, rounds; refusals)",
+    "parallel": "tests/test_batch_runner.py, tests/test_batch.py (KV slots, rounds; refusals), "
+    "tests/test_parallel_auto.py (auto)",
     "sysfs_root": "tests/test_engine_floor.py (a fake Jetson tree under it gets the floor)",
 }
 # Engine.stream's arguments and SamplingParams' fields

@@ -37,6 +37,8 @@ SERVER_ARGS = [
     "64KiB",
     "--threads",
     "1",
+    "-np",  # one slot (serve's default is auto): the queue tests count one request running
+    "1",
 ]
 _servers: dict[str, LiveServer] = {}
 

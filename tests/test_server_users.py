@@ -290,7 +290,8 @@ def test_access_log_has_one_line_per_request(server):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_during_a_stream_ends_it_cleanly_and_exits_0(tiny_dir, sig):
     live = LiveServer(
-        long_context_copy(tiny_dir("qwen3_moe")), ["--cache", "1MiB", "--api-key", KEY, "-t", "1"]
+        long_context_copy(tiny_dir("qwen3_moe")),
+        ["--cache", "1MiB", "--api-key", KEY, "-t", "1", "-np", "1"],  # one slot: the second request waits
     )
     queued: list[httpx.Response] = []
     try:

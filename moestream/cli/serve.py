@@ -57,11 +57,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-np",
         "--parallel",
-        type=int,
-        default=1,
+        type=parallel_count,
+        default="auto",
         metavar="N",
         help="requests that run at once, their decode steps batched (llama-server's -np): N KV-cache slots "
-        "of --ctx-size each (the mode line gives their memory); more requests wait in the queue (default 1)",
+        "of --ctx-size each (the mode line gives their memory); more requests wait in the queue. Default "
+        "auto: 4, 2 or 1, the most the runner can batch (the CPU's ggml graphs, no --gpu-tier) whose slots "
+        "leave the expert cache every expert where it had them all, else at least 7/8 of its bytes (an "
+        "explicit --cache: slots that fit beside it); the mode line says the choice and why",
     )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
     p.add_argument(
@@ -87,6 +90,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_trace_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
+
+
+def parallel_count(text: str) -> int | str:
+    """argparse type: --parallel's auto, or a number of slots (1..MAX_PARALLEL)."""
+    from moestream.engine.options import parallel_value
+
+    try:
+        return parallel_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port_number(text: str) -> int:

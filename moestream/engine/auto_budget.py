@@ -20,12 +20,15 @@ On CUDA the GPU tier is sized from the free VRAM (`torch.cuda.mem_get_info`, the
 less the KV cache and the activations, and the pinned host tier from RAM (none when the GPU tier holds
 every expert); unified memory (one tier of host memory the GPU reads in place) is one budget from RAM
 that also keeps the KV cache and the activations. An explicit size wins over auto, tier by tier.
+
+`--parallel auto` (serve's default) is chosen here too, before the cache is sized: the largest of
+PARALLEL_CHOICES slots that the runner can batch and the memory plan affords (`choose_parallel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +46,15 @@ from moestream.engine.memory import (
 )
 from moestream.engine.model_description import ModelDescription
 from moestream.engine.options import AUTO, EngineOptions
+from moestream.errors import MemoryBudgetError
 from moestream.model.arch import text_config
 from moestream.units import format_size
 
 MARGIN_SHARE = 32  # 1/32 of the room is left unused (see the module's docstring)
 GPU_RESERVE = 512 << 20  # CUDA: cuBLAS workspaces, the caching allocator's blocks, CUDA graphs' pools
 _EVERY = 1 << 62  # a budget past any checkpoint: `planned_bytes` of it is every expert's slots
+PARALLEL_CHOICES = (4, 2, 1)  # what --parallel auto chooses from, largest first
+KEEP_SHARE = 8  # --parallel auto: N slots must leave a streaming cache at least 7/8 of one slot's bytes
 
 
 @dataclass(frozen=True)
@@ -260,3 +266,157 @@ def _lock_check(model: ModelDescription, options: EngineOptions) -> EngineOption
     if lock_allowed(MemoryNeed([("the expert cache", host)], locked=host), memlock_room()):
         return options
     return dataclasses.replace(options, lock_memory=False)
+
+
+# --- --parallel auto ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """The memory plan with `slots` KV-cache slots: what they take, and what they leave the cache."""
+
+    slots: int
+    kv: int  # the KV cache of every slot (the ggml runner's F16 tensors)
+    extra: int  # bytes these slots take beyond one slot's plan (KV slots + graph buffers)
+    kept: int = 0  # what the room keeps besides the cache and the margin (KV, graphs, libraries, working)
+    cache: int | None = None  # an auto cache: its bytes with these slots (None: not even its smallest)
+    fits: bool = True  # an explicit cache: the plan with these slots passes the memory check
+
+
+def choose_parallel(plans: Sequence[SlotPlan], every: int | None, tokens: int) -> tuple[SlotPlan, str]:
+    """`--parallel auto`'s rule: of `plans` (one for each N of PARALLEL_CHOICES, one slot among them),
+    the largest N whose extra slots do not take the experts' memory, and the words saying why.
+
+    - An auto cache (`every`: the bytes that hold every expert): where one slot's cache holds every
+      expert, N slots' must still hold every expert; where it streams, N slots' must keep at least
+      (KEEP_SHARE - 1) / KEEP_SHARE (7/8) of one slot's bytes.
+    - An explicit cache (`every` None): N slots' plan must pass the memory check (`fits`).
+
+    One slot is always allowed (the plan for one slot was checked at load already). `tokens`: each
+    slot's context, for the words.
+    """
+    plans = sorted(plans, key=lambda p: -p.slots)
+    one = next(p for p in plans if p.slots == 1)
+    refused: list[str] = []
+    for plan in plans:
+        if plan.slots == 1:
+            break
+        if every is None:
+            ok = plan.fits
+            why = "" if ok else f"{plan.slots} slots' {format_size(plan.kv)} KV cache would not fit"
+        else:
+            ok, why = _keeps_cache(plan, one, every)
+        if ok:
+            words = f"{plan.slots} KV slots of {tokens} tokens (F16), {format_size(plan.kv)}; "
+            if every is None:
+                words += "they fit beside the cache given"
+            elif one.cache is not None and one.cache >= every:
+                words += "every expert still cached"
+            else:
+                kept = f"{format_size(plan.cache or 0)} of one slot's {format_size(one.cache or 0)}"
+                words += f"the cache keeps {kept}"
+            return plan, words + "".join(f"; {r}" for r in refused)
+        refused.append(why)
+    return one, "; ".join(refused) or "one slot"
+
+
+def _keeps_cache(plan: SlotPlan, one: SlotPlan, every: int) -> tuple[bool, str]:
+    """Whether an auto cache with `plan`'s slots keeps what one slot's has (`choose_parallel`'s rule)."""
+    if plan.cache is None or one.cache is None:
+        return False, f"{plan.slots} slots would leave no room for the cache"
+    if one.cache >= every:
+        if plan.cache >= every:
+            return True, ""
+        return False, (
+            f"{plan.slots} slots would leave the cache {format_size(plan.cache)} of every expert's "
+            f"{format_size(every)}"
+        )
+    if plan.cache * KEEP_SHARE >= one.cache * (KEEP_SHARE - 1):
+        return True, ""
+    return False, (
+        f"{plan.slots} slots would leave the cache {format_size(plan.cache)} of one slot's "
+        f"{format_size(one.cache)} (less than {KEEP_SHARE - 1}/{KEEP_SHARE})"
+    )
+
+
+def no_batching(model: ModelDescription, options: EngineOptions, no_graph: str | None) -> str | None:
+    """Why this run's runner decodes one sequence at a time (None: the ggml graphs on the CPU, which
+    batch several): the words after "auto: " in the mode line."""
+    import os
+
+    if options.gpu_tier is not None:
+        return "--gpu-tier decodes one sequence at a time"
+    if model.spec is None:
+        if model.device.type != "cpu":
+            why = f"--device {model.device.type}"
+        else:
+            why = f"transformers: {no_graph}" if no_graph else f"--trunk {options.trunk}"
+        return f"this run's trunk ({why}) runs one request at a time"
+    if any(layer.mixer.recurrent for layer in model.spec.layers):
+        return f"{model.spec.family}'s linear-attention layers keep one recurrent state"
+    backend = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
+    if backend:
+        return f"the memory plan has slots for the CPU's graphs, not ggml's {backend} backend's"
+    return None
+
+
+def auto_parallel(
+    model: ModelDescription,
+    options: EngineOptions,
+    no_graph: str | None = None,
+    rooms: list[Room] | None = None,
+) -> tuple[int, str]:
+    """--parallel auto for the loaded `model` (its trunk in, `model.spec` set; `model.parallel` 1):
+    (slots, the mode line's words why), by `choose_parallel` over `slot_plans`. 1 where the runner
+    cannot batch (`no_batching`)."""
+    unbatched = no_batching(model, options, no_graph)
+    if unbatched is not None:
+        return 1, unbatched
+    plans, every = slot_plans(model, options, rooms)
+    chosen, words = choose_parallel(plans, every, model.ctx_size)
+    return chosen.slots, words
+
+
+def slot_plans(
+    model: ModelDescription, options: EngineOptions, rooms: list[Room] | None = None
+) -> tuple[list[SlotPlan], int | None]:
+    """The memory plan of each of PARALLEL_CHOICES slots for the ggml runner of `model` against the
+    tightest of `rooms` (default: `memory_rooms()`, measured now), and the bytes of every expert (None:
+    an explicit cache). Each plan keeps what `size_auto` keeps besides the cache: the runner's KV cache
+    and graph buffers for those slots (`_runner_parts`), the libraries' mapped files, working memory
+    and the margin. An auto cache: what `largest_fit` gives it then; an explicit one: whether
+    `check_memory` passes with it."""
+    if rooms is None:
+        rooms = memory_rooms()
+    room = min(rooms, key=lambda r: r.nbytes, default=Room(_EVERY, "no memory limit could be read"))
+    libraries = [("the libraries' mapped files", mapped_file_bytes()), ("working memory", WORKING_BYTES)]
+    kv = (f"the KV cache at {model.ctx_size} tokens", model.kv_bytes)
+    emap, top_k = model.emap, model.top_k
+    every = planned_bytes(emap, _EVERY, top_k) if options.cache == AUTO else None
+    fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
+    minimum = budget_requirements(emap, top_k)[0]
+    parts = {n: _runner_parts(dataclasses.replace(model, parallel=n), kv) for n in PARALLEL_CHOICES}
+    host = 0
+    if every is None:
+        from moestream.runtime.streaming import host_cache_bytes
+
+        given = dataclasses.replace(options, gpu_cache=options.cache, host_cache=0)  # as `_size`
+        host = host_cache_bytes(emap, given.stream_config(), top_k, model.device)
+    plans = []
+    for n, kept in parts.items():
+        extra = sum(b for _, b in kept) - sum(b for _, b in parts[1])
+        plan = SlotPlan(n, kept[0][1], extra, sum(b for _, b in [*kept, *libraries]))
+        if every is not None:
+            try:
+                cache = largest_fit("cache", room, [*kept, *libraries], every, minimum, fit).nbytes
+            except MemoryBudgetError:
+                cache = None
+            plan = dataclasses.replace(plan, cache=cache)
+        else:
+            margin = (f"a margin of 1/{MARGIN_SHARE}", max(room.nbytes, 0) // MARGIN_SHARE)
+            try:
+                check_memory(MemoryNeed([("the expert cache", host), *kept, *libraries, margin]), [room])
+            except MemoryBudgetError:
+                plan = dataclasses.replace(plan, fits=False)
+        plans.append(plan)
+    return plans, every

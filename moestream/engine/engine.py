@@ -71,7 +71,9 @@ def load(
             `experts_per_token`, `gpu_floor`,
             `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
             model's maximum and 8192), `preload` (default True: when the cache holds every expert, read
-            them all at load; False: each on first use).
+            them all at load; False: each on first use), `parallel` (requests decoded together, each
+            in a KV-cache slot; default 1; "auto": 4, 2 or 1, chosen at load by the memory plan,
+            `engine/auto_budget.py` `choose_parallel`, the mode line says why).
 
     Raises:
         MoestreamError: the checkpoint is missing, malformed or unsupported, the budget is too small, or

@@ -22,12 +22,12 @@ import torch
 
 from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.read_at_load import read_all
-from moestream.engine.auto_budget import AutoBudget, size_auto
+from moestream.engine.auto_budget import AutoBudget, auto_parallel, size_auto
 from moestream.engine.describe import describe
 from moestream.engine.memory import TrunkLock
 from moestream.engine.memory_plan import plan_memory, plan_restream
 from moestream.engine.model_description import ModelDescription
-from moestream.engine.options import EngineOptions
+from moestream.engine.options import AUTO, EngineOptions
 from moestream.engine.prompts import context_size
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import Counters
@@ -103,6 +103,12 @@ class LoadedModel:
             self.description = dataclasses.replace(
                 description, dtype=self.dtype, spec=self.spec, fusions=dict(self.family.fusions)
             )
+            # --parallel auto: the slots the runner can batch and the memory affords, before the cache
+            self.parallel_auto: str | None = None  # the mode line's words for an auto choice
+            if self.options.parallel == AUTO:
+                slots, self.parallel_auto = auto_parallel(self.description, self.options, self.no_graph)
+                self.options = dataclasses.replace(self.options, parallel=slots)
+                self.description = dataclasses.replace(self.description, parallel=slots)
             # an auto budget: what the memory leaves now that the trunk is in (refused if below the minimum)
             self.auto: list[AutoBudget]
             self.options, self.auto = size_auto(self.description, self.options)
@@ -157,7 +163,7 @@ class LoadedModel:
             self.device,
             self.ctx_size,
             self.threads,
-            options.parallel,
+            1 if options.parallel == AUTO else options.parallel,  # auto: planned for one until chosen
         )
 
     def _plan(self, description: ModelDescription, options: EngineOptions) -> dict[str, Any]:
@@ -305,7 +311,7 @@ class LoadedModel:
         each = f" ({format_size(self.kv_bytes // slots)} a slot)" if slots > 1 else ""
         return (
             f"context {self.ctx_size} tokens, KV cache {format_size(self.kv_bytes)} when full{each}, "
-            f"parallel {slots}"
+            f"parallel {slots}" + (f" (auto: {self.parallel_auto})" if self.parallel_auto is not None else "")
         )
 
     @property

@@ -61,8 +61,9 @@ class EngineOptions:
     # whenever it holds them all): no request then waits for a first read. False: read on first use
     preload: bool = True
     # sequences decoded together (`--parallel`, llama-server's -np): the ggml runner's KV-cache slots,
-    # each of `ctx_size` positions (engine/batch.py schedules them)
-    parallel: int = 1
+    # each of `ctx_size` positions (engine/batch.py schedules them); "auto": 4, 2 or 1, chosen at load by
+    # the memory plan (engine/auto_budget.py `auto_parallel`; serve's default)
+    parallel: int | str = 1
     sysfs_root: str = "/"  # where /sys is (tests point it at a fake tree)
 
     def __post_init__(self) -> None:
@@ -105,8 +106,7 @@ class EngineOptions:
             raise ValueError(f"eviction policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if self.ctx_size is not None and self.ctx_size < 2:
             raise ValueError(f"the context size must be at least 2 tokens, got {self.ctx_size}")
-        if not 1 <= self.parallel <= MAX_PARALLEL:
-            raise ValueError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
+        self.parallel = parallel_value(self.parallel)
         if self.trunk not in TRUNK_MODES:
             raise ValueError(f"trunk mode {self.trunk!r} is not one of {', '.join(TRUNK_MODES)}")
         if self.trunk == "ggml" and self.device != "cpu":
@@ -130,6 +130,29 @@ class EngineOptions:
         if self.auto:
             raise ValueError("an auto budget is sized at load, before the streaming is built")
         return StreamConfig(**{f.name: getattr(self, f.name) for f in fields(StreamConfig)})
+
+
+def parallel_value(value: int | str) -> int | str:
+    """--parallel's value: the string auto as is, else a whole number of slots, 1 to MAX_PARALLEL.
+
+    Raises:
+        ValueError: anything else, in one sentence.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(
+                f"--parallel takes auto or a number of slots from 1 to {MAX_PARALLEL}, got {value!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"--parallel takes auto or a number of slots, got {value!r}")
+    if not 1 <= value <= MAX_PARALLEL:
+        raise ValueError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {value}")
+    return value
 
 
 def _size_or_auto(value: int | str) -> int | str:
