@@ -19,6 +19,7 @@ e.g. slots of one size class holding each tensor's experts at the same offset in
 from __future__ import annotations
 
 import ctypes as C
+import queue
 import signal
 import threading
 from collections import OrderedDict
@@ -118,10 +119,65 @@ class Graph:
 
 
 def compute_graph(lib: Library, gf: int, plan_ref: object) -> None:
-    """ggml_graph_compute of a planned graph; a failure status is an error."""
-    status = lib.cpu.ggml_graph_compute(gf, plan_ref)
+    """ggml_graph_compute of a planned graph; a failure status is an error. An OpenMP build's graphs are
+    computed by one thread (`ComputeThread`), whichever thread asks."""
+    if lib.openmp:
+        status = COMPUTE_THREAD.run(lambda: lib.cpu.ggml_graph_compute(gf, plan_ref))
+    else:
+        status = lib.cpu.ggml_graph_compute(gf, plan_ref)
     if status != 0:
         raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+
+class ComputeThread:
+    """The one thread that computes every graph of an OpenMP build of ggml (llama.cpp's default build,
+    e.g. `MOESTREAM_GGML_LIB` at llama.cpp's folder; the wheel's and `make native`'s use ggml's own
+    pool, where any thread may compute).
+
+    Each thread that starts an OpenMP parallel region gets a team of its own, and a second team makes
+    the first's graphs slow too: on the GPU machine's 16 cores (2026-12-06, llama.cpp's CPU library of
+    `../shared/h200`) the same decode loop ran 86 tok/s from the thread that had computed the load's
+    graphs and 41 from any other (4 with OMP_WAIT_POLICY=active), while the engine computes from each
+    request's thread. A call hands its compute here and waits for it (one compute at a time, as the
+    pool's lock has it anyway); from this thread it runs at once."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+
+    def run(self, fn: Callable[[], int]) -> int:
+        """fn() on the compute thread; its result, or its exception raised here."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        with self._start:
+            if self._thread is None:
+                # like the pool's workers: Ctrl-C and SIGTERM reach the main thread (see io/reader.py)
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+                try:
+                    self._thread = threading.Thread(target=self._serve, name="moestream-ggml", daemon=True)
+                    self._thread.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        done, box = threading.Event(), []
+        self._jobs.put((fn, box, done))
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # handed back to the caller
+                box.append((False, exc))
+            done.set()
+
+
+COMPUTE_THREAD = ComputeThread()
 
 
 def free_context(lib: Library, ctx: int | None) -> None:

@@ -290,13 +290,17 @@ class Library:
     version: str  # ggml's own version string, e.g. "0.20.2"
     isa: tuple[str, ...]
     gated_delta_net: bool = False  # the Gated DeltaNet ops are declared (_GATED_DELTA_NET_API)
+    # built with OpenMP (llama.cpp's default; not the wheel's or `make native`'s): its graphs are computed
+    # from one thread only (`graphs.compute_graph`)
+    openmp: bool = False
 
     def describe(self) -> str:
         """E.g. 'ggml 0.25.3 native (AVX2, AVX512, AVX512_VNNI, ...)', or for a build that lacks what this
         CPU has: 'ggml 0.20.2 prebuilt (AVX2; not using this CPU's AVX512, AVX512_VNNI: make native)'."""
         unused = unused_isa(self.isa, cpu_flags())
         note = f"; not using this CPU's {', '.join(unused)}: make native" if unused else ""
-        return f"ggml {self.version} {self.kind} ({', '.join(self.isa) or 'no SIMD'}{note})"
+        omp = ", OpenMP: one compute thread" if self.openmp else ""
+        return f"ggml {self.version} {self.kind} ({', '.join(self.isa) or 'no SIMD'}{omp}{note})"
 
 
 # /proc/cpuinfo flag -> ggml_cpu_has_<name>, for the features a build may leave unused
@@ -430,7 +434,10 @@ def load() -> Library:
         fn = getattr(cpu, f"ggml_cpu_has_{name}", None)
         if fn is not None and fn():
             isa.append(name.upper())
-    return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa), gated_delta_net)
+    # libggml-cpu's own dependencies are searched by a handle's lookup: libgomp's symbol is there only
+    # where that build links OpenMP (torch's copy of libgomp is not among them)
+    openmp = hasattr(cpu, "omp_get_max_threads")
+    return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa), gated_delta_net, openmp)
 
 
 _LIB: Library | None = None
