@@ -13,6 +13,7 @@ mul_mat_id quantizes and multiplies each column alone), so padding changes nothi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moestream import ggml
@@ -57,22 +58,26 @@ class HostMisses:
         self._arena: Arena | None = None
         self._pool = 0
 
-    def compute(self, layer: int, x: torch.Tensor, slots: list[int], experts: list[int]) -> torch.Tensor:
-        """Each pair's output [P, H] (a view, valid until the next compute): x [P, H] f32 its token's input,
-        `slots` its expert's host slot in `layer`'s size class, `experts` its expert id. The caller holds
-        the pool's lock (`ggml.kernels(threads)._lock`) and keeps the slots pinned meanwhile."""
+    def compute(
+        self, layer: int, source: np.ndarray, tokens: np.ndarray, slots: list[int], experts: list[int]
+    ) -> np.ndarray:
+        """Each pair's output [P, H] (a view, valid until the next compute): pair p's input is row
+        tokens[p] of `source` [T, H] f32, its expert's host slot in `layer`'s size class slots[p], its
+        expert id experts[p]. The caller holds the pool's lock (`ggml.kernels(threads)._lock`) and keeps
+        the slots pinned meanwhile."""
         P = len(slots)
         g = self._graph(layer, bucket(P))
-        g.x[:P].copy_(x)
+        x = g.x.numpy()
+        np.take(source, tokens, axis=0, out=x[:P])
         g.slots.numpy()[:P] = slots
         g.experts.numpy()[:P] = experts
         if len(g.slots) > P:  # padding: the first pair again (its columns are not read)
-            g.x[P:].copy_(g.x[:1].expand(len(g.slots) - P, -1))
+            x[P:] = x[0]
             g.slots.numpy()[P:] = slots[0]
             g.experts.numpy()[P:] = experts[0]
         g.net.run()
         ggml.kernels(self.threads).idle()
-        return g.out[:P]
+        return g.out.numpy()[:P]
 
     def _graph(self, layer: int, columns: int) -> _Graph:
         pool = ggml.kernels(self.threads).pool

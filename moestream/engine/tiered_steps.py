@@ -33,6 +33,7 @@ import itertools
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from moestream.cache.policy import EvictionPolicy
@@ -77,7 +78,10 @@ class TieredSteps:
         self.host_misses = tier_misses(True) == "host"
         # the residual stream and the experts' input stay on the device (the experts' input comes back
         # only for a layer computed on the host); the step's inputs go there once a step
-        self.device_only = frozenset((*STEP_INPUTS, "resid0", "resid1", "moe_in"))
+        # (where the CPU computes the misses, the experts' input comes back with each layer's routing: a
+        # copy of [T, H] floats instead of a second round trip for it)
+        kept = ("resid0", "resid1") if self.host_misses else ("resid0", "resid1", "moe_in")
+        self.device_only = frozenset((*STEP_INPUTS, *kept))
         self._moe = [x.index for x in spec.layers if x.router is not None]
         types = experts.graph_types()
         if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe):
@@ -228,31 +232,47 @@ class TieredSteps:
         """The (token, k) outputs of `misses` computed on the CPU into `b.outputs`, and `b.pick` choosing
         them there and the device's slots elsewhere: by one ggml CPU graph over the host cache's slots
         (`HostMisses`) where the host cache holds every miss, else by the expert runtime (a miss there
-        read from disk as the schedule reads one)."""
+        read from disk as the schedule reads one). In numpy on the step's buffers: a layer's few pairs
+        cost microseconds, not torch's tens of them."""
         n, k = len(rows), len(rows[0])
-        pick = torch.arange(n * k, dtype=torch.int32)
-        pairs = [t * k + j for t, row in enumerate(rows) for j, e in enumerate(row) if e in misses]
-        if pairs:
+        routed = [e for row in rows for e in row]  # [n * k], token-major
+        index = [i for i, e in enumerate(routed) if e in misses]  # the misses' (token, k) positions
+        pairs = np.array(index, dtype=np.int64)
+        pick = np.arange(n * k, dtype=np.int32)
+        if pairs.size:
             self._fetch(b.moe_in[:n])
-            index = torch.tensor(pairs)
-            flat = b.outputs.view(-1, b.outputs.shape[2])
-            hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
-            top = b.order[:n, :k].reshape(-1)[index]  # [P]
-            held = self.experts.pin(layer, [[e for e in row if e in misses] for row in rows])
+            flat = b.outputs.numpy().reshape(-1, b.outputs.shape[2])
+            experts = [routed[i] for i in index]
+            held = self._held(layer, rows, misses)
             if held is not None:
                 try:
-                    experts = top.tolist()
-                    out = self._graphs().compute(layer, hidden, [held[e] for e in experts], experts)
-                    flat.index_copy_(0, index, out)
+                    slots = [held[e] for e in experts]
+                    out = self._graphs().compute(layer, b.moe_in.numpy()[:n], pairs // k, slots, experts)
+                    flat[pairs] = out
                 finally:
                     self.experts.unpin(layer, list(held))
             else:
+                index = torch.from_numpy(pairs)
+                hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
+                top = torch.tensor(experts).view(-1, 1)
                 weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
-                routed = self.experts.compute(layer, hidden, top.view(-1, 1), weights)
-                outputs = torch.cat([as_f32(routed.outputs[e]) for e in routed.routing.by_expert])
-                flat.index_copy_(0, index[routed.routing.tokens], outputs)
-            pick[index] += n * k
-        b.pick[:n].copy_(pick.view(n, k))
+                done = self.experts.compute(layer, hidden, top, weights)
+                outputs = torch.cat([as_f32(done.outputs[e]) for e in done.routing.by_expert])
+                flat[pairs[done.routing.tokens.numpy()]] = outputs.numpy()
+            pick[pairs] += n * k
+        b.pick.numpy()[:n] = pick.reshape(n, k)
+
+    def _held(self, layer: int, rows: list[list[int]], misses: set[int]) -> dict[int, int] | None:
+        """`misses` pinned in their host slots (expert -> slot), or None where the host cache lacks one.
+        A cache holding every expert evicts none and its policy has nothing to learn: the slots are
+        pinned as a copy pins them (`pin_read`), its hits counted; else as a forward of the misses."""
+        if self.experts.holds_all():
+            held = self.experts.pin_read(layer, list(misses))
+            if len(held) == len(misses):
+                self.experts.count_resident(len(held), 1)
+                return held
+            self.experts.unpin(layer, list(held))
+        return self.experts.pin(layer, [[e for e in row if e in misses] for row in rows])
 
     def _graphs(self) -> HostMisses:
         """The CPU graphs of the misses over the host cache's slots (made again after a restream)."""
@@ -264,7 +284,10 @@ class TieredSteps:
         return self._host[1]
 
     def _fetch(self, t: torch.Tensor) -> None:
-        """The device's bytes of `t` (a view at the start of a device-only buffer) into it."""
+        """The device's bytes of `t` (a view at the start of a device-only buffer) into it (the way "host":
+        there already, the graph copied them back)."""
+        if self.host_misses:
+            return
         _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
         self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
         self.memory.backend.synchronize()

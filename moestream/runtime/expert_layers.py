@@ -183,6 +183,10 @@ class ExpertLayers:
         self._whole = (cache.version, first)
         return first
 
+    def holds_all(self) -> bool:
+        """Whether the expert cache has a slot for every expert (it never evicts one)."""
+        return self._runtime.cache.holds_all()
+
     def cache_version(self) -> int:
         """The expert cache's `version`: bumped whenever a key enters or leaves a slot."""
         return self._runtime.cache.version
