@@ -12,6 +12,7 @@ export CUDA_VISIBLE_DEVICES=
 THREADS=${BATCH_THREADS:-16}
 nproc; free -g | head -2
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
+python3 benchmarks/compute_threads.py "$MODEL" $THREADS 2>&1 | grep -v '^moestream' | cut -c1-120
 python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server --threads $THREADS \
   --streams ${STREAMS:-1,4} --tokens ${TOKENS:-64} --reps ${REPS:-2} --out $OUT/batch_servers.json 2>&1 | tail -20
 [ $SECONDS -lt ${ENGINE_BEFORE:-420} ] && python3 benchmarks/batch.py "$MODEL" --threads $THREADS --streams 1,2,4,8 \
