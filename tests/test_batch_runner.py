@@ -161,3 +161,36 @@ def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, ti
         tokens, seen = _together(runner, PROMPTS[:3])
     for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
         assert got_tokens == want_tokens and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(arch, misses, tiny_dir, monkeypatch):
+    """A GPU tier of the smallest size (a token's experts a class: a batch's union overflows it and runs on
+    the host, or fits and misses), on ggml's CPU backend, both ways of a miss: the same bits alone and
+    batched, each layer's union of the rows' experts placed once."""
+    from test_gpu_tier import _sizes
+
+    from moestream.engine.gpu_tier import GpuTier
+
+    rows_placed = []
+    place = GpuTier.place
+    monkeypatch.setattr(
+        GpuTier,
+        "place",
+        lambda self, layer, rows, *a: rows_placed.append(len(rows)) or place(self, layer, rows, *a),
+    )
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    path = tiny_dir(arch)
+    least, middle, *_ = _sizes(path, monkeypatch)
+    for size in (least, middle):
+        with moestream.load(str(path), cache="64MiB", trunk="ggml", parallel=3, gpu_tier=size) as engine:
+            runner = engine.runner
+            assert runner.tiered is not None and engine.mode_line().endswith(", parallel 3")
+            alone = [_alone(runner, p) for p in PROMPTS[:3]]
+            tokens, seen = _together(runner, PROMPTS[:3])
+            placed = runner.tier_counters()
+        assert placed.hits + placed.misses > 0 and 3 in rows_placed  # a step of the batch's 3 rows
+        for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+            assert got_tokens == want_tokens and torch.equal(got, want), (arch, misses, size)

@@ -126,20 +126,21 @@ def test_a_gpu_tier_without_a_backend_is_refused(tiny_dir, monkeypatch):
         EngineOptions(gpu_tier="1MiB", device="cuda")
 
 
-@pytest.mark.parametrize("backend", ["cpu", ""])
-def test_a_gpu_tier_with_parallel_sequences_is_refused(backend, tiny_dir, monkeypatch):
-    """The tier's steps run one sequence at a time: --gpu-tier with --parallel N > 1 is refused at load, in
-    one sentence, whether a backend is set or not."""
-    if backend:
-        monkeypatch.setenv("MOESTREAM_GGML_BACKEND", backend)
-    else:
-        monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
-    path = str(tiny_dir("qwen3_moe"))
-    with pytest.raises(MoestreamError) as err:
-        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1GiB", parallel=2)
-    text = str(err.value)
-    assert text.startswith("--gpu-tier cannot be combined with --parallel 2") and "\n" not in text
-    assert "--parallel 1" in text
+@pytest.mark.parametrize("misses", ["upload", "host"])
+def test_generate_batch_over_a_gpu_tier_with_parallel_slots(misses, tiny_dir, monkeypatch):
+    """--gpu-tier with --parallel 3: `generate_batch` decodes the prompts together (steps of several rows
+    over the tier), each getting its tokens alone."""
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
+    prompts = [PROMPT, PROMPT[3:] + [9, 10], [7, 7, 250, 1]]
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle, parallel=3) as engine:
+        want = [engine.generate(p, max_tokens=GREEDY, ignore_eos=True).tokens for p in prompts]
+        rows, steps = engine.batch.decode_rows, engine.batch.decode_steps
+        got = engine.generate_batch(prompts, max_tokens=GREEDY, ignore_eos=True)
+        batched, steps = engine.batch.decode_rows - rows, engine.batch.decode_steps - steps
+    assert [g.tokens for g in got] == want
+    assert batched == 3 * (GREEDY - 1) and steps < batched  # rows decoded several a step
 
 
 def test_generate_batch_with_a_gpu_tier_runs_the_prompts_in_turn(tiny_dir, monkeypatch):

@@ -344,8 +344,8 @@ def no_batching(model: ModelDescription, options: EngineOptions, no_graph: str |
     batch several): the words after "auto: " in the mode line."""
     import os
 
-    if options.gpu_tier is not None:
-        return "--gpu-tier decodes one sequence at a time"
+    if options.gpu_tier is not None:  # it batches (-np N), but the plan has no words for its device slots
+        return "the memory plan does not yet size a GPU tier's slots per sequence (give -np N)"
     if model.spec is None:
         if model.device.type != "cpu":
             why = f"--device {model.device.type}"

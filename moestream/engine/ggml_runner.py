@@ -121,19 +121,12 @@ class GgmlRunner(ModelRunner):
         what it lacks). `slots`: KV-cache slots, one per sequence decoded together (`--parallel`).
 
         Raises:
-            MoestreamError: several slots for a model with linear-attention layers, or with a GPU tier.
+            MoestreamError: several slots for a model with linear-attention layers.
             GgmlUnavailableError: a GPU tier without a backend, or for experts the graphs cannot compute.
             CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
         """
         self.spec, self.experts, self.threads = spec, experts, threads
         self.ctx = _round_up(ctx_size, SPAN_STEP)
-        if slots > 1 and gpu_tier is not None:
-            if backend is not None:
-                backend.close()  # nothing holds it yet
-            raise MoestreamError(
-                f"--gpu-tier cannot be combined with --parallel {slots}: the GPU tier's steps run one "
-                "sequence at a time (drop --gpu-tier or run with --parallel 1)"
-            )
         recurrent_layers = [x.index for x in spec.layers if x.mixer.recurrent]
         if slots > 1 and recurrent_layers:
             raise MoestreamError(
