@@ -10,7 +10,8 @@ llama.cpp on the same GGUF, every expert in VRAM.
     # the same with a GPU tier of 2 GiB (the host cache holds every expert): also its hit rate and the
     # bytes uploaded to it per decoded token
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB
-    # its misses computed by the CPU from the host cache instead of copied first (MOESTREAM_TIER_MISSES)
+    # its misses computed by the CPU from the host cache instead of copied first (MOESTREAM_TIER_MISSES;
+    # auto: the faster of the two in a trial of the first 16 decoded tokens)
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --gpu-tier 2GiB --tier-misses host
     # bigger than RAM and VRAM together: a host cache smaller than the experts, the misses of both tiers
     # read from disk; the bytes read per decoded token, the read rate while decoding, and the disk's
@@ -186,6 +187,9 @@ def speed(args: argparse.Namespace) -> None:
                 row["tier_mib_per_token"] = round(tiers[-1]["decode_mib_uploaded_per_token"], 2)
                 row["tier_prefill_and_decode_gib"] = round(tiers[-1]["bytes_uploaded"] / 2**30, 3)
                 row["bytes_read_from_disk"] = s.bytes_read
+            trial = getattr(engine.runner.tiered, "trial", None)
+            if trial is not None:  # MOESTREAM_TIER_MISSES=auto: the way chosen, and the steps' times
+                row["tier_way"] = trial.describe()
             row.update(_reads(sorted(phases, key=lambda d: d.tok_s)[len(phases) // 2]))  # the median run's
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
@@ -303,7 +307,8 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--backend", default="cuda")
     s.add_argument("--gpu-tier", default=None, help="device slots for the experts (default: every expert)")
-    s.add_argument("--tier-misses", default="upload", choices=["upload", "host"], help="with --gpu-tier")
+    ways = ["upload", "host", "auto"]
+    s.add_argument("--tier-misses", default="upload", choices=ways, help="with --gpu-tier")
     s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()
     check(args) if args.cmd == "check" else speed(args)

@@ -163,7 +163,7 @@ def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
     path = str(tiny_dir("qwen3_moe"))
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "cpu")
-    with pytest.raises(GgmlUnavailableError, match="say upload or host"):
+    with pytest.raises(GgmlUnavailableError, match="say upload, host or auto"):
         moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
     with pytest.raises(GgmlUnavailableError, match="there is no GPU tier"):
@@ -277,3 +277,40 @@ def test_a_rows_ids_stay_distinct_where_the_gate_kept_misses_out():
 
     assert row_slots({3: 0, 5: 2}, [5, 9, 3, 7]) == [2, 1, 0, 3]
     assert row_slots({}, [4, 1]) == [0, 1]
+
+
+def test_a_way_trial_chooses_the_faster_way_by_its_median_step():
+    from moestream.engine.gpu_tier import WayTrial
+
+    trial = WayTrial(window=3)
+    ways = []
+    for seconds in (0.010, 0.030, 0.011, 0.020, 0.009, 0.008):  # upload: 10, 30, 11 ms; host: 20, 9, 8
+        ways.append(trial.way())
+        trial.record(ways[-1], seconds)
+    assert ways == ["upload"] * 3 + ["host"] * 3 and trial.chosen == "host" and trial.way() == "host"
+    assert trial.describe() == "host (a decode step 9.0 ms, 11.0 ms by upload)"
+    trial.record("upload", 0.001)  # after the choice: nothing changes it
+    assert trial.chosen == "host" and len(trial.seconds["upload"]) == 3
+
+
+def test_the_auto_way_tries_both_ways_then_keeps_one_with_the_same_bits(tiny_dir, monkeypatch):
+    """MOESTREAM_TIER_MISSES=auto: the first 8 decode steps copy misses in, the next 8 compute them on the
+    CPU, then one way goes on; every token the CPU graphs' (both ways give them on ggml's CPU backend)."""
+    path = tiny_dir("qwen3_moe")
+    least, *_ = _sizes(path, monkeypatch)
+    monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+        want = engine.generate(PROMPT, max_tokens=24, ignore_eos=True).tokens
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "auto")
+    calls = []
+    compute = HostMisses.compute
+    monkeypatch.setattr(HostMisses, "compute", lambda self, *a: calls.append(len(a[2])) or compute(self, *a))
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
+        assert "as a trial of the first 16 decoded tokens finds faster" in engine.mode_line()
+        got = engine.generate(PROMPT, max_tokens=24, ignore_eos=True).tokens
+        trial = engine.runner.tiered.trial
+        uploaded = engine.runner.tier_counters().bytes_uploaded
+    assert got == want
+    assert trial.chosen in ("upload", "host") and [len(v) for v in trial.seconds.values()] == [8, 8]
+    assert calls and uploaded > 0  # both ways ran

@@ -261,7 +261,7 @@ class GgmlRunner(ModelRunner):
             if tiered is None:
                 gs = GraphSet(*args, segments)
             else:
-                gs = GraphSet(*args, segments, tiered.device_only, tiered.host_misses)
+                gs = GraphSet(*args, segments, tiered.device_only, tiered.mixed)
             self._sets[key] = gs
             same = [k for k in self._sets if _prefill(k) == _prefill(key)]  # oldest first
             for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if _prefill(key) else KEEP_DECODE_SETS))]:

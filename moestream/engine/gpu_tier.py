@@ -19,6 +19,7 @@ cache holds it, pinned) into its device slot on the backend's stream, ordered be
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -196,3 +197,40 @@ class GpuTier:
             for region in c.pools.values():
                 self.memory.release(region)
         self._classes, self._class_of, self.types = [], {}, {}
+
+
+class WayTrial:
+    """MOESTREAM_TIER_MISSES=auto: the way of a miss chosen per run by measurement. The first `window`
+    decode steps (one token each) copy misses in ("upload"), the next `window` compute them on the CPU
+    ("host"); from then on the way whose median step was shorter. Which is faster depends on the
+    machine (the copies' bandwidth against the CPU's cores) and the tier's share; the H100s of
+    2026-12-06 favoured copying at 2 GiB of 8.2 (BENCHMARKS.md). Plain Python: `record` is told each
+    step's seconds, `way` says the way of the next."""
+
+    WAYS = ("upload", "host")
+
+    def __init__(self, window: int = 8) -> None:
+        self.window = window
+        self.seconds: dict[str, list[float]] = {w: [] for w in self.WAYS}
+        self.chosen: str | None = None
+
+    def way(self) -> str:
+        if self.chosen is not None:
+            return self.chosen
+        return next(w for w in self.WAYS if len(self.seconds[w]) < self.window)
+
+    def record(self, way: str, seconds: float) -> None:
+        """A decode step of `way` took `seconds` (ignored once the choice is made)."""
+        if self.chosen is not None:
+            return
+        self.seconds[way].append(seconds)
+        if all(len(self.seconds[w]) >= self.window for w in self.WAYS):
+            self.chosen = min(self.WAYS, key=lambda w: statistics.median(self.seconds[w]))
+
+    def describe(self) -> str:
+        """'upload (median step 15.1 ms against 18.4 ms computing them on the CPU)' once chosen."""
+        if self.chosen is None:
+            return "on trial"
+        other = next(w for w in self.WAYS if w != self.chosen)
+        ms = {w: 1000 * statistics.median(self.seconds[w]) for w in self.WAYS}
+        return f"{self.chosen} (a decode step {ms[self.chosen]:.1f} ms, {ms[other]:.1f} ms by {other})"

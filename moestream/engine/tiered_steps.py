@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from moestream.cache.policy import EvictionPolicy
-from moestream.engine.gpu_tier import ClassPlan, GpuTier, plan_tier
+from moestream.engine.gpu_tier import ClassPlan, GpuTier, WayTrial, plan_tier
 from moestream.engine.host_misses import HostMisses
 from moestream.engine.stats import TierCounters
 from moestream.ggml.backend import DeviceMemory
@@ -75,12 +76,15 @@ class TieredSteps:
         self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
         self.threads = threads
         self._host: tuple[int, HostMisses] | None = None  # (the streaming's generation, its CPU graphs)
-        self.host_misses = tier_misses(True) == "host"
+        self.misses = tier_misses(True)  # "upload", "host" or "auto" (a `WayTrial` chooses one of them)
+        self.trial = WayTrial() if self.misses == "auto" else None
+        # the graphs take each output from the device or the host (the way "host", and "auto" for both)
+        self.mixed = self.misses != "upload"
         # the residual stream and the experts' input stay on the device (the experts' input comes back
         # only for a layer computed on the host); the step's inputs go there once a step
         # (where the CPU computes the misses, the experts' input comes back with each layer's routing: a
         # copy of [T, H] floats instead of a second round trip for it)
-        kept = ("resid0", "resid1") if self.host_misses else ("resid0", "resid1", "moe_in")
+        kept = ("resid0", "resid1") if self.mixed else ("resid0", "resid1", "moe_in")
         self.device_only = frozenset((*STEP_INPUTS, *kept))
         self._moe = [x.index for x in spec.layers if x.router is not None]
         types = experts.graph_types()
@@ -100,11 +104,12 @@ class TieredSteps:
         """The mode line's words for the experts: the slots, their bytes, the policy, the way of a miss."""
         slots = " + ".join(str(p.slots) for p in self.plans)
         nbytes = sum(p.slots * p.slot_bytes for p in self.plans)
-        misses = (
-            "misses computed by the CPU from it, then copied"
-            if self.host_misses
-            else "misses copied before their graph"
-        )
+        misses = {
+            "host": "misses computed by the CPU from it, then copied",
+            "upload": "misses copied before their graph",
+            "auto": "misses copied before their graph or computed by the CPU, as a trial of the first "
+            f"{2 * WayTrial().window} decoded tokens finds faster",
+        }[self.misses]
         return (
             f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
             f"({format_size(nbytes)}, {self.policy().name}) filled from the host cache, {misses}"
@@ -133,9 +138,22 @@ class TieredSteps:
         self._tier = (key, tier)
         return tier, True
 
+    @property
+    def host_misses(self) -> bool:
+        """Whether the CPU computes the next step's misses (else they are copied in first)."""
+        return (self.trial.way() if self.trial is not None else self.misses) == "host"
+
     def step(self, gs: GraphSet, host_layer: HostLayer) -> None:
         """One step of `gs` (its buffers filled) over the tier; `host_layer` computes a layer's experts on
-        the host where its class has too few slots."""
+        the host where its class has too few slots. With a trial on, a decode step's time is its way's."""
+        if self.trial is None or self.trial.chosen is not None or gs.buf.tokens.numel() != 1:
+            self._step(gs, host_layer)
+            return
+        way, start = self.trial.way(), time.perf_counter()
+        self._step(gs, host_layer)
+        self.trial.record(way, time.perf_counter() - start)
+
+    def _step(self, gs: GraphSet, host_layer: HostLayer) -> None:
         b = gs.buf
         tier, _ = self.tier()
         graphs, fused = gs.layer_graphs()
@@ -165,6 +183,8 @@ class TieredSteps:
                         self._host_pairs(i, b, rows, set(misses))
                         self._defer(tier, i, slot, [e for e in misses if e in slot])
                     else:
+                        if self.mixed:  # every output the device's (the graph still picks)
+                            b.pick.numpy()[:n] = np.arange(n * len(rows[0]), dtype=np.int32).reshape(n, -1)
                         self._upload(tier, i, rows, slot, misses)
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
@@ -286,7 +306,7 @@ class TieredSteps:
     def _fetch(self, t: torch.Tensor) -> None:
         """The device's bytes of `t` (a view at the start of a device-only buffer) into it (the way "host":
         there already, the graph copied them back)."""
-        if self.host_misses:
+        if self.mixed:
             return
         _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
         self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
@@ -319,7 +339,7 @@ def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
 
 
 def tier_misses(tier: bool) -> str:
-    """MOESTREAM_TIER_MISSES: "upload" (default) or "host" (see the module doc).
+    """MOESTREAM_TIER_MISSES: "upload" (default), "host" (see the module doc) or "auto" (`WayTrial`).
 
     Raises:
         GgmlUnavailableError: another value, or set without a GPU tier (it would change nothing).
@@ -327,8 +347,8 @@ def tier_misses(tier: bool) -> str:
     asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
     if asked and not tier:
         raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
-    if asked not in ("", "upload", "host"):
-        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload or host")
+    if asked not in ("", "upload", "host", "auto"):
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload, host or auto")
     return asked or "upload"
 
 
