@@ -194,3 +194,36 @@ def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(arch, miss
         assert placed.hits + placed.misses > 0 and 3 in rows_placed  # a step of the batch's 3 rows
         for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
             assert got_tokens == want_tokens and torch.equal(got, want), (arch, misses, size)
+
+
+def test_requests_joining_and_leaving_reuse_the_decode_sets(tiny_dir):
+    """Four slots, the batch's rows changing every step (1, 2, 3, 4, 3, 2 rows, in changing slots): once
+    each row count and lone slot has been seen, a step builds no graph set (a set per lone slot and per
+    row count is kept: `decode_sets`), and every sequence still gets its logits alone."""
+    pattern = [(0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 2, 3), (2, 3), (3,), (1,), (2,), (1, 3)]
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml", parallel=4) as engine:
+        runner = engine.runner
+        alone = [_alone(runner, p) for p in PROMPTS]
+        logits = []
+        for kv, prompt in zip(runner.seqs, PROMPTS):
+            kv.tokens = 0
+            logits.append(runner(prompt, kv)[0])
+        seen: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+        tokens: list[list[int]] = [[] for _ in PROMPTS]
+        built = []
+        for rows in pattern * 3:
+            rows = [i for i in rows if len(seen[i]) < STEPS]
+            if not rows:
+                continue
+            for i in rows:
+                seen[i].append(logits[i])
+                tokens[i].append(int(logits[i].argmax()))
+            out = runner.decode([(runner.seqs[i], tokens[i][-1]) for i in rows])
+            for i, row in zip(rows, out):
+                logits[i] = row
+            built.append({id(gs) for gs in runner._sets.values()})
+    first = len(pattern)  # steps of the first pass, each row count and lone slot seen
+    assert all(later <= built[first - 1] for later in built[first:]), "a set was built again"
+    for i, (want_tokens, want) in enumerate(alone):
+        got = torch.stack(seen[i])
+        assert tokens[i] == want_tokens[: len(tokens[i])] and torch.equal(got, want[: len(got)]), i

@@ -66,6 +66,14 @@ KEEP_PREFILL_SETS = 1
 KEEP_DECODE_SETS = 2
 
 
+def decode_sets(slots: int) -> int:
+    """Decode sets kept by a runner of `slots` KV-cache slots: two (the current span's and the previous
+    one's); with several slots, two per slot: a sequence decoding alone has a set of its slot's, a batch
+    one per row count (pointed at its slots each step), and requests joining and leaving change which
+    every few tokens (a set's build: ~10 ms on 2 cores, `benchmarks/batch_churn.py`)."""
+    return KEEP_DECODE_SETS * slots
+
+
 def _round_up(n: int, step: int) -> int:
     return (n + step - 1) // step * step
 
@@ -264,7 +272,8 @@ class GgmlRunner(ModelRunner):
                 gs = GraphSet(*args, segments, tiered.device_only, tiered.mixed)
             self._sets[key] = gs
             same = [k for k in self._sets if _prefill(k) == _prefill(key)]  # oldest first
-            for k in same[: max(0, len(same) - (KEEP_PREFILL_SETS if _prefill(key) else KEEP_DECODE_SETS))]:
+            keep = KEEP_PREFILL_SETS if _prefill(key) else decode_sets(len(self.seqs))
+            for k in same[: max(0, len(same) - keep)]:
                 self._sets.pop(k).close()
         self._sets.move_to_end(key)
         if rebase:
@@ -471,13 +480,14 @@ def planned_bytes(
 ) -> tuple[int, int]:
     """(its KV cache, its graph sets at most): the bytes a runner of `spec` takes, known before it is
     built: KEEP_PREFILL_SETS sets of the largest step shape (a full prefill chunk attending over the
-    whole context) and KEEP_DECODE_SETS of one token (`slots` > 1: one of each slot's sequences) over
-    the whole context, each as `set_bytes` lays it out (a batch's logits added: one row a sequence)."""
+    whole context) and `decode_sets(slots)` of one token (`slots` > 1: one of each slot's sequences, the
+    largest batch, at most) over the whole context, each as `set_bytes` lays it out (a batch's logits
+    added: one row a sequence)."""
     ctx = _round_up(ctx_size, SPAN_STEP)
     kv = layer_caches(spec, ctx * slots, "meta")
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, slots, ctx, experts, inter, threads) + 4 * spec.vocab * (slots - 1)
-    return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + KEEP_DECODE_SETS * decode
+    return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + decode_sets(slots) * decode
 
 
 def _prefill(key: tuple) -> bool:
