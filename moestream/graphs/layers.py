@@ -145,16 +145,18 @@ class StepBuffers:
     def fill_masks(self, window: int | None) -> None:
         """The step's masks for its positions (each over its own slot's rows): causal; and for the
         sliding layers, also what lies `window` or more positions back (transformers' sliding mask)."""
-        positions = self.positions.numpy()[:, None]
-        span = np.arange(self.mask.shape[1])
-        later = span > positions
+        # a row at a time, two slices each (a decoded token's mask: 3 us, not the 45 of comparing every
+        # position; a 512 x 8192 chunk's: well under the 6 ms of that)
         mask = self.mask.numpy()
-        np.copyto(mask, np.float16(-np.inf), where=later)
-        np.copyto(mask, np.float16(0.0), where=~later)
+        positions = self.positions.tolist()
+        for row, p in zip(mask, positions):
+            row[: p + 1] = 0.0
+            row[p + 1 :] = -np.inf
         if self.window.numel():
             sliding = self.window.numpy()
             np.copyto(sliding, mask)
-            np.copyto(sliding, np.float16(-np.inf), where=span <= positions - window)
+            for row, p in zip(sliding, positions):
+                row[: max(0, p - window + 1)] = -np.inf
 
 
 class LayerGraphs:
