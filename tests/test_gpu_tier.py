@@ -314,3 +314,57 @@ def test_the_auto_way_tries_both_ways_then_keeps_one_with_the_same_bits(tiny_dir
     assert got == want
     assert trial.chosen in ("upload", "host") and [len(v) for v in trial.seconds.values()] == [8, 8]
     assert calls and uploaded > 0  # both ways ran
+
+
+def test_auto_tier_sizes_from_the_free_memory():
+    from moestream.engine.gpu_tier import AUTO_MARGIN, auto_tier
+
+    gib = 1 << 30
+    assert auto_tier(80 * gib, 4 * gib, 8 * gib, gib // 8, holds_all=True) is None  # they all fit
+    left = 20 * gib - 4 * gib - 20 * gib // 20
+    assert auto_tier(20 * gib, 4 * gib, 30 * gib, gib // 8, holds_all=True) == left
+    # room for every expert, but the host cache streams: slots for every expert, not the one-graph step
+    assert auto_tier(80 * gib, 4 * gib, 8 * gib, gib // 8, holds_all=False) == 8 * gib
+    with pytest.raises(CacheBudgetError, match=r"--gpu-tier auto: the GPU has 5\.0 GiB free"):
+        auto_tier(5 * gib, 4 * gib, 8 * gib, gib, holds_all=True)
+    assert AUTO_MARGIN == 512 << 20
+
+
+def test_gpu_tier_auto_puts_every_expert_on_the_device_or_sizes_a_tier(tiny_dir, monkeypatch):
+    """--gpu-tier auto on ggml's CPU backend, its free memory given: room for every expert, the step is one
+    graph with them all on the device; half as much, a tier of what is left; too little, refused in a
+    sentence; a backend that does not say, refused too. Tokens the CPU graphs' throughout."""
+    from moestream.engine import ggml_runner
+    from moestream.engine.gpu_tier import AUTO_MARGIN
+    from moestream.ggml.backend import Backend
+    from moestream.ggml.lib import GgmlUnavailableError
+
+    path = str(tiny_dir("qwen3_moe"))
+    monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
+    with moestream.load(path, cache="64MiB", trunk="ggml") as engine:
+        want = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).tokens
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with pytest.raises(GgmlUnavailableError, match="backend does not say its free memory; give --gpu-tier a"):
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="auto")
+    asked = []
+    choose = ggml_runner.auto_tier
+    monkeypatch.setattr(ggml_runner, "auto_tier", lambda *a: asked.append(a) or choose(*a))
+    free = [1 << 40]
+    monkeypatch.setattr(Backend, "memory", lambda self: (free[0], 2 << 40))
+    with moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="auto") as engine:
+        assert (
+            engine.runner.tiered is None
+            and "--gpu-tier auto: every expert on the device" in engine.mode_line()
+        )
+        assert engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).tokens == want
+    _, reserve, every, least, holds_all = asked[-1]
+    assert holds_all and 0 < least < every and reserve > 0
+    free[0] = reserve + AUTO_MARGIN + every // 2  # the margin (free's 1/20 is less here), half the experts
+    with moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="auto") as engine:
+        tiered = engine.runner.tiered
+        assert tiered is not None and "--gpu-tier auto: a tier of" in engine.mode_line()
+        assert sum(p.slots * p.slot_bytes for p in tiered.plans) < every
+        assert engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).tokens == want
+    free[0] = reserve
+    with pytest.raises(CacheBudgetError, match="--gpu-tier auto: the GPU has"):
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="auto")

@@ -103,7 +103,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda): device slots for the routed experts, a "
         "size (e.g. 2GiB), filled by --policy from the host cache (--cache), which reads from disk the "
-        "experts it lacks; default: every expert on the GPU",
+        "experts it lacks; auto: every expert on the GPU where they fit in its free memory, else a tier "
+        "of what is left; default: every expert on the GPU",
     )
     group.add_argument(
         "--host-cache",

@@ -44,6 +44,8 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
+from moestream.engine.gpu_tier import auto_tier, minimum_budget
+from moestream.engine.options import AUTO
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
@@ -56,6 +58,7 @@ from moestream.graphs.moe import Whole
 from moestream.graphs.spec import ModelSpec
 from moestream.runtime.expert_layers import ExpertLayers, ExpertTypes, SlotArena
 from moestream.runtime.experts import Routed
+from moestream.units import format_size
 
 CHUNK = 256  # prefill tokens per step: the step's buffers and scratch grow with it
 DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch)
@@ -120,13 +123,15 @@ class GgmlRunner(ModelRunner):
         ctx_size: int,
         threads: int,
         backend: Backend | None = None,
-        gpu_tier: int | None = None,
+        gpu_tier: int | str | None = None,
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         slots: int = 1,
+        trunk_bytes: int = 0,
     ) -> None:
         """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
-        None: every expert on the device), filled by `policy` from the host cache (which reads from disk
-        what it lacks). `slots`: KV-cache slots, one per sequence decoded together (`--parallel`).
+        None: every expert on the device; "auto": sized from the device's free memory, `auto_tier`),
+        filled by `policy` from the host cache (which reads from disk what it lacks). `slots`: KV-cache
+        slots, one per sequence decoded together (`--parallel`). `trunk_bytes`: the trunk's weights.
 
         Raises:
             MoestreamError: several slots for a model with linear-attention layers.
@@ -160,6 +165,7 @@ class GgmlRunner(ModelRunner):
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
+        self.auto_words = ""  # --gpu-tier auto: what it chose and why (the mode line)
         try:
             if gpu_tier is None:
                 tier_misses(False)  # refused when set: there is no tier to miss
@@ -169,10 +175,47 @@ class GgmlRunner(ModelRunner):
                     "MOESTREAM_GGML_BACKEND=cuda (or drop --gpu-tier)"
                 )
             else:
-                self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy, threads)
+                if gpu_tier == AUTO:
+                    gpu_tier = self._auto_tier(trunk_bytes)
+                if gpu_tier is not None:
+                    self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy, threads)
         except BaseException:
             self.close()
             raise
+
+    def _auto_tier(self, trunk_bytes: int) -> int | None:
+        """`--gpu-tier auto`: every expert on the device where they fit beside the trunk, the KV cache and
+        the graphs' buffers (as `planned_bytes` counts them), else a tier of what is left (`auto_tier`);
+        the choice said in the mode line.
+
+        Raises:
+            GgmlUnavailableError: the backend does not say its free memory.
+            CacheBudgetError: too little is left for a tier.
+        """
+        backend = self.memory.backend
+        free, total = backend.memory()
+        if not total:
+            raise GgmlUnavailableError(
+                f"--gpu-tier auto: ggml's {backend.kind} backend does not say its free memory; give "
+                "--gpu-tier a size"
+            )
+        spec, experts = self.spec, self.experts
+        types, n = experts.graph_types(), experts.num_experts
+        moe = [x.index for x in spec.layers if x.router is not None]
+        if any(types.get(layer) is None or types[layer].arena is None for layer in moe):
+            return None  # a tier cannot hold them (TieredSteps says so); every expert on the device
+        every = sum(sum(b for _, b in types[layer].matrix_bytes(spec.hidden)) * n for layer in moe)
+        inter = types[moe[0]].inter
+        graphs = planned_bytes(spec, self.ctx, n, inter, self.threads, len(self.seqs))[1]
+        reserve = trunk_bytes + self.kv_bytes + graphs
+        least = minimum_budget(types, moe, spec.hidden, n, spec.top_k)
+        tier = auto_tier(free, reserve, every, least, experts.holds_all())
+        where = "every expert on the device" if tier is None else f"a tier of {format_size(tier)}"
+        self.auto_words = (
+            f"--gpu-tier auto: {where} ({format_size(free)} free, {format_size(reserve)} for the trunk, KV "
+            f"cache and graphs, {format_size(every)} of experts)"
+        )
+        return tier
 
     @property
     def kv_bytes(self) -> int:
@@ -184,6 +227,8 @@ class GgmlRunner(ModelRunner):
             experts = "one graph a step, every routed expert on the device"
             if self.tiered is not None:
                 experts = self.tiered.describe()
+            if self.auto_words:
+                experts += f"; {self.auto_words}"
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
                 f"{self.spec.family}: {experts}), KV cache F16 of {self.ctx} positions there"

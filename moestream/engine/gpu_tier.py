@@ -234,3 +234,29 @@ class WayTrial:
         other = next(w for w in self.WAYS if w != self.chosen)
         ms = {w: 1000 * statistics.median(self.seconds[w]) for w in self.WAYS}
         return f"{self.chosen} (a decode step {ms[self.chosen]:.1f} ms, {ms[other]:.1f} ms by {other})"
+
+
+# what a device needs beside the trunk, the KV cache, the graphs' buffers and the experts: CUDA's own
+# workspaces (cuBLAS, ggml's pool of temporaries, which grows to a prefill chunk's largest), at least
+AUTO_MARGIN = 512 << 20
+
+
+def auto_tier(free: int, reserve: int, every: int, least: int, holds_all: bool) -> int | None:
+    """`--gpu-tier auto` on a device with `free` bytes free, `reserve` of them for the trunk, the KV cache
+    and the graphs: None (every expert in stacks on the device, the step one graph) where `every` expert's
+    bytes fit beside the reserve and the host cache holds them all; else a tier of what is left (at most
+    `every`: slots for every expert over a host cache that streams).
+
+    Raises:
+        CacheBudgetError: what is left is less than `least` (one token's routed experts a class).
+    """
+    room = free - reserve - max(AUTO_MARGIN, free // 20)
+    if every <= room and holds_all:
+        return None
+    if room < least:
+        raise CacheBudgetError(
+            f"--gpu-tier auto: the GPU has {format_size(free)} free, {format_size(reserve)} of it for the "
+            f"trunk, KV cache and graphs, which leaves less than the {format_size(least)} one token's "
+            "experts need: free GPU memory, or run without MOESTREAM_GGML_BACKEND"
+        )
+    return min(room, every)

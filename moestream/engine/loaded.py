@@ -129,6 +129,7 @@ class LoadedModel:
                 self.options.gpu_tier,
                 policy_factory(self.options.policy, self.emap),
                 self.options.parallel,
+                self.trunk.nbytes,
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()

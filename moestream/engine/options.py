@@ -74,7 +74,8 @@ class EngineOptions:
             self.host_cache = AUTO if self.cache == AUTO else 0
         self.host_cache = _size_or_auto(self.host_cache)
         if self.gpu_tier is not None:
-            self.gpu_tier = parse_size(self.gpu_tier)
+            auto = isinstance(self.gpu_tier, str) and self.gpu_tier.strip().lower() == AUTO
+            self.gpu_tier = AUTO if auto else parse_size(self.gpu_tier)
             if self.device != "cpu":
                 raise ValueError(
                     "--gpu-tier sizes the expert slots of ggml's CUDA backend, which runs with --device cpu "

@@ -59,11 +59,13 @@ def make_runner(
     gpu_tier: int | None = None,
     policy: Callable[[], EvictionPolicy] = LRUPolicy,
     parallel: int = 1,
+    trunk_bytes: int = 0,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
     expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`). `parallel`:
-    the ggml runner's KV-cache slots (sequences decoded together).
+    the ggml runner's KV-cache slots (sequences decoded together). `trunk_bytes`: the trunk's weights, for
+    a GPU tier sized from the device's free memory (`--gpu-tier auto`).
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
@@ -77,7 +79,8 @@ def make_runner(
 
         recurrent = any(layer.linear is not None for layer in spec.layers)
         backend = _backend(threads, recurrent)
-        return GgmlRunner(spec, experts, ctx_size, threads, backend, gpu_tier, policy, slots=parallel)
+        args = (spec, experts, ctx_size, threads, backend, gpu_tier, policy)
+        return GgmlRunner(*args, slots=parallel, trunk_bytes=trunk_bytes)
     if gpu_tier is not None:
         raise MoestreamError(
             "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend "
