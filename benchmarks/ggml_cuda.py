@@ -307,7 +307,7 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--backend", default="cuda")
     s.add_argument("--gpu-tier", default=None, help="device slots for the experts (default: every expert)")
-    ways = ["upload", "host", "auto"]
+    ways = ["upload", "host", "split", "auto"]
     s.add_argument("--tier-misses", default="upload", choices=ways, help="with --gpu-tier")
     s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()

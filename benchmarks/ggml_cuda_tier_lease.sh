@@ -6,7 +6,7 @@
 set -uo pipefail
 . benchmarks/ggml_cuda_env.sh || exit 1
 ncmoe_baseline
-for run in ${RUNS:-2GiB:upload 2GiB:host 2GiB:auto 1GiB:upload 1GiB:host}; do
+for run in ${RUNS:-2GiB:upload 2GiB:host 2GiB:split 2GiB:auto 1GiB:auto}; do
   tier=${run%%:*} misses=${run##*:}
   echo "== tier $tier, misses $misses"
   python3 benchmarks/ggml_cuda.py speed "$MODEL" --gpu-tier $tier --tier-misses $misses --prompts 36,512 \

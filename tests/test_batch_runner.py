@@ -163,7 +163,7 @@ def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, ti
         assert got_tokens == want_tokens and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(arch, misses, tiny_dir, monkeypatch):
     """A GPU tier of the smallest size (a token's experts a class: a batch's union overflows it and runs on

@@ -58,7 +58,7 @@ def _sizes(path, monkeypatch) -> tuple[int, int, int, list]:
     return least, (least + every) // 2, every, plans
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 @pytest.mark.parametrize("which", ["qwen3_moe", "mixed_gguf", "mixtral", "gpt_oss"])
 def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_dir, tiny_gguf, monkeypatch):
     """Misses copied to their slots before the graph (upload), or computed by the CPU from the host cache
@@ -72,7 +72,11 @@ def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_di
         downs = sorted(dict(p.kinds)["down"] for p in plans)
         assert len(plans) == 2 and downs[0] < downs[1]
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
-    words = {"upload": "misses copied before their graph", "host": "misses computed by the CPU from it"}
+    words = {
+        "upload": "misses copied before their graph",
+        "host": "misses computed by the CPU from it",
+        "split": "misses 50% copied before their graph while the CPU computes the rest",
+    }
     calls = []  # the host way's misses: by one CPU graph a layer over the host cache's slots
     compute = HostMisses.compute
     monkeypatch.setattr(HostMisses, "compute", lambda self, *a: calls.append(len(a[2])) or compute(self, *a))
@@ -81,7 +85,7 @@ def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_di
         assert "routed experts in a GPU tier of" in mode and words[misses] in mode
         assert torch.equal(got, want), (which, size)
         assert tokens == want_tokens
-    assert bool(calls) == (misses == "host")
+    assert bool(calls) == (misses != "upload")
 
 
 def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monkeypatch):
@@ -126,7 +130,7 @@ def test_a_gpu_tier_without_a_backend_is_refused(tiny_dir, monkeypatch):
         EngineOptions(gpu_tier="1MiB", device="cuda")
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 def test_generate_batch_over_a_gpu_tier_with_parallel_slots(misses, tiny_dir, monkeypatch):
     """--gpu-tier with --parallel 3: `generate_batch` decodes the prompts together (steps of several rows
     over the tier), each getting its tokens alone."""
@@ -163,14 +167,18 @@ def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
     path = str(tiny_dir("qwen3_moe"))
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "cpu")
-    with pytest.raises(GgmlUnavailableError, match="say upload, host or auto"):
+    with pytest.raises(GgmlUnavailableError, match="say upload, host, split or auto"):
+        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "split")
+    monkeypatch.setenv("MOESTREAM_TIER_SPLIT", "2")
+    with pytest.raises(GgmlUnavailableError, match="MOESTREAM_TIER_SPLIT='2': say a share from 0 to 1"):
         moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
     with pytest.raises(GgmlUnavailableError, match="there is no GPU tier"):
         moestream.load(path, cache="64MiB", trunk="ggml")
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 def test_chunks_and_a_restream_with_a_gpu_tier(misses, tiny_dir, monkeypatch):
     """Prefill chunks (each layer's union of a chunk beyond the smallest tier: computed from the host),
     spans across graph sets, and a restream (the tier made again over the new host slots)."""
@@ -197,13 +205,13 @@ OTHER_FAMILIES = ["qwen2_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"
 @pytest.mark.parametrize("arch", [*OTHER_FAMILIES, "qwen3_next", "qwen3_5_moe"])
 def test_every_family_with_a_gpu_tier(arch, tiny_dir, monkeypatch):
     """The other families (dense first layers, shared experts, MLA, linear attention, MXFP4): the smallest
-    tier both ways gives the in-place bits (prefill and decode)."""
+    tier each way gives the in-place bits (prefill and decode)."""
     from test_ggml_runner import _runner_logits
 
     path = tiny_dir(arch)
     want, _, _ = _run(path, monkeypatch, "")
     least, *_ = _sizes(path, monkeypatch)
-    for misses in ("upload", "host"):
+    for misses in ("upload", "host", "split"):
         monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
         with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
             assert torch.equal(_runner_logits(engine, PROMPT), want), misses
@@ -284,35 +292,38 @@ def test_a_way_trial_chooses_the_faster_way_by_its_median_step():
 
     trial = WayTrial(window=3)
     ways = []
-    for seconds in (0.010, 0.030, 0.011, 0.020, 0.009, 0.008):  # upload: 10, 30, 11 ms; host: 20, 9, 8
+    # upload: 10, 30, 12 ms; host: 20, 9, 8 ms; split: 7, 6, 9 ms
+    for seconds in (0.010, 0.030, 0.012, 0.020, 0.009, 0.008, 0.007, 0.006, 0.009):
         ways.append(trial.way())
+        if ways[-1] == "split":  # the share from the first two: host / (upload + host) = 9 / 21
+            assert trial.share() == pytest.approx(9 / 21)
         trial.record(ways[-1], seconds)
-    assert ways == ["upload"] * 3 + ["host"] * 3 and trial.chosen == "host" and trial.way() == "host"
-    assert trial.describe() == "host (a decode step 9.0 ms, 11.0 ms by upload)"
+    assert ways == ["upload"] * 3 + ["host"] * 3 + ["split"] * 3 and trial.chosen == "split"
+    assert trial.describe() == "split (a decode step 7.0 ms; upload 12.0, host 9.0; split copied 43%)"
     trial.record("upload", 0.001)  # after the choice: nothing changes it
-    assert trial.chosen == "host" and len(trial.seconds["upload"]) == 3
+    assert trial.way() == "split" and len(trial.seconds["upload"]) == 3
 
 
-def test_the_auto_way_tries_both_ways_then_keeps_one_with_the_same_bits(tiny_dir, monkeypatch):
-    """MOESTREAM_TIER_MISSES=auto: the first 8 decode steps copy misses in, the next 8 compute them on the
-    CPU, then one way goes on; every token the CPU graphs' (both ways give them on ggml's CPU backend)."""
+def test_the_auto_way_tries_each_way_then_keeps_one_with_the_same_bits(tiny_dir, monkeypatch):
+    """MOESTREAM_TIER_MISSES=auto: 8 decode steps copy misses in, 8 compute them on the CPU, 8 do both,
+    then one way goes on; every token the CPU graphs' (each way gives them on ggml's CPU backend)."""
     path = tiny_dir("qwen3_moe")
     least, *_ = _sizes(path, monkeypatch)
     monkeypatch.delenv("MOESTREAM_GGML_BACKEND", raising=False)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        want = engine.generate(PROMPT, max_tokens=24, ignore_eos=True).tokens
+        want = engine.generate(PROMPT, max_tokens=30, ignore_eos=True).tokens
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "auto")
     calls = []
     compute = HostMisses.compute
     monkeypatch.setattr(HostMisses, "compute", lambda self, *a: calls.append(len(a[2])) or compute(self, *a))
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=least) as engine:
-        assert "as a trial of the first 16 decoded tokens finds faster" in engine.mode_line()
-        got = engine.generate(PROMPT, max_tokens=24, ignore_eos=True).tokens
+        assert "as a trial of the first 24 decoded tokens finds faster" in engine.mode_line()
+        got = engine.generate(PROMPT, max_tokens=30, ignore_eos=True).tokens
         trial = engine.runner.tiered.trial
         uploaded = engine.runner.tier_counters().bytes_uploaded
     assert got == want
-    assert trial.chosen in ("upload", "host") and [len(v) for v in trial.seconds.values()] == [8, 8]
+    assert trial.chosen in trial.WAYS and [len(v) for v in trial.seconds.values()] == [8, 8, 8]
     assert calls and uploaded > 0  # both ways ran
 
 

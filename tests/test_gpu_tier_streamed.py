@@ -46,7 +46,7 @@ def _host_caches(path) -> tuple[int, int, int]:
     return small, (small + every) // 2, every
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 @pytest.mark.parametrize("which", ["qwen3_moe", "gpt_oss", "gpt_oss_mxfp4", "q4_k_m"])
 def test_a_gpu_tier_over_a_small_host_cache_gives_the_in_place_bits(
     which, misses, tiny_dir, q4_k_m, monkeypatch
@@ -80,7 +80,7 @@ def test_bytes_read_per_token_under_a_small_cache_and_none_once_it_holds_every_e
     path = tiny_dir("qwen3_moe")
     least, *_ = _sizes(path, monkeypatch)
     small, _, every = _host_caches(path)
-    for misses in ("upload", "host"):
+    for misses in ("upload", "host", "split"):
         monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
         with moestream.load(str(path), cache=small, trunk="ggml", gpu_tier=least) as engine:
             d = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).stats.decode
@@ -92,7 +92,7 @@ def test_bytes_read_per_token_under_a_small_cache_and_none_once_it_holds_every_e
             assert gen.stats.decode.misses == 0 and gen.stats.decode.device_misses > 0, misses
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 @pytest.mark.parametrize("at", [1, 30, 60])  # a prefill layer computed on the host; decoded misses
 def test_a_read_failing_under_the_tier_ends_that_request_and_the_next_gives_the_same_tokens(
     at, misses, tiny_dir, monkeypatch
@@ -121,7 +121,7 @@ def test_a_read_failing_under_the_tier_ends_that_request_and_the_next_gives_the_
         assert engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True).tokens == want_tokens
 
 
-@pytest.mark.parametrize("misses", ["upload", "host"])
+@pytest.mark.parametrize("misses", ["upload", "host", "split"])
 def test_chunks_and_a_restream_to_a_smaller_host_cache(misses, tiny_dir, monkeypatch):
     """Prefill chunks (a chunk's layer beyond the smallest tier computed from the host, reading what the
     host cache lacks) and restreams between a cache holding every expert and the smallest one: the tier

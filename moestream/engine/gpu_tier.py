@@ -166,6 +166,13 @@ class GpuTier:
         self.counters.misses += len(misses)
         return slot, misses
 
+    def admit(self, layer: int, experts: list[int], group: list[int]) -> dict[int, int]:
+        """Slots for `experts` (misses of `layer` that a gated `place` kept out, to be copied in now),
+        never evicting one of `group` (the layer's experts) while another can go: expert -> slot."""
+        c = self._class_of[layer]
+        protected = {(layer, e) for e in group}
+        return {e: c.residents.admit((layer, e), protected)[0] for e in experts}
+
     def upload(self, layer: int, slot: int, kinds: tuple[str, ...], source: int) -> None:
         """`kinds` of the expert in host slot `source` (of `layer`'s host size class) into device `slot`,
         on the backend's stream (the host slot must not change until the stream has run them)."""
@@ -202,12 +209,13 @@ class GpuTier:
 class WayTrial:
     """MOESTREAM_TIER_MISSES=auto: the way of a miss chosen per run by measurement. The first `window`
     decode steps (one token each) copy misses in ("upload"), the next `window` compute them on the CPU
-    ("host"); from then on the way whose median step was shorter. Which is faster depends on the
-    machine (the copies' bandwidth against the CPU's cores) and the tier's share; the H100s of
-    2026-12-06 favoured copying at 2 GiB of 8.2 (BENCHMARKS.md). Plain Python: `record` is told each
-    step's seconds, `way` says the way of the next."""
+    ("host"), the next `window` do both at once ("split": a share of each layer's misses copied while
+    the CPU computes the rest, the share from the first two: the CPU's step time over both, so that
+    copies and CPU would end together); from then on the way whose median step was shortest. Which is
+    fastest depends on the machine (the copies' bandwidth against the CPU's cores) and the tier's
+    share. Plain Python: `record` is told each step's seconds, `way` says the way of the next."""
 
-    WAYS = ("upload", "host")
+    WAYS = ("upload", "host", "split")
 
     def __init__(self, window: int = 8) -> None:
         self.window = window
@@ -219,21 +227,31 @@ class WayTrial:
             return self.chosen
         return next(w for w in self.WAYS if len(self.seconds[w]) < self.window)
 
+    def median(self, way: str) -> float | None:
+        return statistics.median(self.seconds[way]) if self.seconds[way] else None
+
+    def share(self) -> float:
+        """The way "split"'s share of the misses copied: host / (upload + host), their median steps."""
+        up, host = self.median("upload"), self.median("host")
+        return 0.5 if not up or not host else host / (up + host)
+
     def record(self, way: str, seconds: float) -> None:
         """A decode step of `way` took `seconds` (ignored once the choice is made)."""
         if self.chosen is not None:
             return
         self.seconds[way].append(seconds)
         if all(len(self.seconds[w]) >= self.window for w in self.WAYS):
-            self.chosen = min(self.WAYS, key=lambda w: statistics.median(self.seconds[w]))
+            self.chosen = min(self.WAYS, key=self.median)
 
     def describe(self) -> str:
-        """'upload (median step 15.1 ms against 18.4 ms computing them on the CPU)' once chosen."""
+        """E.g. 'split (a decode step 9.1 ms; upload 15.1, host 18.4; 55% copied)' once chosen."""
         if self.chosen is None:
             return "on trial"
-        other = next(w for w in self.WAYS if w != self.chosen)
-        ms = {w: 1000 * statistics.median(self.seconds[w]) for w in self.WAYS}
-        return f"{self.chosen} (a decode step {ms[self.chosen]:.1f} ms, {ms[other]:.1f} ms by {other})"
+        others = ", ".join(f"{w} {1000 * self.median(w):.1f}" for w in self.WAYS if w != self.chosen)
+        return (
+            f"{self.chosen} (a decode step {1000 * self.median(self.chosen):.1f} ms; {others}; split copied "
+            f"{self.share():.0%})"
+        )
 
 
 # what a device needs beside the trunk, the KV cache, the graphs' buffers and the experts: CUDA's own

@@ -29,6 +29,7 @@ the device between the graphs (`device_only`); the step's inputs are copied ther
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -107,8 +108,9 @@ class TieredSteps:
         misses = {
             "host": "misses computed by the CPU from it, then copied",
             "upload": "misses copied before their graph",
-            "auto": "misses copied before their graph or computed by the CPU, as a trial of the first "
-            f"{2 * WayTrial().window} decoded tokens finds faster",
+            "split": f"misses {tier_split():.0%} copied before their graph while the CPU computes the rest",
+            "auto": "misses copied before their graph, computed by the CPU or both, as a trial of the first "
+            f"{len(WayTrial.WAYS) * WayTrial().window} decoded tokens finds faster",
         }[self.misses]
         return (
             f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
@@ -138,10 +140,16 @@ class TieredSteps:
         self._tier = (key, tier)
         return tier, True
 
-    @property
-    def host_misses(self) -> bool:
-        """Whether the CPU computes the next step's misses (else they are copied in first)."""
-        return (self.trial.way() if self.trial is not None else self.misses) == "host"
+    def way(self) -> str:
+        """The next step's way of a miss: "upload", "host" or "split" (the trial's, under "auto")."""
+        return self.trial.way() if self.trial is not None else self.misses
+
+    def split_share(self) -> float:
+        """The way "split": the share of a layer's misses (those the gate kept out) copied in while the
+        CPU computes the others: the trial's (its two ways' step times), else MOESTREAM_TIER_SPLIT (0.5)."""
+        if self.trial is not None:
+            return self.trial.share()
+        return tier_split()
 
     def step(self, gs: GraphSet, host_layer: HostLayer) -> None:
         """One step of `gs` (its buffers filled) over the tier; `host_layer` computes a layer's experts on
@@ -171,38 +179,56 @@ class TieredSteps:
                     continue
                 n = gs.rows(i)
                 rows = b.order[:n, : b.weights[0].shape[1]].tolist()
-                placed = tier.place(i, rows, self.host_misses) if i + 1 in fused else None
+                way = self.way()
+                placed = tier.place(i, rows, way != "upload") if i + 1 in fused else None
                 if placed is None:
                     self._fetch(b.moe_in[:n])
                     host_layer(i, n)
                     continue
                 slot, misses = placed
-                b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
                 try:
-                    if self.host_misses:
-                        self._host_pairs(i, b, rows, set(misses))
-                        self._defer(tier, i, slot, [e for e in misses if e in slot])
-                    else:
+                    if way == "upload":
                         if self.mixed:  # every output the device's (the graph still picks)
                             b.pick.numpy()[:n] = np.arange(n * len(rows[0]), dtype=np.int32).reshape(n, -1)
+                        b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
                         self._upload(tier, i, rows, slot, misses)
+                    else:
+                        admitted = [e for e in misses if e in slot]  # by the gate: copied after the graph
+                        copied: list[int] = []
+                        if way == "split":  # a share of the rest copied in now, while the CPU computes
+                            rest = [e for e in misses if e not in slot]
+                            copied = rest[: round(self.split_share() * len(rest))]
+                            slot.update(tier.admit(i, copied, list({e for row in rows for e in row})))
+                        b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
+                        cpu = functools.partial(self._host_pairs, i, b, rows, set(misses) - set(copied))
+                        self._upload(tier, i, rows, slot, copied, cpu)
+                        self._defer(tier, i, slot, admitted)
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
                     raise
                 ready = True
-                hits, layers = hits + len(slot) - len(misses), layers + 1
+                hits, layers = hits + len({e for row in rows for e in row}) - len(misses), layers + 1
         finally:
             self._drop_deferred(tier)  # a step that raised: the misses it did not copy leave the tier
         # the device's hits (none read from disk); the misses were counted by the host cache's job
         self.experts.count_resident(hits, layers)
 
     def _upload(
-        self, tier: GpuTier, layer: int, rows: list[list[int]], slot: dict[int, int], misses: list[int]
+        self,
+        tier: GpuTier,
+        layer: int,
+        rows: list[list[int]],
+        slot: dict[int, int],
+        misses: list[int],
+        during: Callable[[], None] | None = None,
     ) -> None:
         """`misses` copied into their device slots from the host cache, which holds them for the copies
         (pinned) and reads those it lacks from disk: each kind copied as it lands, the gate while the up
-        and down are still read. Before the graph that computes them (the copies on its stream)."""
+        and down are still read. Before the graph that computes them (the copies on its stream).
+        `during`: run once every copy is issued, before waiting for them (the CPU's share of the layer)."""
         if not misses:
+            if during is not None:
+                during()
             return
         uses = dict.fromkeys(misses, 0)
         for row in rows:
@@ -218,6 +244,8 @@ class TieredSteps:
                 if not left[e] and held.waiting:  # a miss waits for a slot: this one's, once copied
                     sync()
                     held.release(e)
+            if during is not None:  # while the stream copies
+                during()
             sync()  # the host slots are given back: nothing may still copy out of them
 
     def _defer(self, tier: GpuTier, layer: int, slot: dict[int, int], misses: list[int]) -> None:
@@ -338,8 +366,25 @@ def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
     return [slot[e] if e in slot else next(spare) for e in row]
 
 
+def tier_split() -> float:
+    """MOESTREAM_TIER_SPLIT: the way "split"'s share of a layer's misses copied in (0 to 1; default 0.5).
+
+    Raises:
+        GgmlUnavailableError: not a number from 0 to 1.
+    """
+    asked = os.environ.get("MOESTREAM_TIER_SPLIT", "").strip() or "0.5"
+    try:
+        share = float(asked)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_SPLIT={asked!r}: say a share from 0 to 1")
+    return share
+
+
 def tier_misses(tier: bool) -> str:
-    """MOESTREAM_TIER_MISSES: "upload" (default), "host" (see the module doc) or "auto" (`WayTrial`).
+    """MOESTREAM_TIER_MISSES: "upload" (default), "host" (see the module doc), "split" (a share of each
+    layer's misses copied in while the CPU computes the rest) or "auto" (`WayTrial`).
 
     Raises:
         GgmlUnavailableError: another value, or set without a GPU tier (it would change nothing).
@@ -347,8 +392,10 @@ def tier_misses(tier: bool) -> str:
     asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
     if asked and not tier:
         raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
-    if asked not in ("", "upload", "host", "auto"):
-        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload, host or auto")
+    if asked not in ("", "upload", "host", "split", "auto"):
+        raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload, host, split or auto")
+    if asked == "split":
+        tier_split()  # a bad share refused at load
     return asked or "upload"
 
 
