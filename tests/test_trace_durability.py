@@ -48,7 +48,9 @@ def test_sigkilled_writer_leaves_its_flushed_rows(tmp_path: Path) -> None:
     assert len(t) >= 500 and len(t) % 100 == 0
     assert t.token.tolist() == list(range(len(t)))  # the rows, in order, with nothing invented
     assert t.experts[:, 0].tolist() == (np.arange(len(t)) % 8).tolist()
-    assert any("did not close" in note for note in t.notes)
+    # killed between two batches ("did not close") or inside one ("cut inside a batch"): where the kill
+    # lands is the scheduler's, so either note is right (the rows are the flushed batches' either way)
+    assert any("did not close" in note or "cut inside a batch" in note for note in t.notes), t.notes
 
 
 def _stream_with_batches(tmp_path: Path, batches: int, rows: int = 10) -> tuple[bytes, list[int]]:
