@@ -109,7 +109,8 @@ def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monk
         gen = engine.generate(PROMPT, max_tokens=GREEDY, ignore_eos=True)
         d = gen.stats.decode
         assert d.device_misses >= d.tokens and d.device_bytes == d.device_misses * plan.slot_bytes
-        assert "gpu tier hit rate" in gen.stats.line()
+        assert "gpu tier hit rate" in gen.stats.line() and gen.stats.line().endswith("misses: upload")
+        assert gen.stats.to_dict()["device_tier"]["way"] == "upload"
         assert engine.counters().tier.misses >= d.device_misses
 
 
@@ -322,6 +323,7 @@ def test_the_auto_way_tries_each_way_then_keeps_one_with_the_same_bits(tiny_dir,
         got = engine.generate(PROMPT, max_tokens=30, ignore_eos=True).tokens
         trial = engine.runner.tiered.trial
         uploaded = engine.runner.tier_counters().bytes_uploaded
+        assert engine.counters().tier.way == f"auto: {trial.describe()}" and trial.chosen in trial.describe()
     assert got == want
     assert trial.chosen in trial.WAYS and [len(v) for v in trial.seconds.values()] == [8, 8, 8]
     assert calls and uploaded > 0  # both ways ran

@@ -31,8 +31,8 @@ def replay_routing(args: argparse.Namespace) -> int:
         total = GenerationStats(PhaseStats(), PhaseStats())
         for gen in engine.replay_requests():
             for mine, theirs in ((total.prefill, gen.stats.prefill), (total.decode, gen.stats.decode)):
-                for name, value in vars(theirs).items():
-                    setattr(mine, name, getattr(mine, name) + value)
+                for name, value in vars(theirs).items():  # summed; a word (the tier's way): the last
+                    setattr(mine, name, value if isinstance(value, str) else getattr(mine, name) + value)
         replayed, own = engine.replay.replayed, engine.replay.own
         if args.json:
             out = {"mode": engine.mode_line(), "requests": len(requests), "stats": total.to_dict()}

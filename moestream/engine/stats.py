@@ -16,6 +16,9 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     bytes_uploaded: int = 0
+    # the way of a miss now ("upload", "host", "split"; under MOESTREAM_TIER_MISSES=auto, its trial's
+    # choice and times, or "auto: on trial"); not summed
+    way: str = ""
 
 
 @dataclass
@@ -34,6 +37,7 @@ class PhaseStats:
     device_hits: int = 0
     device_misses: int = 0
     device_bytes: int = 0
+    device_way: str = ""  # the tier's way of a miss at the phase's end
 
     @property
     def tok_s(self) -> float:
@@ -66,6 +70,7 @@ class Counters:
             now.hits - then.hits,
             now.misses - then.misses,
             now.bytes_uploaded - then.bytes_uploaded,
+            now.way,
         )
 
 
@@ -112,6 +117,7 @@ class GenerationStats:
             "decode_hit_rate": d.device_hits / decoded if decoded else 0.0,
             "bytes_uploaded": p.device_bytes + d.device_bytes,
             "decode_mib_uploaded_per_token": d.device_bytes / MiB / max(1, d.tokens),
+            "way": d.device_way or p.device_way,
         }
 
     def to_dict(self) -> dict:
@@ -156,4 +162,5 @@ class GenerationStats:
         return (
             f" | gpu tier hit rate {100 * tier['decode_hit_rate']:.1f}% decoding, "
             f"{tier['decode_mib_uploaded_per_token']:.1f} MiB/token uploaded"
+            + (f", misses: {tier['way']}" if tier["way"] else "")
         )

@@ -29,6 +29,7 @@ the device between the graphs (`device_only`); the step's inputs are copied ther
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -341,9 +342,10 @@ class TieredSteps:
         self.memory.backend.synchronize()
 
     def counters(self) -> TierCounters:
-        """Cumulative over every tier made."""
-        c = self._closed
-        return c if self._tier is None else _added(c, self._tier[1].counters)
+        """Cumulative over every tier made; with the way of a miss now."""
+        c = self._closed if self._tier is None else _added(self._closed, self._tier[1].counters)
+        way = self.misses if self.trial is None else f"auto: {self.trial.describe()}"
+        return dataclasses.replace(c, way=way)
 
     def drop(self) -> None:
         """Free the tier (the host slots it copies from are freed next, or moved): made again when used."""
