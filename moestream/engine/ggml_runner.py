@@ -44,7 +44,7 @@ import torch
 
 from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
-from moestream.engine.gpu_tier import auto_tier, minimum_budget
+from moestream.engine.gpu_tier import auto_tier, expert_bytes, minimum_budget
 from moestream.engine.options import AUTO
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
@@ -199,12 +199,11 @@ class GgmlRunner(ModelRunner):
                 f"--gpu-tier auto: ggml's {backend.kind} backend does not say its free memory; give "
                 "--gpu-tier a size"
             )
-        spec, experts = self.spec, self.experts
+        spec, experts, moe = self.spec, self.experts, self._moe_layers
         types, n = experts.graph_types(), experts.num_experts
-        moe = [x.index for x in spec.layers if x.router is not None]
         if any(types.get(layer) is None or types[layer].arena is None for layer in moe):
             return None  # a tier cannot hold them (TieredSteps says so); every expert on the device
-        every = sum(sum(b for _, b in types[layer].matrix_bytes(spec.hidden)) * n for layer in moe)
+        every = expert_bytes(types, moe, spec.hidden, n)
         inter = types[moe[0]].inter
         graphs = planned_bytes(spec, self.ctx, n, inter, self.threads, len(self.seqs))[1]
         reserve = trunk_bytes + self.kv_bytes + graphs

@@ -53,12 +53,17 @@ def _classes(types: dict[int, ExpertTypes], layers: list[int], hidden: int) -> d
     return by_kinds
 
 
+def expert_bytes(types: dict[int, ExpertTypes], layers: list[int], hidden: int, experts: int) -> int:
+    """Every routed expert's bytes of the MoE `layers` (`experts` each), as the device lays them out."""
+    return experts * sum(sum(n for _, n in types[layer].matrix_bytes(hidden)) for layer in layers)
+
+
 def minimum_budget(
     types: dict[int, ExpertTypes], layers: list[int], hidden: int, experts: int, top_k: int
 ) -> int:
     """The smallest GPU tier whose every size class has slots for one token's `top_k` routed experts."""
     by_kinds = _classes(types, layers, hidden)
-    total = sum(sum(n for _, n in kinds) * len(ls) * experts for kinds, ls in by_kinds.items())
+    total = expert_bytes(types, layers, hidden, experts)
     return max(-(-top_k * total // (len(ls) * experts)) for ls in by_kinds.values())
 
 
@@ -73,7 +78,7 @@ def plan_tier(
         CacheBudgetError: a class gets fewer slots than one token's `top_k` routed experts.
     """
     by_kinds = _classes(types, layers, hidden)
-    total = sum(sum(n for _, n in kinds) * len(ls) * experts for kinds, ls in by_kinds.items())
+    total = expert_bytes(types, layers, hidden, experts)
     plans = []
     for kinds, ls in by_kinds.items():
         size = sum(n for _, n in kinds)
@@ -221,6 +226,8 @@ class WayTrial:
         self.window = window
         self.seconds: dict[str, list[float]] = {w: [] for w in self.WAYS}
         self.chosen: str | None = None
+        self._share = 0.5  # the way "split"'s, once "upload" and "host" are timed
+        self._words = "on trial"
 
     def way(self) -> str:
         if self.chosen is not None:
@@ -231,27 +238,30 @@ class WayTrial:
         return statistics.median(self.seconds[way]) if self.seconds[way] else None
 
     def share(self) -> float:
-        """The way "split"'s share of the misses copied: host / (upload + host), their median steps."""
-        up, host = self.median("upload"), self.median("host")
-        return 0.5 if not up or not host else host / (up + host)
+        """The way "split"'s share of the misses copied: host / (upload + host), their median steps (0.5
+        until both are timed)."""
+        return self._share
 
     def record(self, way: str, seconds: float) -> None:
         """A decode step of `way` took `seconds` (ignored once the choice is made)."""
         if self.chosen is not None:
             return
         self.seconds[way].append(seconds)
+        if way == "host" and len(self.seconds[way]) == self.window:
+            up, host = self.median("upload"), self.median("host")
+            self._share = host / (up + host) if up and host else 0.5
         if all(len(self.seconds[w]) >= self.window for w in self.WAYS):
             self.chosen = min(self.WAYS, key=self.median)
+            others = ", ".join(f"{w} {1000 * self.median(w):.1f}" for w in self.WAYS if w != self.chosen)
+            self._words = (
+                f"{self.chosen} (a decode step {1000 * self.median(self.chosen):.1f} ms; {others}; split "
+                f"copied {self._share:.0%})"
+            )
 
     def describe(self) -> str:
-        """E.g. 'split (a decode step 9.1 ms; upload 15.1, host 18.4; 55% copied)' once chosen."""
-        if self.chosen is None:
-            return "on trial"
-        others = ", ".join(f"{w} {1000 * self.median(w):.1f}" for w in self.WAYS if w != self.chosen)
-        return (
-            f"{self.chosen} (a decode step {1000 * self.median(self.chosen):.1f} ms; {others}; split copied "
-            f"{self.share():.0%})"
-        )
+        """E.g. 'split (a decode step 9.1 ms; upload 15.1, host 18.4; split copied 55%)' once chosen, else
+        'on trial'."""
+        return self._words
 
 
 # what a device needs beside the trunk, the KV cache, the graphs' buffers and the experts: CUDA's own

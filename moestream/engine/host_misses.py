@@ -66,7 +66,8 @@ class HostMisses:
         expert id experts[p]. The caller holds the pool's lock (`ggml.kernels(threads)._lock`) and keeps
         the slots pinned meanwhile."""
         P = len(slots)
-        g = self._graph(layer, bucket(P))
+        kern = ggml.kernels(self.threads)
+        g = self._graph(layer, bucket(P), kern.pool)
         x = g.x.numpy()
         np.take(source, tokens, axis=0, out=x[:P])
         g.slots.numpy()[:P] = slots
@@ -76,11 +77,10 @@ class HostMisses:
             g.slots.numpy()[P:] = slots[0]
             g.experts.numpy()[P:] = experts[0]
         g.net.run()
-        ggml.kernels(self.threads).idle()
+        kern.idle()
         return g.out.numpy()[:P]
 
-    def _graph(self, layer: int, columns: int) -> _Graph:
-        pool = ggml.kernels(self.threads).pool
+    def _graph(self, layer: int, columns: int, pool: int) -> _Graph:
         if pool != self._pool:  # the pool was replaced (another thread count): plans for the old one
             self.close()
             self._pool = pool

@@ -78,8 +78,9 @@ class TieredSteps:
         self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
         self.threads = threads
         self._host: tuple[int, HostMisses] | None = None  # (the streaming's generation, its CPU graphs)
-        self.misses = tier_misses(True)  # "upload", "host" or "auto" (a `WayTrial` chooses one of them)
+        self.misses = tier_misses(True)  # "upload", "host", "split" or "auto" (a `WayTrial` chooses)
         self.trial = WayTrial() if self.misses == "auto" else None
+        self.split = tier_split()  # the way "split"'s share of the misses copied (not under "auto")
         # the graphs take each output from the device or the host (the way "host", and "auto" for both)
         self.mixed = self.misses != "upload"
         # the residual stream and the experts' input stay on the device (the experts' input comes back
@@ -109,7 +110,7 @@ class TieredSteps:
         misses = {
             "host": "misses computed by the CPU from it, then copied",
             "upload": "misses copied before their graph",
-            "split": f"misses {tier_split():.0%} copied before their graph while the CPU computes the rest",
+            "split": f"misses {self.split:.0%} copied before their graph while the CPU computes the rest",
             "auto": "misses copied before their graph, computed by the CPU or both, as a trial of the first "
             f"{len(WayTrial.WAYS) * WayTrial().window} decoded tokens finds faster",
         }[self.misses]
@@ -148,9 +149,7 @@ class TieredSteps:
     def split_share(self) -> float:
         """The way "split": the share of a layer's misses (those the gate kept out) copied in while the
         CPU computes the others: the trial's (its two ways' step times), else MOESTREAM_TIER_SPLIT (0.5)."""
-        if self.trial is not None:
-            return self.trial.share()
-        return tier_split()
+        return self.trial.share() if self.trial is not None else self.split
 
     def step(self, gs: GraphSet, host_layer: HostLayer) -> None:
         """One step of `gs` (its buffers filled) over the tier; `host_layer` computes a layer's experts on
@@ -187,28 +186,28 @@ class TieredSteps:
                     host_layer(i, n)
                     continue
                 slot, misses = placed
+                group = {e for row in rows for e in row}
                 try:
-                    if way == "upload":
-                        if self.mixed:  # every output the device's (the graph still picks)
-                            b.pick.numpy()[:n] = np.arange(n * len(rows[0]), dtype=np.int32).reshape(n, -1)
-                        b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
-                        self._upload(tier, i, rows, slot, misses)
-                    else:
-                        admitted = [e for e in misses if e in slot]  # by the gate: copied after the graph
-                        copied: list[int] = []
-                        if way == "split":  # a share of the rest copied in now, while the CPU computes
-                            rest = [e for e in misses if e not in slot]
-                            copied = rest[: round(self.split_share() * len(rest))]
-                            slot.update(tier.admit(i, copied, list({e for row in rows for e in row})))
-                        b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
-                        cpu = functools.partial(self._host_pairs, i, b, rows, set(misses) - set(copied))
-                        self._upload(tier, i, rows, slot, copied, cpu)
-                        self._defer(tier, i, slot, admitted)
+                    # copied in now: every miss ("upload"), none ("host": the CPU computes them), or a share
+                    # of those the gate kept out ("split", given slots here); the gate's own admissions
+                    # are copied after the graph, from where the CPU computed them
+                    admitted = [e for e in misses if e in slot]
+                    copied = misses if way == "upload" else []
+                    if way == "split":
+                        rest = [e for e in misses if e not in slot]
+                        copied = rest[: round(self.split_share() * len(rest))]
+                        slot.update(tier.admit(i, copied, list(group)))
+                    b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
+                    # the CPU's share (none for "upload": the graph then picks every output the device's)
+                    on_cpu = set(misses) - set(copied)
+                    cpu = functools.partial(self._host_pairs, i, b, rows, on_cpu) if self.mixed else None
+                    self._upload(tier, i, rows, slot, copied, cpu)
+                    self._defer(tier, i, slot, [e for e in admitted if e in on_cpu])
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
                     raise
                 ready = True
-                hits, layers = hits + len({e for row in rows for e in row}) - len(misses), layers + 1
+                hits, layers = hits + len(group) - len(misses), layers + 1
         finally:
             self._drop_deferred(tier)  # a step that raised: the misses it did not copy leave the tier
         # the device's hits (none read from disk); the misses were counted by the host cache's job
@@ -252,6 +251,8 @@ class TieredSteps:
     def _defer(self, tier: GpuTier, layer: int, slot: dict[int, int], misses: list[int]) -> None:
         """`misses`, which the schedule just computed from the host cache, copied into their device slots
         after the next graph (`_flush`), their host slots pinned until then."""
+        if not misses:
+            return
         sources = self.experts.pin_read(layer, misses)
         tier.forget(layer, [e for e in misses if e not in sources])
         if sources:
@@ -288,8 +289,7 @@ class TieredSteps:
         index = [i for i, e in enumerate(routed) if e in misses]  # the misses' (token, k) positions
         pairs = np.array(index, dtype=np.int64)
         pick = np.arange(n * k, dtype=np.int32)
-        if pairs.size:
-            self._fetch(b.moe_in[:n])
+        if pairs.size:  # (the experts' input is on the host: it comes back with the routing, `mixed`)
             flat = b.outputs.numpy().reshape(-1, b.outputs.shape[2])
             experts = [routed[i] for i in index]
             held = self._held(layer, rows, misses)
