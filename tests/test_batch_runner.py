@@ -33,8 +33,11 @@ def _alone(runner, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return tokens, torch.stack(seen)
 
 
-def _together(runner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """The same, the prompts each prefilled in a slot of its own, then decoded together a token a step."""
+def _stepped(runner, prompts, schedule, partial=False, after=None):
+    """The prompts each prefilled in a slot of its own, then a decode step of the rows each tuple of
+    `schedule` names (a token of each); a sequence that has its STEPS tokens leaves the tuple (`partial`)
+    or the tuple is skipped: each sequence's greedy tokens and its logits at each of them [tokens, V].
+    `after()` runs after each step."""
     seqs = runner.seqs[: len(prompts)]
     logits = []
     for kv, prompt in zip(seqs, prompts):
@@ -42,12 +45,30 @@ def _together(runner, prompts: list[list[int]]) -> tuple[list[list[int]], list[t
         logits.append(runner(prompt, kv)[0])
     tokens: list[list[int]] = [[] for _ in prompts]
     seen: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for _ in range(STEPS):
-        for i, row in enumerate(logits):
-            tokens[i].append(int(row.argmax()))
-            seen[i].append(row)
-        logits = list(runner.decode([(kv, t[-1]) for kv, t in zip(seqs, tokens)]))
+    for rows in schedule:
+        left = [i for i in rows if len(seen[i]) < STEPS]
+        if not left or (len(left) < len(rows) and not partial):
+            continue
+        for i in left:
+            tokens[i].append(int(logits[i].argmax()))
+            seen[i].append(logits[i])
+        for i, row in zip(left, runner.decode([(seqs[i], tokens[i][-1]) for i in left])):
+            logits[i] = row
+        if after is not None:
+            after()
     return tokens, [torch.stack(s) for s in seen]
+
+
+def _together(runner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The same, the prompts each prefilled in a slot of its own, then decoded together a token a step."""
+    return _stepped(runner, prompts, [tuple(range(len(prompts)))] * STEPS)
+
+
+def _as_alone(alone, tokens, seen) -> None:
+    """Each sequence's tokens and logits so far are those it got alone."""
+    for i, (want_tokens, want) in enumerate(alone):
+        got = seen[i]
+        assert tokens[i] == want_tokens[: len(tokens[i])] and torch.equal(got, want[: len(got)]), i
 
 
 @pytest.mark.parametrize("arch", BATCHED)
@@ -94,29 +115,17 @@ def test_one_graph_set_serves_a_batch_in_any_slots(arch, cache, tiny_dir):
     with moestream.load(str(tiny_dir(arch)), cache=cache, trunk="ggml", parallel=4) as engine:
         runner = engine.runner
         alone = [_alone(runner, p) for p in PROMPTS]
-        logits = []
-        for kv, prompt in zip(runner.seqs, PROMPTS):
-            kv.tokens = 0
-            logits.append(runner(prompt, kv)[0])
-        seen: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
-        tokens: list[list[int]] = [[] for _ in PROMPTS]
-        pairs = [(0, 1), (2, 3), (0, 3), (1, 2), (3, 0), (2, 1)] * STEPS
-        built = None
-        for a, b in pairs:
-            if len(seen[a]) == STEPS or len(seen[b]) == STEPS:
-                continue
-            for i in (a, b):
-                seen[i].append(logits[i])
-                tokens[i].append(int(logits[i].argmax()))
-            rows = runner.decode([(runner.seqs[i], tokens[i][-1]) for i in (a, b)])
-            logits[a], logits[b] = rows[0], rows[1]
+        built = []
+
+        def one_set() -> None:  # of two rows, the same one every step
             sets = [gs for key, gs in runner._sets.items() if key[2] == 2]
-            assert len(sets) == 1 and (built is None or sets[0] is built)
-            built = sets[0]
-    for i, (want_tokens, want) in enumerate(alone):
-        got = torch.stack(seen[i])
-        assert tokens[i] == want_tokens[: len(tokens[i])] and torch.equal(got, want[: len(got)]), i
-        assert len(got) >= STEPS - 2
+            assert len(sets) == 1 and (not built or sets[0] is built[0])
+            built[:] = sets
+
+        pairs = [(0, 1), (2, 3), (0, 3), (1, 2), (3, 0), (2, 1)] * STEPS
+        tokens, seen = _stepped(runner, PROMPTS, pairs, after=one_set)
+    _as_alone(alone, tokens, seen)
+    assert all(len(got) >= STEPS - 2 for got in seen)
 
 
 def test_decode_refuses_a_slot_twice_and_a_foreign_cache(tiny_dir):
@@ -204,26 +213,14 @@ def test_requests_joining_and_leaving_reuse_the_decode_sets(tiny_dir):
     with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml", parallel=4) as engine:
         runner = engine.runner
         alone = [_alone(runner, p) for p in PROMPTS]
-        logits = []
-        for kv, prompt in zip(runner.seqs, PROMPTS):
-            kv.tokens = 0
-            logits.append(runner(prompt, kv)[0])
-        seen: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
-        tokens: list[list[int]] = [[] for _ in PROMPTS]
-        built = []
-        for rows in pattern * 3:
-            rows = [i for i in rows if len(seen[i]) < STEPS]
-            if not rows:
-                continue
-            for i in rows:
-                seen[i].append(logits[i])
-                tokens[i].append(int(logits[i].argmax()))
-            out = runner.decode([(runner.seqs[i], tokens[i][-1]) for i in rows])
-            for i, row in zip(rows, out):
-                logits[i] = row
-            built.append({id(gs) for gs in runner._sets.values()})
+        built = []  # the graph sets after each step
+        tokens, seen = _stepped(
+            runner,
+            PROMPTS,
+            pattern * 3,
+            partial=True,
+            after=lambda: built.append({id(gs) for gs in runner._sets.values()}),
+        )
     first = len(pattern)  # steps of the first pass, each row count and lone slot seen
     assert all(later <= built[first - 1] for later in built[first:]), "a set was built again"
-    for i, (want_tokens, want) in enumerate(alone):
-        got = torch.stack(seen[i])
-        assert tokens[i] == want_tokens[: len(tokens[i])] and torch.equal(got, want[: len(got)]), i
+    _as_alone(alone, tokens, seen)
