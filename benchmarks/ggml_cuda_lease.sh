@@ -18,9 +18,11 @@ python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36,512 --tokens 32 --th
 if [ -n "${NCMOE:-}" ] && [ $SECONDS -lt ${NCMOE_BEFORE:-420} ]; then
   ncmoe_baseline
 fi
-# the same decode with no scratch reused at all (no fused run's output can overlap an input), and with
-# ggml's CUDA fusions off: what the fusions and the scratch layout are worth
+# the same decode with no scratch reused at all (no fused run's output can overlap an input), with the
+# query uncopied, and with ggml's CUDA fusions off: what the scratch layout, the copy and the fusions cost
 if [ -n "${AB:-}" ]; then
   MOESTREAM_GGML_SCRATCH_REUSE=0 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-noreuse.log
+  # flash attention on the permuted query, no copy (its tokens against the CPU graphs': --compare)
+  MOESTREAM_GGML_QUERY_COPY=0 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 16 2>&1 | tail -3 | tee $OUT/speed-noqcopy.log
   GGML_CUDA_DISABLE_FUSION=1 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-nofusion.log
 fi

@@ -46,6 +46,9 @@ _REUSE = os.environ.get("MOESTREAM_GGML_SCRATCH_REUSE", "1") != "0"
 # such inputs alive for the fusions it allows, "alloc deps"): freed at the last reader, an input's bytes
 # went to the run's output and the fusion was refused
 FUSE_WINDOW = 32
+# on a backend, flash attention's query as a contiguous copy (see `Net.query`); 0 gives it the permuted
+# view as on the CPU and as llama.cpp does, for measuring that copy and the replay's tokens without it
+_QUERY_COPY = os.environ.get("MOESTREAM_GGML_QUERY_COPY", "1") != "0"
 
 
 class Net:
@@ -123,7 +126,7 @@ class Net:
         permuted view otherwise than launched one by one: wrong tokens; found 2026-12-04 on the H200 by
         benchmarks/cuda_graph_bisect.py; the copy is D x N x T floats)."""
         q = self.permute(q, 0, 2, 1, 3)
-        return q if self.memory is None else self.cont(q)
+        return q if self.memory is None or not _QUERY_COPY else self.cont(q)
 
     def __getattr__(self, name: str):
         """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
