@@ -327,7 +327,7 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
     "--host-cache": _cuda_tier("--host-cache", "8MiB"),
     "--unified": _cuda_tier("--unified"),
     # ggml's CUDA backend only (the CPU backend's runs: tests/test_gpu_tier.py)
-    "--gpu-tier": lambda w: refused(w.gen("--gpu-tier", "1MiB"), "MOESTREAM_GGML_BACKEND=cuda"),
+    "--gpu-tier": lambda w: refused(w.gen("--gpu-tier", "1MiB"), "run with --device cuda"),
     "--io-mode": _in_mode(r"io pagecache"),
     "--io-threads": _in_mode(r"2 io threads"),
     "--piece": _in_mode(r"64 KiB pieces"),
