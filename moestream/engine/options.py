@@ -21,7 +21,8 @@ POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the
 # tier), "layer-graphs" (never the one-graph step), "static" (the same static KV cache, every op launched
 # from Python: the graphs' exact oracle), "eager" (transformers' dynamic cache, per-op), "auto" (graphs
 # where the device and the model allow them, else eager), "ggml" (CPU: each decoder layer a ggml graph
-# built by moestream, engine/ggml_runner.py; auto's choice on the CPU for the families that have one)
+# built by moestream, engine/ggml_runner.py; auto's choice on the CPU for the families that have one, and
+# on ggml's CUDA backend with --device cuda; the other modes there take the torch CUDA path)
 TRUNK_MODES = ("auto", "ggml", "graphs", "layer-graphs", "static", "eager")
 
 
@@ -40,14 +41,17 @@ class EngineOptions:
     dtype: str = "auto"
     trunk_dtype: str | None = None  # dequantize block-type trunk weights into this dtype (None: keep them)
     lock_memory: bool = True
-    gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`; "auto": free VRAM's)
-    # CUDA: pinned host slots between disk and GPU (0: staging only; "auto": what RAM leaves; default auto
-    # when `cache` is, else 0)
+    # the torch CUDA path's tiers (on ggml's CUDA backend `moestream.load` maps --gpu-cache onto gpu_tier and
+    # --host-cache onto cache, engine/gpu_path.py): GPU expert slots (default: `cache`; "auto": free VRAM's)
+    gpu_cache: int | str | None = None
+    # pinned host slots between disk and GPU (0: staging only; "auto": what RAM leaves; default auto when
+    # `cache` is, else 0)
     host_cache: int | str | None = None
-    unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
-    # ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda, --device cpu): device slots for the routed experts
-    # filled by the policy from the host cache, which reads from disk the experts it lacks
-    # (engine/gpu_tier.py; None: every expert on the device)
+    unified: bool | None = None  # one pinned, device-mapped tier (None: on integrated GPUs only)
+    # ggml's CUDA backend (--device cuda, or MOESTREAM_GGML_BACKEND=cuda with --device cpu): device slots for
+    # the routed experts filled by the policy from the host cache, which reads from disk the experts it
+    # lacks (engine/gpu_tier.py; "auto", --device cuda's default: every expert on the device where they
+    # fit, else a tier of what is left; None: every expert on the device)
     gpu_tier: int | str | None = None
     # --device cuda as resolved at load (engine/gpu_path.py), not given by callers: where it runs ggml's
     # CUDA backend, the GPU ("cuda" or "cuda:N"; `device` is then the CPU, torch's side of the run), else
