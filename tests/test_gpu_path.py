@@ -245,3 +245,15 @@ def test_device_cuda_json_and_env_conflict(tiny_dir, monkeypatch, capsys):
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     assert main([*argv, "--device", "cuda"]) != 0
     assert "MOESTREAM_GGML_BACKEND=cpu and --device cuda ask for two backends" in capsys.readouterr().err
+
+
+def test_the_resolved_fields_are_not_given(tiny_dir):
+    with pytest.raises(MoestreamError, match="ggml_device: set at load by --device cuda, not given"):
+        moestream.load(str(tiny_dir("qwen3_moe")), ggml_device="cuda")
+
+
+def test_restream_on_the_backend_takes_the_host_cache_only(tiny_dir, monkeypatch):
+    _cpu_standing_in(monkeypatch)
+    with moestream.load(str(tiny_dir("qwen3_moe")), device="cuda", cache="64MiB", ctx_size=64) as engine:
+        with pytest.raises(MoestreamError, match=r"restream resizes the host expert cache \(cache\)"):
+            engine.restream(gpu_cache="1MiB")

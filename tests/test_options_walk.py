@@ -1243,6 +1243,8 @@ PYTHON_LOAD = {
     "host_cache": "generate --host-cache",
     "unified": "generate --unified",
     "gpu_tier": "generate --gpu-tier",
+    "ggml_device": "tests/test_gpu_path.py (set at load by --device cuda; a caller's refused)",
+    "gpu_path_why": "tests/test_gpu_path.py (set at load by --device cuda; a caller's refused)",
     "policy": "generate --policy",
     "prefetch": "generate --prefetch",
     "experts_per_token": "generate --experts-per-token",
