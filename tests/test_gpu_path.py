@@ -254,6 +254,6 @@ def test_the_resolved_fields_are_not_given(tiny_dir):
 
 def test_restream_on_the_backend_takes_the_host_cache_only(tiny_dir, monkeypatch):
     _cpu_standing_in(monkeypatch)
-    with moestream.load(str(tiny_dir("qwen3_moe")), device="cuda", cache="64MiB", ctx_size=64) as engine:
-        with pytest.raises(MoestreamError, match=r"restream resizes the host expert cache \(cache\)"):
-            engine.restream(gpu_cache="1MiB")
+    engine = moestream.load(str(tiny_dir("qwen3_moe")), device="cuda", cache="64MiB", ctx_size=64)
+    with engine, pytest.raises(MoestreamError, match=r"restream resizes the host expert cache \(cache\)"):
+        engine.restream(gpu_cache="1MiB")

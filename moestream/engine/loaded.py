@@ -226,7 +226,8 @@ class LoadedModel:
         return make_engine_floor(
             self.options.gpu_floor,
             sysfs_root=self.options.sysfs_root,
-            experts_off_gpu=self.options.device == "cpu",
+            # ggml's CUDA backend (--device cuda) computes the experts on the GPU; torch's device is the CPU
+            experts_off_gpu=self.options.device == "cpu" and self.options.ggml_device is None,
         )
 
     # --- what a loaded model does ---------------------------------------------------------------
