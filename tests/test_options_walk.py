@@ -398,6 +398,8 @@ def _engine_reach(verb: str, option: str) -> Callable[[Walk], None]:
             assert isinstance(run, EngineOptions) and run.trunk == "eager"
             warned(w.last, "--trunk ggml: perplexity scores every position")
             return
+        if option == "--device":  # the torch CUDA path's device (ggml's CUDA backend's: test_gpu_path.py)
+            w.monkeypatch.setattr("moestream.ggml.backend.cuda_unavailable", lambda device=0: "the walk's")
         reaches(w, verb, argv, **fields)
 
     return check
