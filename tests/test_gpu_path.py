@@ -257,3 +257,21 @@ def test_restream_on_the_backend_takes_the_host_cache_only(tiny_dir, monkeypatch
     engine = moestream.load(str(tiny_dir("qwen3_moe")), device="cuda", cache="64MiB", ctx_size=64)
     with engine, pytest.raises(MoestreamError, match=r"restream resizes the host expert cache \(cache\)"):
         engine.restream(gpu_cache="1MiB")
+
+
+def test_what_only_the_built_model_shows_is_refused(tiny_dir, monkeypatch):
+    """The config promised graphs; the built model has a part they lack: one sentence naming the torch
+    path's trunks, not a silent move to another path after the memory was planned for this one."""
+    from moestream.graphs import NoGraph
+
+    def no_graph(model, config):
+        raise NoGraph("clip_qkv is not in the graphs yet")
+
+    _cpu_standing_in(monkeypatch)
+    monkeypatch.setattr("moestream.graphs.graph_spec", no_graph)
+    with pytest.raises(MoestreamError) as err:
+        moestream.load(str(tiny_dir("qwen3_moe")), device="cuda", cache="64MiB", ctx_size=64)
+    assert str(err.value) == (
+        "--device cuda chose ggml's CUDA backend, and the ggml graphs cannot run this model (clip_qkv is not "
+        "in the graphs yet): --trunk graphs or eager runs it on the torch CUDA path"
+    )
