@@ -275,3 +275,29 @@ def test_what_only_the_built_model_shows_is_refused(tiny_dir, monkeypatch):
         "--device cuda chose ggml's CUDA backend, and the ggml graphs cannot run this model (clip_qkv is not "
         "in the graphs yet): --trunk graphs or eager runs it on the torch CUDA path"
     )
+
+
+@pytest.mark.parametrize(
+    "trunk,unified,want",
+    [
+        ("auto", None, TORCH),
+        ("ggml", None, GGML_CUDA),
+        ("auto", False, GGML_CUDA),
+        ("auto", True, TORCH),
+    ],
+)
+def test_an_integrated_gpu_keeps_the_unified_tier(monkeypatch, trunk, unified, want):
+    """On an integrated GPU (Jetson) --device cuda keeps the torch path's one device-mapped tier unless
+    --trunk ggml or --unified false asks for ggml's CUDA backend (which would hold the experts twice in the
+    one memory); the mode line's words say so."""
+    import moestream.engine.gpu_path as gp
+
+    monkeypatch.setattr(gp, "_integrated", lambda device: True)
+    monkeypatch.setattr("moestream.ggml.backend.cuda_unavailable", lambda index: None)
+    monkeypatch.setattr("moestream.graphs.config_no_graph", lambda config: None)
+    given = {"cache": "4GiB", "trunk": trunk} | ({} if unified is None else {"unified": unified})
+    device, _, chosen = resolve(object(), "cuda", given)
+    assert device == ("cpu" if want == GGML_CUDA else "cuda")
+    assert chosen.path == want
+    if want == TORCH and unified is None:
+        assert chosen.why == "an integrated GPU: one device-mapped tier, as --unified"

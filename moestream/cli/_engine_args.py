@@ -96,7 +96,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="cpu",
         help="compute device: cpu, cuda or cuda:N (default cpu); cuda runs ggml's CUDA backend (`make "
         "native CUDA=1`) where it runs the model, else the torch CUDA path (--trunk graphs|layer-graphs|"
-        "static|eager, --unified, or no ggml CUDA library); the mode line says which and why",
+        "static|eager, --unified or an integrated GPU unless --trunk ggml, or no ggml CUDA library); the "
+        "mode line says which and why",
     )
     group.add_argument(
         "--gpu-cache",

@@ -39,7 +39,7 @@ class GpuPath:
 
 def choose(device: str, trunk: str, unified: bool, no_graph: str | None, cuda_missing: str | None) -> GpuPath:
     """The path for `device` ("cpu", "cuda", "cuda:N") with `--trunk trunk`; `unified`: --unified asked
-    for (an integrated GPU's default tier is the torch path's too, but only asked for does it decide);
+    for, or an integrated GPU's default (`resolve` says which);
     `no_graph`: why the ggml graphs do not run the model (None: they do); `cuda_missing`: why ggml's CUDA
     backend cannot run here (None: it can).
 
@@ -79,8 +79,12 @@ def resolve(config: Any, device: str, given: dict[str, Any]) -> tuple[str, dict[
         return device, given, GpuPath(CPU)
     trunk = given.get("trunk", "auto")
     unified = given.get("unified")
+    # an integrated GPU (Jetson: its memory the host's) keeps the torch path's one device-mapped tier unless
+    # --trunk ggml or --unified false says otherwise: ggml's CUDA backend would hold a host cache and a GPU
+    # tier of the same experts in the one memory
+    integrated = unified is None and trunk != "ggml" and _integrated(device)
     no_graph = cuda_missing = None
-    if trunk not in TORCH_TRUNKS and unified is not True:
+    if trunk not in TORCH_TRUNKS and unified is not True and not integrated:
         from moestream.graphs import config_no_graph
 
         no_graph = config_no_graph(config)
@@ -88,7 +92,9 @@ def resolve(config: Any, device: str, given: dict[str, Any]) -> tuple[str, dict[
             from moestream.ggml.backend import cuda_unavailable
 
             cuda_missing = cuda_unavailable(gpu_index(device))
-    chosen = choose(device, trunk, bool(unified), no_graph, cuda_missing)
+    chosen = choose(device, trunk, bool(unified) or integrated, no_graph, cuda_missing)
+    if integrated and chosen.path == TORCH and chosen.why.startswith("--unified"):
+        chosen = GpuPath(TORCH, "an integrated GPU: one device-mapped tier, as --unified")
     if chosen.path == GGML_CUDA:
         return "cpu", ggml_options(device, given), chosen
     if given.get("gpu_tier") is not None:
@@ -117,6 +123,19 @@ def ggml_options(device: str, given: dict[str, Any]) -> dict[str, Any]:
     tier = _one_size("--gpu-tier", given.get("gpu_tier"), "--gpu-cache", given.get("gpu_cache"))
     out.update(cache=host or "auto", gpu_tier=tier or "auto", ggml_device=device)
     return out
+
+
+def _integrated(device: str) -> bool:
+    """Whether torch sees `device` as an integrated GPU (False where torch sees no CUDA device)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        props = torch.cuda.get_device_properties(gpu_index(device))
+    except (RuntimeError, AssertionError):  # no such GPU: the path's own checks say so later
+        return False
+    return bool(getattr(props, "is_integrated", False))
 
 
 def gpu_index(device: str) -> int:
