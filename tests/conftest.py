@@ -66,3 +66,12 @@ def _no_cache_size_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="cache budget .* smaller than one token's working set")
         yield
+
+
+@pytest.fixture
+def torch_cuda_path(monkeypatch):
+    """`--device cuda` takes the torch CUDA path (transformers' CUDA graphs, the Triton GGUF kernels) even
+    where ggml's CUDA library is built: the tests of that path (engine/gpu_path.py's fallback)."""
+    monkeypatch.setattr(
+        "moestream.ggml.backend.cuda_unavailable", lambda device=0: "the test asks for the torch CUDA path"
+    )

@@ -14,6 +14,7 @@ from moestream.cache.size_classes import budget_requirements
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+    pytest.mark.usefixtures("torch_cuda_path"),  # the torch CUDA path's tests (engine/gpu_path.py)
 ]
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250]

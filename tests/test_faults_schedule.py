@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello there, how are you?"
 N_TOKENS = 6
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+# --device cuda here is the torch CUDA path, even where ggml's CUDA library is built (engine/gpu_path.py)
+pytestmark = pytest.mark.usefixtures("torch_cuda_path")
 # tier -> load options; the caches hold a few experts only, so every token reads and evicts
 TIERS = {
     "cpu": dict(cache="108KiB", io_mode="pagecache"),

@@ -327,7 +327,7 @@ ENGINE_GENERATE: dict[str, Callable[[Walk], None]] = {
     "--host-cache": _cuda_tier("--host-cache", "8MiB"),
     "--unified": _cuda_tier("--unified"),
     # ggml's CUDA backend only (the CPU backend's runs: tests/test_gpu_tier.py)
-    "--gpu-tier": lambda w: refused(w.gen("--gpu-tier", "1MiB"), "MOESTREAM_GGML_BACKEND=cuda"),
+    "--gpu-tier": lambda w: refused(w.gen("--gpu-tier", "1MiB"), "run with --device cuda"),
     "--io-mode": _in_mode(r"io pagecache"),
     "--io-threads": _in_mode(r"2 io threads"),
     "--piece": _in_mode(r"64 KiB pieces"),
@@ -398,6 +398,8 @@ def _engine_reach(verb: str, option: str) -> Callable[[Walk], None]:
             assert isinstance(run, EngineOptions) and run.trunk == "eager"
             warned(w.last, "--trunk ggml: perplexity scores every position")
             return
+        if option == "--device":  # the torch CUDA path's device (ggml's CUDA backend's: test_gpu_path.py)
+            w.monkeypatch.setattr("moestream.ggml.backend.cuda_unavailable", lambda device=0: "the walk's")
         reaches(w, verb, argv, **fields)
 
     return check
@@ -1243,6 +1245,8 @@ PYTHON_LOAD = {
     "host_cache": "generate --host-cache",
     "unified": "generate --unified",
     "gpu_tier": "generate --gpu-tier",
+    "ggml_device": "tests/test_gpu_path.py (set at load by --device cuda; a caller's refused)",
+    "gpu_path_why": "tests/test_gpu_path.py (set at load by --device cuda; a caller's refused)",
     "policy": "generate --policy",
     "prefetch": "generate --prefetch",
     "experts_per_token": "generate --experts-per-token",

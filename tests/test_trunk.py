@@ -29,6 +29,8 @@ from moestream.graphs import GRAPH_FAMILIES
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 25]
 FEED = [3, 19, 44, 101, 6, 8, 12, 60]  # fed after the prompt, one token a step
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+# --device cuda here is the torch CUDA path, even where ggml's CUDA library is built (engine/gpu_path.py)
+pytestmark = pytest.mark.usefixtures("torch_cuda_path")
 STATIC_ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"]
 REFUSED = {
     "gpt_oss": "StaticSlidingWindowLayer",

@@ -91,25 +91,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "process's libraries, under every memory cgroup and MemAvailable; every expert when they all "
         "fit (the mode line says which limit decided it)",
     )
-    group.add_argument("--device", default="cpu", help="compute device: cpu, cuda or cuda:N (default cpu)")
+    group.add_argument(
+        "--device",
+        default="cpu",
+        help="compute device: cpu, cuda or cuda:N (default cpu); cuda runs ggml's CUDA backend (`make "
+        "native CUDA=1`) where it runs the model, else the torch CUDA path (--trunk graphs|layer-graphs|"
+        "static|eager, --unified or an integrated GPU unless --trunk ggml, or no ggml CUDA library); the "
+        "mode line says which and why",
+    )
     group.add_argument(
         "--gpu-cache",
         default=None,
-        help="CUDA: GPU expert cache, a size or auto: what free VRAM leaves after the trunk, KV cache and "
+        help="CUDA: GPU expert cache, a size or auto. On ggml's CUDA backend the same as --gpu-tier; on the "
+        "torch CUDA path the GPU slots, auto: what free VRAM leaves after the trunk, KV cache and "
         "activations (default: --cache)",
     )
     group.add_argument(
         "--gpu-tier",
         default=None,
-        help="ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda): device slots for the routed experts, a "
-        "size (e.g. 2GiB), filled by --policy from the host cache (--cache), which reads from disk the "
-        "experts it lacks; auto: every expert on the GPU where they fit in its free memory, else a tier "
-        "of what is left; default: every expert on the GPU",
+        help="ggml's CUDA backend (--device cuda): device slots for the routed experts, a size (e.g. "
+        "2GiB), filled by --policy from the host expert cache (--cache), which reads from disk the "
+        "experts it lacks; auto (the default): every expert on the GPU where they fit in its free memory, "
+        "else a tier of what is left",
     )
     group.add_argument(
         "--host-cache",
         default=None,
-        help="CUDA: pinned host cache between disk and GPU, a size (0: staging only) or auto: what RAM "
+        help="CUDA: the host expert cache between disk and GPU. On ggml's CUDA backend the same as "
+        "--cache; on the torch CUDA path pinned host slots, a size (0: staging only) or auto: what RAM "
         "leaves, none when the GPU holds every expert (default: auto when --cache is, else 0)",
     )
     group.add_argument(
@@ -117,8 +126,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="CUDA: one pinned, device-mapped tier read in place by the GPU, no staging copy "
-        "(default on integrated GPUs such as Jetson); --cache sets its size",
+        help="CUDA, the torch path: one pinned, device-mapped tier read in place by the GPU, no staging "
+        "copy (default there on integrated GPUs such as Jetson); --cache sets its size",
     )
     group.add_argument(
         "--io-mode",
@@ -147,14 +156,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--trunk",
         default="auto",
         choices=["auto", "ggml", "graphs", "layer-graphs", "static", "eager"],
-        help="how attention, norms and routers run: ggml (CPU: each decoder layer a ggml graph built by "
-        "moestream, the routed experts streamed between them, every compute on one thread pool), graphs "
+        help="how attention, norms and routers run: ggml (each decoder layer a ggml graph built by "
+        "moestream, the routed experts streamed between them, on the CPU's one thread pool or ggml's "
+        "CUDA backend), graphs "
         "(CUDA graphs between the MoE layers' experts, over a static KV cache; when every expert fits the "
         "GPU tier, all are read at load and the whole step is one graph), layer-graphs (never that one "
         "graph), static (the static cache, each op launched from Python), eager (transformers' own "
-        "dynamic cache) or auto (default: ggml on the CPU and graphs on a CUDA device where the model "
-        "has them, else eager); the mode line "
-        "says which ran",
+        "dynamic cache) or auto (default: ggml where the model has graphs, on the CPU or with --device cuda "
+        "on ggml's CUDA backend; graphs on the torch CUDA path; else eager); graphs, layer-graphs, static "
+        "and eager with --device cuda take the torch CUDA path; the mode line says which ran",
     )
     group.add_argument(
         "--policy",

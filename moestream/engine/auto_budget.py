@@ -354,7 +354,9 @@ def no_batching(model: ModelDescription, options: EngineOptions, no_graph: str |
         return f"this run's trunk ({why}) runs one request at a time"
     if any(layer.mixer.recurrent for layer in model.spec.layers):
         return f"{model.spec.family}'s linear-attention layers keep one recurrent state"
-    backend = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
+    backend = (
+        "cuda" if options.ggml_device is not None else os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
+    )
     if backend:
         return f"the memory plan has slots for the CPU's graphs, not ggml's {backend} backend's"
     return None

@@ -19,7 +19,7 @@ def describe(loaded: Any, notes: Sequence[str] = ()) -> str:
     """What `loaded` (a `LoadedModel`) runs, printed at the start of every run so nobody benchmarks the
     wrong thing; `notes` (the `Engine`'s: a routing replay) after the GPU floor's part."""
     return (
-        f"moestream: {loaded.config.model_type} on {loaded.device} | {loaded.streaming.describe()} of "
+        f"moestream: {loaded.config.model_type} on {_device(loaded)} | {loaded.streaming.describe()} of "
         f"{len(loaded.emap.units)} experts ({format_size(loaded.emap.expert_bytes)}, "
         f"{describe_formats(loaded.runtime.formats)}) | "
         + "".join(f"{budget.describe()} | " for budget in loaded.auto)
@@ -34,6 +34,11 @@ def describe(loaded: Any, notes: Sequence[str] = ()) -> str:
         )
         + f" | {loaded.context_line()}"
     )
+
+
+def _device(loaded: Any) -> str:
+    """The device asked for: --device cuda on ggml's CUDA backend is that GPU, torch's device the CPU."""
+    return loaded.options.ggml_device or str(loaded.device)
 
 
 def _threads_part(loaded: Any) -> str:

@@ -57,7 +57,10 @@ def load(
         cache: expert cache budget in bytes, as "512MiB"/"2GiB", or "auto" (the default): the largest
             cache the machine's memory leaves after the rest of the run, every expert when they all fit
             (`engine/auto_budget.py`; `mode_line()` says what was chosen and from which limit).
-        device: "cpu".
+        device: "cpu" (the default), or "cuda" / "cuda:N": ggml's CUDA backend where it runs this model
+            here, else the torch CUDA path, and the mode line says why (`engine/gpu_path.py`); there
+            `cache` is the host expert cache (`host_cache` its synonym) and the GPU tier `gpu_tier`
+            (`gpu_cache` its synonym, auto by default).
         io_mode: "direct" (O_DIRECT), "pagecache" (buffered reads) or "mmap" (reads through a memory map).
         io_threads: dedicated I/O threads.
         piece: read size of one I/O, a multiple of 4 KiB.
@@ -65,8 +68,9 @@ def load(
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).
         extra: the other `EngineOptions` fields: `dtype` ("auto", "float32", "bfloat16", "float16"),
             `lock_memory` (mlock the cache), `policy` ("lru", "lfu", "predictive"), `prefetch` ("off",
-            "on", "auto"), `gpu_cache`, `host_cache`, `unified`, `gpu_tier` (ggml's CUDA backend: bytes
-            of device expert slots filled from the host cache, which reads from disk what it lacks;
+            "on", "auto"), `gpu_cache`, `host_cache`, `unified` (the torch CUDA path's tiers;
+            on ggml's CUDA backend synonyms as above), `gpu_tier` (ggml's CUDA backend: bytes of device
+            expert slots, or auto, filled from the host cache, which reads from disk what it lacks;
             `engine/gpu_tier.py`),
             `experts_per_token`, `gpu_floor`,
             `ctx_size` (tokens of prompt plus generation a request may use; default the smaller of the
@@ -79,29 +83,42 @@ def load(
         MoestreamError: the checkpoint is missing, malformed or unsupported, the budget is too small, or
             an option cannot take effect here (a CUDA tier size on the CPU, say: `engine/unused.py`).
     """
-    refuse_unused(device, {**extra, "cache": cache})
+    internal = sorted({"ggml_device", "gpu_path_why"} & set(extra))
+    if internal:
+        raise MoestreamError(f"{', '.join(internal)}: set at load by --device cuda, not given")
+    given = {**extra, "cache": cache}
+    where: str | Path | CheckpointSource = path
+    if str(device).startswith("cuda"):  # ggml's CUDA backend, or the torch CUDA path where it cannot run
+        from moestream.engine.gpu_path import resolve
+
+        where = open_source(path)
+        device, given, _ = resolve(where.config(), device, given)
+    refuse_unused(device, given)
     try:
         options = EngineOptions(
-            cache=cache,
             device=device,
             io_mode=io_mode,
             io_threads=io_threads,
             piece=piece,
             threads=threads,
-            **extra,
+            **given,
         )
     except ValueError as exc:
         raise MoestreamError(str(exc)) from None
-    return Engine(path, options, make_reader=make_reader)
+    return Engine(where, options, make_reader=make_reader)
 
 
 class Engine:
     """A loaded model: `generate` / `stream` text, `model` is the transformers model."""
 
     def __init__(
-        self, path: str | Path, options: EngineOptions, make_reader: ReaderFactory | None = None
+        self,
+        path: str | Path | CheckpointSource,
+        options: EngineOptions,
+        make_reader: ReaderFactory | None = None,
     ) -> None:
-        source = open_source(path)
+        """`path`: what `open_source` opens, or the source already opened."""
+        source = open_source(path) if isinstance(path, (str, Path)) else path
         config = source.config()
         self.path = source.path
         self.tokenizer = source.tokenizer()  # before the model: a broken tokenizer fails in a second

@@ -171,8 +171,8 @@ class GgmlRunner(ModelRunner):
                 tier_misses(False)  # refused when set: there is no tier to miss
             elif self.memory is None:
                 raise GgmlUnavailableError(
-                    "--gpu-tier sizes the expert slots of ggml's CUDA backend: set "
-                    "MOESTREAM_GGML_BACKEND=cuda (or drop --gpu-tier)"
+                    "--gpu-tier sizes the expert slots of ggml's CUDA backend: run with --device cuda "
+                    "(or drop --gpu-tier)"
                 )
             else:
                 if gpu_tier == AUTO:

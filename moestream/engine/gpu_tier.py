@@ -285,6 +285,6 @@ def auto_tier(free: int, reserve: int, every: int, least: int, holds_all: bool) 
         raise CacheBudgetError(
             f"--gpu-tier auto: the GPU has {format_size(free)} free, {format_size(reserve)} of it for the "
             f"trunk, KV cache and graphs, which leaves less than the {format_size(least)} one token's "
-            "experts need: free GPU memory, or run without MOESTREAM_GGML_BACKEND"
+            "experts need: free GPU memory, or run on the CPU (--device cpu)"
         )
     return min(room, every)

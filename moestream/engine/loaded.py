@@ -92,7 +92,7 @@ class LoadedModel:
             stack.callback(self.files.close)
             self._build_model(stored)
             # the ggml graphs' view of the model, when they run it (before the experts' formats are chosen)
-            self.spec, self.no_graph = ggml_spec(self.model, options.trunk, self.device)
+            self.spec, self.no_graph = ggml_spec(self.model, options.trunk, self.device, options.ggml_device)
             self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
             if self.options.lock_memory:
                 self.trunk.lock()
@@ -130,9 +130,12 @@ class LoadedModel:
                 policy_factory(self.options.policy, self.emap),
                 self.options.parallel,
                 self.trunk.nbytes,
+                self.options.ggml_device,
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()
+            if self.options.gpu_path_why:  # --device cuda on the torch path: why not ggml's CUDA backend
+                self._trunk_base += f" (torch CUDA path: {self.options.gpu_path_why})"
             if self.runner.owns_compute_pool:  # one pool: ggml's; torch only runs glue in between
                 torch.set_num_threads(1)
             self.trunk_line = self._trunk_base + self._read_resident()
@@ -223,7 +226,8 @@ class LoadedModel:
         return make_engine_floor(
             self.options.gpu_floor,
             sysfs_root=self.options.sysfs_root,
-            experts_off_gpu=self.options.device == "cpu",
+            # ggml's CUDA backend (--device cuda) computes the experts on the GPU; torch's device is the CPU
+            experts_off_gpu=self.options.device == "cpu" and self.options.ggml_device is None,
         )
 
     # --- what a loaded model does ---------------------------------------------------------------
@@ -265,6 +269,11 @@ class LoadedModel:
         if unknown:
             raise ValueError(f"restream cannot change {', '.join(sorted(unknown))}")
         tiers = {k: v for k, v in changes.items() if k in ("gpu_cache", "host_cache")}
+        if self.options.ggml_device is not None and tiers:
+            raise MoestreamError(
+                f"on ggml's CUDA backend (--device {self.options.ggml_device}) restream resizes the host "
+                "expert cache (cache); the GPU tier is sized at load"
+            )
         refuse_unused(self.options.device, {**tiers, "unified": self.options.unified})  # as at load
         try:
             options = EngineOptions(**{**vars(self.options), **changes})

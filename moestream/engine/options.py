@@ -21,7 +21,8 @@ POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the
 # tier), "layer-graphs" (never the one-graph step), "static" (the same static KV cache, every op launched
 # from Python: the graphs' exact oracle), "eager" (transformers' dynamic cache, per-op), "auto" (graphs
 # where the device and the model allow them, else eager), "ggml" (CPU: each decoder layer a ggml graph
-# built by moestream, engine/ggml_runner.py; auto's choice on the CPU for the families that have one)
+# built by moestream, engine/ggml_runner.py; auto's choice on the CPU for the families that have one, and
+# on ggml's CUDA backend with --device cuda; the other modes there take the torch CUDA path)
 TRUNK_MODES = ("auto", "ggml", "graphs", "layer-graphs", "static", "eager")
 
 
@@ -40,15 +41,23 @@ class EngineOptions:
     dtype: str = "auto"
     trunk_dtype: str | None = None  # dequantize block-type trunk weights into this dtype (None: keep them)
     lock_memory: bool = True
-    gpu_cache: int | str | None = None  # CUDA: GPU expert slots (default: `cache`; "auto": free VRAM's)
-    # CUDA: pinned host slots between disk and GPU (0: staging only; "auto": what RAM leaves; default auto
-    # when `cache` is, else 0)
+    # the torch CUDA path's tiers (on ggml's CUDA backend `moestream.load` maps --gpu-cache onto gpu_tier and
+    # --host-cache onto cache, engine/gpu_path.py): GPU expert slots (default: `cache`; "auto": free VRAM's)
+    gpu_cache: int | str | None = None
+    # pinned host slots between disk and GPU (0: staging only; "auto": what RAM leaves; default auto when
+    # `cache` is, else 0)
     host_cache: int | str | None = None
-    unified: bool | None = None  # CUDA: one pinned, device-mapped tier (None: on integrated GPUs only)
-    # ggml's CUDA backend (MOESTREAM_GGML_BACKEND=cuda, --device cpu): device slots for the routed experts
-    # filled by the policy from the host cache, which reads from disk the experts it lacks
-    # (engine/gpu_tier.py; None: every expert on the device)
+    unified: bool | None = None  # one pinned, device-mapped tier (None: on integrated GPUs only)
+    # ggml's CUDA backend (--device cuda, or MOESTREAM_GGML_BACKEND=cuda with --device cpu): device slots for
+    # the routed experts filled by the policy from the host cache, which reads from disk the experts it
+    # lacks (engine/gpu_tier.py; "auto", --device cuda's default: every expert on the device where they
+    # fit, else a tier of what is left; None: every expert on the device)
     gpu_tier: int | str | None = None
+    # --device cuda as resolved at load (engine/gpu_path.py), not given by callers: where it runs ggml's
+    # CUDA backend, the GPU ("cuda" or "cuda:N"; `device` is then the CPU, torch's side of the run), else
+    # None; where it runs the torch CUDA path, the mode line's words why
+    ggml_device: str | None = None
+    gpu_path_why: str = ""
     policy: str = "lru"  # eviction: lru, lfu (uses since the start), predictive (cache/predictive.py)
     # read the next layer's confident stale-gate guesses while this layer computes: "off" (or False), "on"
     # (or True), or "auto" (only while the disk has idle time; runtime/prefetch.py)
@@ -76,19 +85,25 @@ class EngineOptions:
         if self.gpu_tier is not None:
             auto = isinstance(self.gpu_tier, str) and self.gpu_tier.strip().lower() == AUTO
             self.gpu_tier = AUTO if auto else parse_size(self.gpu_tier)
-            if self.device != "cpu":
+            if self.device != "cpu":  # `moestream.load` resolves --device cuda first (engine/gpu_path.py)
                 raise ValueError(
-                    "--gpu-tier sizes the expert slots of ggml's CUDA backend, which runs with --device cpu "
-                    "and MOESTREAM_GGML_BACKEND=cuda; with --device cuda the GPU tier is --gpu-cache"
+                    "--gpu-tier sizes the expert slots of ggml's CUDA backend, whose run's torch device is "
+                    "the CPU; on the torch CUDA path the GPU tier is --gpu-cache"
                 )
+        if self.ggml_device is not None and (self.device != "cpu" or not self.ggml_device.startswith("cuda")):
+            raise ValueError(
+                f"ggml_device {self.ggml_device!r} with device {self.device!r}: --device cuda sets it, for a "
+                "run whose torch device is the CPU"
+            )
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"device {self.device!r} is not supported (supported: cpu, cuda, cuda:N)")
         if self.device.startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
+                why = f" (the torch CUDA path, as {self.gpu_path_why})" if self.gpu_path_why else ""
                 raise ValueError(
-                    f"device {self.device!r} was asked for, but this torch build sees no CUDA device"
+                    f"device {self.device!r} was asked for, but this torch build sees no CUDA device{why}"
                 )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
@@ -110,8 +125,10 @@ class EngineOptions:
         self.parallel = parallel_value(self.parallel)
         if self.trunk not in TRUNK_MODES:
             raise ValueError(f"trunk mode {self.trunk!r} is not one of {', '.join(TRUNK_MODES)}")
-        if self.trunk == "ggml" and self.device != "cpu":
-            raise ValueError("--trunk ggml computes on the CPU; on CUDA use auto, graphs, static or eager")
+        if self.trunk == "ggml" and self.device != "cpu":  # `moestream.load` resolves --device cuda first
+            raise ValueError(
+                "--trunk ggml runs with the CPU as torch's device (on a GPU: ggml's CUDA backend)"
+            )
         if self.trunk in ("graphs", "layer-graphs") and not self.device.startswith("cuda"):
             raise ValueError(
                 f"--trunk {self.trunk} needs a CUDA device (CUDA graphs); use auto, static or eager"

@@ -8,9 +8,12 @@
   between the MoE layers' experts (engine/trunk_graphs.py); when the GPU tier can hold every expert,
   they are all read at load and the whole step, experts included, is one graph (runtime/resident.py).
 - layer-graphs: graphs, never the one-graph step (to compare, or to keep reading experts on demand).
-- ggml (CPU): each decoder layer as ggml graphs, one thread pool (engine/ggml_runner.py).
-- auto: on a CUDA device graphs when the model's step can be captured, on the CPU ggml where the model
-  has a graph; else eager. The mode line says which ran and, when the faster one was not possible, why.
+- ggml (CPU): each decoder layer as ggml graphs, one thread pool (engine/ggml_runner.py); the same graphs
+  on ggml's CUDA backend where --device cuda chose it (engine/gpu_path.py: the run's torch device is then
+  the CPU).
+- auto: on the CPU ggml where the model has a graph, else eager; on a CUDA device (the torch CUDA path,
+  where ggml's CUDA backend cannot run) graphs when the model's step can be captured, else eager. The
+  mode line says which ran and, when the faster one was not possible, why.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ from moestream.errors import MoestreamError
 from moestream.runtime.expert_layers import ExpertLayers
 
 
-def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[Any, str | None]:
+def ggml_spec(
+    model: torch.nn.Module, mode: str, device: torch.device, ggml_device: str | None = None
+) -> tuple[Any, str | None]:
     """The ggml graphs' spec of `model` when `mode` (auto on the CPU, or ggml) runs them: (spec, None);
-    else (None, the reason auto fell back, or None when the mode never asked for them).
+    else (None, the reason auto fell back, or None when the mode never asked for them). `ggml_device`:
+    --device cuda chose ggml's CUDA backend (`engine/gpu_path.py`), from the config alone.
 
     Raises:
-        MoestreamError: `--trunk ggml` was asked for and this model has no graph (yet).
+        MoestreamError: `--trunk ggml` (or --device cuda on ggml's CUDA backend) was asked for and this
+            model has no graph (yet).
     """
     if mode not in ("auto", "ggml") or device.type != "cpu":
         return None, None
@@ -41,6 +48,11 @@ def ggml_spec(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[
     try:
         return graph_spec(model, model.config), None
     except NoGraph as exc:
+        if ggml_device is not None:  # the config promised graphs, the built model has a part they lack
+            raise MoestreamError(
+                f"--device {ggml_device} chose ggml's CUDA backend, and the ggml graphs cannot run this "
+                f"model ({exc}): --trunk graphs or eager runs it on the torch CUDA path"
+            ) from None
         if mode == "ggml":
             raise MoestreamError(f"--trunk ggml is not possible for this model: {exc}") from None
         return None, str(exc)
@@ -60,12 +72,14 @@ def make_runner(
     policy: Callable[[], EvictionPolicy] = LRUPolicy,
     parallel: int = 1,
     trunk_bytes: int = 0,
+    ggml_device: str | None = None,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
     expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`). `parallel`:
     the ggml runner's KV-cache slots (sequences decoded together). `trunk_bytes`: the trunk's weights, for
-    a GPU tier sized from the device's free memory (`--gpu-tier auto`).
+    a GPU tier sized from the device's free memory (`--gpu-tier auto`). `ggml_device`: the GPU of ggml's
+    CUDA backend where --device cuda chose it (`engine/gpu_path.py`).
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
@@ -78,13 +92,13 @@ def make_runner(
         from moestream.engine.ggml_runner import GgmlRunner
 
         recurrent = any(layer.linear is not None for layer in spec.layers)
-        backend = _backend(threads, recurrent)
+        backend = _backend(threads, recurrent, ggml_device)
         args = (spec, experts, ctx_size, threads, backend, gpu_tier, policy)
         return GgmlRunner(*args, slots=parallel, trunk_bytes=trunk_bytes)
     if gpu_tier is not None:
         raise MoestreamError(
-            "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend "
-            f"(MOESTREAM_GGML_BACKEND=cuda), which do not run this model here ({no_graph or mode})"
+            "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend (--device cuda), "
+            f"which do not run this model here ({no_graph or mode})"
         )
     if parallel > 1:
         why = f"transformers: {no_graph}" if no_graph else f"--trunk {mode}"
@@ -111,19 +125,31 @@ def make_runner(
     return runner
 
 
-def _backend(threads: int, recurrent: bool) -> Any:
-    """The ggml backend the graphs compute on other than the CPU in place: MOESTREAM_GGML_BACKEND=cuda
-    (ggml's CUDA backend; experimental while issue 31 is open: every routed expert must fit on the GPU)
-    or =cpu (ggml's CPU backend through the same device path, which the tests check it by)."""
+def _backend(threads: int, recurrent: bool, ggml_device: str | None = None) -> Any:
+    """The ggml backend the graphs compute on other than the CPU in place: ggml's CUDA backend where
+    --device cuda chose it (`ggml_device`, engine/gpu_path.py); else MOESTREAM_GGML_BACKEND=cuda (the same,
+    GPU 0, with --device cpu) or =cpu (ggml's CPU backend through the same device path, which the tests
+    check it by); None: the CPU in place.
+
+    Raises:
+        MoestreamError: MOESTREAM_GGML_BACKEND names another backend than --device cuda's, or none known.
+    """
     import os
 
+    from moestream.engine.gpu_path import gpu_index
     from moestream.ggml.backend import cpu_backend, cuda_backend
 
     name = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
-    if not name:
-        return None
+    if name not in ("", "cuda", "cpu"):
+        raise MoestreamError(f"MOESTREAM_GGML_BACKEND={name!r}: say cuda or cpu")
+    if ggml_device is not None:
+        if name == "cpu":
+            raise MoestreamError(
+                f"MOESTREAM_GGML_BACKEND=cpu and --device {ggml_device} ask for two backends: give one"
+            )
+        return cuda_backend(gpu_index(ggml_device), recurrent=recurrent)
     if name == "cuda":
         return cuda_backend(recurrent=recurrent)
     if name == "cpu":
         return cpu_backend(threads)
-    raise MoestreamError(f"MOESTREAM_GGML_BACKEND={name!r}: say cuda or cpu")
+    return None

@@ -26,7 +26,8 @@ _CUDA_ONLY = {
 def refuse_unused(device: str, given: dict[str, Any]) -> None:
     """Refuse `given` options (the engine options a caller passed) that `device` would ignore.
 
-    Warns about --cache beside a different --gpu-cache on CUDA (one of them sizes nothing).
+    Warns about --cache beside a different --gpu-cache on CUDA (the torch path's: one of them sizes
+    nothing; `moestream.load` has mapped ggml's CUDA backend's onto its own options, device "cpu").
 
     Raises:
         MoestreamError: a CUDA tier option on the CPU; a GPU slot size with unified memory; --dtype and
@@ -49,9 +50,9 @@ def refuse_unused(device: str, given: dict[str, Any]) -> None:
     sizes = [given.get(name) for name in ("cache", "gpu_cache")]
     if cuda and all(size not in _UNSET for size in sizes) and _bytes(sizes[0]) != _bytes(sizes[1]):
         warnings.warn(
-            f"--cache {sizes[0]} and --gpu-cache {sizes[1]} both size the expert tier on CUDA: the GPU "
-            "slots take --gpu-cache (and the pinned host tier --host-cache), unified memory takes --cache; "
-            "the other is unused",
+            f"--cache {sizes[0]} and --gpu-cache {sizes[1]} both size the expert tier on the torch CUDA "
+            "path: the GPU slots take --gpu-cache (and the pinned host tier --host-cache), unified memory "
+            "takes --cache; the other is unused",
             stacklevel=3,
         )
     dtype, trunk_dtype = given.get("dtype", "auto"), given.get("trunk_dtype")

@@ -153,6 +153,27 @@ def cuda_backend(device: int = 0, recurrent: bool = False) -> Backend:
     return Backend(lib, handle, buft, "cuda", name, device)
 
 
+def cuda_unavailable(device: int = 0) -> str | None:
+    """Why ggml's CUDA backend cannot run on GPU `device` here, in a few words for the mode line (no ggml,
+    no CUDA library and how to build one, no GPU it sees), or None where it can: `--device cuda`'s probe
+    (`engine/gpu_path.py`). Nothing is started but the library's own device count."""
+    try:
+        lib = library()
+    except GgmlUnavailableError as exc:
+        return f"no usable ggml ({str(exc).rstrip('.')})"
+    if not (lib.folder / "libggml-cuda.so").exists():
+        return "ggml's CUDA library not found; `make native CUDA=1` builds it"
+    try:
+        count = cuda_library().ggml_backend_cuda_get_device_count()
+    except GgmlUnavailableError as exc:
+        return f"ggml's CUDA library does not load ({exc.__cause__ or exc})"
+    if count == 0:
+        return "ggml's CUDA backend sees no GPU"
+    if count <= device:
+        return f"ggml's CUDA backend sees {count} GPUs, not GPU {device}"
+    return None
+
+
 def cpu_backend(threads: int) -> Backend:
     """ggml's CPU backend with `threads` threads of its own: the backend API over host memory."""
     lib = library()

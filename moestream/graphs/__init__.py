@@ -27,8 +27,8 @@ from moestream.graphs import (  # noqa: F401  (each module registers its family)
 )
 from moestream.graphs.family import family_names
 from moestream.graphs.parts import NoGraph
-from moestream.graphs.spec import ModelSpec, graph_spec
+from moestream.graphs.spec import ModelSpec, config_no_graph, graph_spec
 
 GRAPH_FAMILIES = family_names()  # the model types with a graph (their own names; aliases aside)
 
-__all__ = ["GRAPH_FAMILIES", "ModelSpec", "NoGraph", "graph_spec"]
+__all__ = ["GRAPH_FAMILIES", "ModelSpec", "NoGraph", "config_no_graph", "graph_spec"]

@@ -117,6 +117,18 @@ def _rope(cfg: Any, head_dim: int, rotary: nn.Module | None) -> Rope:
     return rope
 
 
+def config_no_graph(config: Any) -> str | None:
+    """Why the ggml graphs do not run a model of `config`, as far as its config tells (its family, the
+    activation, windows and layer kinds the family checks), or None; what only the built model tells
+    (`graph_spec`'s other refusals) is not looked at. `--device cuda` decides its path by this before the
+    model is built (`engine/gpu_path.py`)."""
+    try:
+        family_for(str(config.model_type)).check(text_config(config))
+    except NoGraph as exc:
+        return str(exc)
+    return None
+
+
 def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
     """The ggml graphs' view of `model` (its trunk on the CPU).
 
