@@ -141,9 +141,13 @@ class StepBuffers:
         first row, `first_rows`, plus its position) and the masks (`fill_masks`), written through numpy
         views made once (a decoded token's step: a few microseconds, not torch's tens)."""
         host = self._host or self._views()
-        host.tokens[:] = ids
-        host.positions[:] = positions
-        host.rows[:] = np.add(first_rows, positions)
+        if len(ids) == 1:  # a decoded token: numpy's scalar stores, no arrays made from the lists
+            p = positions[0]
+            host.tokens[0], host.positions[0], host.rows[0] = ids[0], p, first_rows[0] + p
+        else:
+            host.tokens[:] = ids
+            host.positions[:] = positions
+            host.rows[:] = np.add(first_rows, positions)
         self.fill_masks(window, positions)
 
     def fill_masks(self, window: int | None, positions: list[int] | None = None) -> None:
@@ -190,11 +194,16 @@ def _zero_run(row: np.ndarray, lo: int, hi: int, was: tuple[int, int] | None) ->
         row[hi + 1 :] = -np.inf
         return lo, hi
     lo0, hi0 = was
-    if (lo, hi) != was:
-        row[lo0 : min(hi0 + 1, lo)] = -np.inf  # was zero, now left of the run
-        row[max(lo0, hi + 1) : hi0 + 1] = -np.inf  # ... right of it
-        row[lo : min(hi + 1, lo0)] = 0.0  # now zero, was left of the old run
-        row[max(lo, hi0 + 1) : hi + 1] = 0.0  # ... right of it
+    # the columns that were zero and are now left of the run, right of it; those now zero that were left
+    # of the old run, right of it (a decoded token's step: the last, one column)
+    for start, end, value in (
+        (lo0, min(hi0 + 1, lo), -np.inf),
+        (max(lo0, hi + 1), hi0 + 1, -np.inf),
+        (lo, min(hi + 1, lo0), 0.0),
+        (max(lo, hi0 + 1), hi + 1, 0.0),
+    ):
+        if start < end:
+            row[start:end] = value
     return lo, hi
 
 
