@@ -8,12 +8,16 @@ users run). Use a tiny synthetic GGUF, so that the graph's compute is small besi
 
     python -m moestream synth /tmp/tiny.gguf --arch qwen3_moe --layers 24 --experts 16 --top-k 8 \
         --hidden 256 --moe-intermediate 256
-    python benchmarks/decode_overhead.py /tmp/tiny.gguf --backend cpu --tokens 64 --repeats 7 [--profile]
+    python benchmarks/decode_overhead.py /tmp/tiny.gguf --backend cpu --tokens 64 --repeats 7 \
+        [--skip-compute] [--profile]
 
 Per decoded token: the wall time (first sampled token to last), the time inside Net.run, and the rest
 (Python: the token loop, sampling, the runner's step, the shard check, stats); medians of `--repeats`
-generations after `--warmup` ones. `--profile`: a cProfile of one more generation's decode, the
-functions by their own time (Net.run's compute shown apart). Prints one JSON line per backend.
+generations after `--warmup` ones. `--skip-compute`: Net.run a no-op in the measured decodes (their
+prefill too: the tokens are then meaningless), so that the CPU's compute does not flush the caches the
+Python runs from, as a GPU's compute does not: the Python's own time, the steadiest figure here.
+`--profile`: a cProfile of one more generation's decode, the functions by their own time in us per
+decoded token (Net.run's compute shown apart). Prints one JSON line per backend.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ def _timed(self: Net) -> None:
     t0 = time.perf_counter()
     _RUN(self)
     _INSIDE[0] += time.perf_counter() - t0
+
+
+def _skipped(self: Net) -> None:
+    """`--skip-compute`: the step's graph not run (nor, on a backend, its copies)."""
 
 
 def decode(engine: moestream.Engine, prompt: list[int], tokens: int) -> tuple[float, float]:
@@ -82,6 +90,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--skip-compute",
+        action="store_true",
+        help="decode steps' Net.run a no-op (after a normal prefill): the Python alone, its caches not "
+        "flushed by the CPU's compute (as a GPU's compute leaves them); the tokens are then meaningless",
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--top", type=int, default=30, help="profile rows")
     args = p.parse_args()
@@ -96,12 +110,15 @@ def main() -> None:
             prompt = [100 + i for i in range(args.prompt)]
             for _ in range(args.warmup):
                 decode(engine, prompt, args.tokens)
+            if args.skip_compute:
+                Net.run = _skipped
             runs = [decode(engine, prompt, args.tokens) for _ in range(args.repeats)]
             wall = statistics.median(w for w, _ in runs)
             graph = statistics.median(g for _, g in runs)
             rest = statistics.median(w - g for w, g in runs)
             row = {
                 "backend": backend,
+                "compute": "skipped" if args.skip_compute else "run",
                 "wall_us": round(wall * 1e6, 1),
                 "net_run_us": round(graph * 1e6, 1),
                 "python_us": round(rest * 1e6, 1),
@@ -110,6 +127,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             if args.profile:
                 print(profile(engine, prompt, args.tokens, args.top), flush=True)
+            Net.run = _timed
 
 
 if __name__ == "__main__":
