@@ -293,7 +293,7 @@ class GgmlRunner(ModelRunner):
     def _set(
         self, tokens: int, span: int, last: bool = False, slots: tuple[int, ...] = (0,), kern: Any = None
     ) -> GraphSet:
-        kern = kern or ggml.kernels(self.threads)
+        kern = kern if kern is not None else ggml.kernels(self.threads)
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
