@@ -194,6 +194,9 @@ def _zero_run(row: np.ndarray, lo: int, hi: int, was: tuple[int, int] | None) ->
         row[hi + 1 :] = -np.inf
         return lo, hi
     lo0, hi0 = was
+    if lo == lo0 and hi0 < hi:  # the run grew to the right (a decoded token: one column)
+        row[hi0 + 1 : hi + 1] = 0.0
+        return lo, hi
     # the columns that were zero and are now left of the run, right of it; those now zero that were left
     # of the old run, right of it (a decoded token's step: the last, one column)
     for start, end, value in (
