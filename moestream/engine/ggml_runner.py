@@ -359,8 +359,13 @@ class GgmlRunner(ModelRunner):
         else:
             first = self.experts.resident_slots()
             if first is not None:
-                with kern._lock, kern.hold():  # paused when the step ends
-                    gs.whole_graph(Whole(first)).run()
+                # one graph: its pool paused after it, as `hold` would pause it (without that generator-
+                # based context: a few microseconds a decoded token)
+                with kern._lock:
+                    try:
+                        gs.whole_graph(Whole(first)).run()
+                    finally:
+                        kern.idle()
         if first is not None:
             if T == 1:  # K distinct experts a layer
                 hits = self._token_hits
