@@ -162,9 +162,10 @@ class GgmlRunner(ModelRunner):
         self.seqs = [GgmlKV(per_token, recurrent, slot) for slot in range(slots)]  # one per KV slot
         self.state = self.seqs[0]  # what a request from scratch runs in (`forward` with no cache)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
-        # read once: each a scan of the layers (a step asked for both)
+        # read once (each a scan of the layers, which a step did): the sliding window, and the hits a
+        # decoded token's whole-step graph counts (K distinct experts a MoE layer)
         self._window = spec.window
-        self._token_hits = len(self._moe_layers) * spec.top_k if self._moe_layers else 0  # a token's
+        self._token_hits = len(self._moe_layers) * spec.top_k if self._moe_layers else 0
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
@@ -367,7 +368,7 @@ class GgmlRunner(ModelRunner):
                     finally:
                         kern.idle()
         if first is not None:
-            if T == 1:  # K distinct experts a layer
+            if T == 1:
                 hits = self._token_hits
             else:  # as `pin_all_hits` counts them: each layer's distinct experts
                 rows = [gs.rows(layer) for layer in self._moe_layers]
