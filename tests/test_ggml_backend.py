@@ -305,8 +305,15 @@ def test_a_steps_inputs_are_its_tokens_rows_and_masks(window):
     one = [([7], [p], [512]) for p in (0, 1, 3, 4, 5, 99, 100, 101, 254, 255)]
     chunk = [(list(range(10, 30)), list(range(90, 110)), [0] * 20)]
     batch = [([3, 4, 5], [0, 100, 255], [1024, 0, 512])]
-    for ids, positions, firsts in one + chunk + batch:
-        b = buffers(len(ids))
+    # the same buffers step after step (only the columns that change are written): decoding on, a new
+    # request from 0, jumps back and forth, a batch's rows each moving its own way
+    again = {1: buffers(1), 3: buffers(3)}
+    walk = [([7], [p], [0]) for p in (0, 1, 2, 3, 50, 51, 4, 5, 0, 255, 254, 120, 121)]
+    rows = [([3, 4, 5], p, [1024, 0, 512]) for p in ([0, 100, 255], [1, 101, 0], [200, 2, 1], [5, 5, 5])]
+    cases = [(case, None) for case in one + chunk + batch]
+    cases += [(case, again[len(case[0])]) for case in walk + rows]
+    for (ids, positions, firsts), reused in cases:
+        b = reused or buffers(len(ids))
         b.set_inputs(ids, positions, firsts, window)
         pos = torch.tensor(positions)
         later = torch.arange(span)[None, :] > pos[:, None]

@@ -162,6 +162,10 @@ class GgmlRunner(ModelRunner):
         self.seqs = [GgmlKV(per_token, recurrent, slot) for slot in range(slots)]  # one per KV slot
         self.state = self.seqs[0]  # what a request from scratch runs in (`forward` with no cache)
         self._moe_layers = [x.index for x in spec.layers if x.router is not None]
+        # read once (each a scan of the layers, which a step did): the sliding window, and the hits a
+        # decoded token's whole-step graph counts (K distinct experts a MoE layer)
+        self._window = spec.window
+        self._token_hits = len(self._moe_layers) * spec.top_k if self._moe_layers else 0
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
@@ -283,12 +287,14 @@ class GgmlRunner(ModelRunner):
         if cache is None:
             self.state.tokens = 0  # a request from scratch
             return self.state
-        if not any(cache is kv for kv in self.seqs):
+        if cache is not self.state and not any(cache is kv for kv in self.seqs):
             raise RuntimeError("the ggml runner continues only its own KV cache")
         return cache
 
-    def _set(self, tokens: int, span: int, last: bool = False, slots: tuple[int, ...] = (0,)) -> GraphSet:
-        kern = ggml.kernels(self.threads)
+    def _set(
+        self, tokens: int, span: int, last: bool = False, slots: tuple[int, ...] = (0,), kern: Any = None
+    ) -> GraphSet:
+        kern = kern if kern is not None else ggml.kernels(self.threads)
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
             self._generation = self.experts.generation
@@ -330,7 +336,8 @@ class GgmlRunner(ModelRunner):
         T = len(ids)
         batch = len(slots) > 1
         last = not batch and not self.experts.every_position()
-        gs = self._set(T, _round_up(max(positions) + 1, SPAN_STEP), last, slots)
+        kern = ggml.kernels(self.threads)
+        gs = self._set(T, _round_up(max(positions) + 1, SPAN_STEP), last, slots, kern)
         if positions[0] == 0 and not batch:  # from scratch: linear-attention states start at zero
             for layer, (conv, state) in zip(self.spec.layers, self.kv):
                 if layer.linear is not None:
@@ -338,9 +345,8 @@ class GgmlRunner(ModelRunner):
                         t.zero_() if self.memory is None else self.memory.zero(t)
         b = gs.buf
         b.set_inputs(
-            ids, positions, [slot * self.ctx for slot in (slots if batch else slots * T)], self.spec.window
+            ids, positions, [slot * self.ctx for slot in (slots if batch else slots * T)], self._window
         )
-        kern = ggml.kernels(self.threads)
         if self.tiered is not None:  # the device, a graph a layer over its GPU tier
             # the pool computes the experts the host does; its workers poll between those computes, but
             # on ggml's CPU backend, whose own threads compute the graphs on the same cores, it pauses
@@ -354,11 +360,16 @@ class GgmlRunner(ModelRunner):
         else:
             first = self.experts.resident_slots()
             if first is not None:
-                with kern._lock, kern.hold():  # paused when the step ends
-                    gs.whole_graph(Whole(first)).run()
+                # one graph: its pool paused after it, as `hold` would pause it (without that generator-
+                # based context: a few microseconds a decoded token)
+                with kern._lock:
+                    try:
+                        gs.whole_graph(Whole(first)).run()
+                    finally:
+                        kern.idle()
         if first is not None:
-            if T == 1:  # K distinct experts a layer
-                hits = len(self._moe_layers) * self.spec.top_k
+            if T == 1:
+                hits = self._token_hits
             else:  # as `pin_all_hits` counts them: each layer's distinct experts
                 rows = [gs.rows(layer) for layer in self._moe_layers]
                 hits = sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(b.routed, rows))

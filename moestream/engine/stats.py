@@ -57,7 +57,7 @@ class Counters:
     tier: TierCounters | None = None  # a GPU tier's, where the runner has one
 
     def since(self, earlier: Counters, tokens: int, seconds: float) -> PhaseStats:
-        now, then = self.tier or TierCounters(), earlier.tier or TierCounters()
+        now, then = self.tier or _NO_TIER, earlier.tier or _NO_TIER
         return PhaseStats(
             tokens,
             seconds,
@@ -72,6 +72,9 @@ class Counters:
             now.bytes_uploaded - then.bytes_uploaded,
             now.way,
         )
+
+
+_NO_TIER = TierCounters()  # the counts of a runner without a GPU tier (read only: `since`, each token)
 
 
 @dataclass

@@ -79,6 +79,8 @@ class StepBuffers:
     pick: torch.Tensor
     routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
     zeros: torch.Tensor  # i32 [T] of a batch (else empty): every row's matrix in `LayerGraphs.product`
+    # not a field: numpy views of the inputs and the masks' rows as written (`set_inputs`), made on first use
+    _host = None
 
     @classmethod
     def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int, seqs: int = 1) -> StepBuffers:
@@ -116,16 +118,17 @@ class StepBuffers:
             view = block[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
             view.copy_(t)
             moved[id(t)] = view
-        for name, value in vars(self).items():
+        for name, value in _buffers(self):
             if isinstance(value, tuple):
                 setattr(self, name, tuple(moved.get(id(t), t) for t in value))
             else:
                 setattr(self, name, moved.get(id(value), value))
+        self._host = None  # its views were of the tensors before
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every buffer (of a pair, each), named, non-empty: what a backend mirrors."""
         out = []
-        for name, value in vars(self).items():
+        for name, value in _buffers(self):
             for i, t in enumerate(value if isinstance(value, tuple) else (value,)):
                 if t.numel():
                     out.append((f"{name}{i if isinstance(value, tuple) else ''}", t))
@@ -136,27 +139,80 @@ class StepBuffers:
     ) -> None:
         """The step's inputs: its tokens, their positions, the KV-cache rows they write (each its slot's
         first row, `first_rows`, plus its position) and the masks (`fill_masks`), written through numpy
-        views (a decoded token's step: a few microseconds, not torch's tens)."""
-        self.tokens.numpy()[:] = ids
-        self.positions.numpy()[:] = positions
-        self.rows.numpy()[:] = np.add(first_rows, positions)
-        self.fill_masks(window)
+        views made once (a decoded token's step: a few microseconds, not torch's tens)."""
+        host = self._host or self._views()
+        if len(ids) == 1:  # a decoded token: numpy's scalar stores, no arrays made from the lists
+            p = positions[0]
+            host.tokens[0], host.positions[0], host.rows[0] = ids[0], p, first_rows[0] + p
+        else:
+            host.tokens[:] = ids
+            host.positions[:] = positions
+            host.rows[:] = np.add(first_rows, positions)
+        self.fill_masks(window, positions)
 
-    def fill_masks(self, window: int | None) -> None:
-        """The step's masks for its positions (each over its own slot's rows): causal; and for the
-        sliding layers, also what lies `window` or more positions back (transformers' sliding mask)."""
-        # a row at a time, two slices each (a decoded token's mask: 3 us, not the 45 of comparing every
-        # position; a 512 x 8192 chunk's: well under the 6 ms of that)
-        mask = self.mask.numpy()
-        positions = self.positions.tolist()
-        for row, p in zip(mask, positions):
-            row[: p + 1] = 0.0
-            row[p + 1 :] = -np.inf
-        if self.window.numel():
-            sliding = self.window.numpy()
-            np.copyto(sliding, mask)
-            for row, p in zip(sliding, positions):
-                row[: max(0, p - window + 1)] = -np.inf
+    def fill_masks(self, window: int | None, positions: list[int] | None = None) -> None:
+        """The step's masks for its `positions` (default: the buffer's; each over its own slot's rows):
+        causal; and for the sliding layers, also what lies `window` or more positions back
+        (transformers' sliding mask). Each row holds 0 on one run of columns, -inf elsewhere: only the
+        columns where that run differs from the one the row holds from the step before are written (a
+        decoded token's rows: one column each), the whole row where nothing was written yet."""
+        host = self._host or self._views()
+        if positions is None:
+            positions = self.positions.tolist()
+        runs = host.runs
+        for i, p in enumerate(positions):
+            runs[i] = _zero_run(host.mask[i], 0, p, runs[i])
+        if host.window is not None:
+            wruns = host.window_runs
+            for i, p in enumerate(positions):
+                wruns[i] = _zero_run(host.window[i], max(0, p - window + 1), p, wruns[i])
+
+    def _views(self) -> _HostViews:
+        self._host = _HostViews(self)
+        return self._host
+
+
+class _HostViews:
+    """A step's input buffers as numpy arrays (made once: `.numpy()` is ~1 us a call), and each mask
+    row's run of zero columns (first, last) as last written (None: not written yet)."""
+
+    def __init__(self, b: StepBuffers) -> None:
+        self.tokens, self.positions, self.rows = b.tokens.numpy(), b.positions.numpy(), b.rows.numpy()
+        self.mask = b.mask.numpy()
+        self.window = b.window.numpy() if b.window.numel() else None
+        self.runs: list[tuple[int, int] | None] = [None] * b.mask.shape[0]
+        self.window_runs: list[tuple[int, int] | None] = [None] * b.mask.shape[0]
+
+
+def _zero_run(row: np.ndarray, lo: int, hi: int, was: tuple[int, int] | None) -> tuple[int, int]:
+    """`row` 0 on columns [lo, hi], -inf elsewhere, given that it holds that for `was` (None: unknown);
+    returns (lo, hi). Only the columns in one run and not the other are written (slices out of order are
+    empty): the same bytes as writing the whole row."""
+    if was is None:
+        row[:lo] = -np.inf
+        row[lo : hi + 1] = 0.0
+        row[hi + 1 :] = -np.inf
+        return lo, hi
+    lo0, hi0 = was
+    if lo == lo0 and hi0 < hi:  # the run grew to the right (a decoded token: one column)
+        row[hi0 + 1 : hi + 1] = 0.0
+        return lo, hi
+    # the columns that were zero and are now left of the run, right of it; those now zero that were left
+    # of the old run, right of it (a decoded token's step: the last, one column)
+    for start, end, value in (
+        (lo0, min(hi0 + 1, lo), -np.inf),
+        (max(lo0, hi + 1), hi0 + 1, -np.inf),
+        (lo, min(hi + 1, lo0), 0.0),
+        (max(lo, hi0 + 1), hi + 1, 0.0),
+    ):
+        if start < end:
+            row[start:end] = value
+    return lo, hi
+
+
+def _buffers(b: StepBuffers) -> list[tuple[str, object]]:
+    """The buffers' attributes (not the private ones: `_host`)."""
+    return [(name, value) for name, value in vars(b).items() if not name.startswith("_")]
 
 
 class LayerGraphs:

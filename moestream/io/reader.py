@@ -75,13 +75,13 @@ class OpenFile:
     def change(self) -> str | None:
         """How the bytes under the open descriptor differ from when the file was first opened (None:
         unchanged). What the path names now does not matter here: see `CheckpointFiles.replaced`."""
-        now = FileIdentity.of(os.fstat(self.fd))
+        now = os.fstat(self.fd)  # compared field by field: no FileIdentity made (a check per forward)
         was = self.identity
         if was is None:
             return None
-        if now.size != was.size:
-            return f"its size changed from {was.size} to {now.size} bytes"
-        if now.mtime_ns != was.mtime_ns:
+        if now.st_size != was.size:
+            return f"its size changed from {was.size} to {now.st_size} bytes"
+        if now.st_mtime_ns != was.mtime_ns:
             return "it was modified"
         return None
 
