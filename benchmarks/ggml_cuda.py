@@ -19,6 +19,10 @@ llama.cpp on the same GGUF, every expert in VRAM.
     # the runs, in the same process
     MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --cache 5GiB --gpu-tier 2GiB \
         --ceiling 10
+    # the same with the next layer's confident stale-gate guesses read into the host cache while a layer's
+    # misses are copied and computed (--prefetch on|auto; the decode's prefetches and those used)
+    MOESTREAM_GGML_LIB=... python benchmarks/ggml_cuda.py speed MODEL.gguf --cache 5GiB --gpu-tier 2GiB \
+        --ceiling 10 --prefetch on
 
 Runs with MOESTREAM_GGML_BACKEND=cuda set by itself (`--backend cpu`: ggml's CPU backend, to check the
 script here). Prints one JSON line per result and a table last.
@@ -149,7 +153,7 @@ def speed(args: argparse.Namespace) -> None:
     if args.gpu_tier:
         os.environ["MOESTREAM_TIER_MISSES"] = args.tier_misses
     options = dict(cache=args.cache, trunk="ggml", threads=args.threads, **tier)
-    options.update(io_mode=args.io_mode, io_threads=args.io_threads, piece=args.piece)
+    options.update(io_mode=args.io_mode, io_threads=args.io_threads, piece=args.piece, prefetch=args.prefetch)
     with moestream.load(args.model, **options) as engine:
         load_s = time.perf_counter() - t0
         print(engine.mode_line(), flush=True)
@@ -223,6 +227,8 @@ def _reads(decode) -> dict:
         "decode_mib_read_per_token": round(decode.bytes_read / decode.tokens / 2**20, 2),
         "decode_read_gib_s": round(decode.bytes_read / decode.seconds / 2**30, 3),
         "decode_read_wait_ms_per_token": round(1e3 * decode.read_wait_s / decode.tokens, 2),
+        "decode_prefetches": decode.prefetches,  # experts read ahead (--prefetch), and of those used
+        "decode_prefetch_used": decode.prefetch_used,
     }
 
 
@@ -309,6 +315,9 @@ def main() -> None:
     s.add_argument("--gpu-tier", default=None, help="device slots for the experts (default: every expert)")
     ways = ["upload", "host", "split", "auto"]
     s.add_argument("--tier-misses", default="upload", choices=ways, help="with --gpu-tier")
+    s.add_argument(
+        "--prefetch", default="off", choices=["off", "on", "auto"], help="the stale-gate read-ahead"
+    )
     s.add_argument("--compare", type=int, default=16, help="greedy tokens to compare with the CPU graphs")
     args = p.parse_args()
     check(args) if args.cmd == "check" else speed(args)

@@ -164,3 +164,36 @@ def test_failed_read_names_file_and_offset_and_engine_stays_usable(tiny_dir, mon
     fail["on"] = False
     assert len(engine.generate([5, 6, 7], max_tokens=3, ignore_eos=True).tokens) == 3
     engine.close()
+
+
+def test_a_hit_still_being_prefetched_gives_each_kind_once(tmp_path):
+    """A layer that asks for an expert whose prefetch is still being read (a hit, every kind pending) hears
+    each kind exactly once as it lands: `HeldExperts` (a GPU tier's copies) counts its events, and an
+    event twice once ended its copies before the last kind landed."""
+    import queue
+
+    _odd_checkpoint(tmp_path)
+    gate = threading.Event()
+
+    class Held(Reader):
+        def _read(self, request, start):
+            gate.wait()
+            return super()._read(request, start)
+
+    ckpt = open_checkpoint(tmp_path)
+    emap = build_expert_map(ckpt.tensors, "swiglu", [0], 2)
+    reader = Held("direct", 2)
+    cache = ExpertCache(emap, 1 << 20, reader, top_k=1, piece_bytes=4096, lock_memory=False)
+    try:
+        assert cache.prefetch(0, [1]) == 1
+        job = cache.open_layer(0, [1])
+        assert job.hits == [1] and not job.misses
+        gate.set()
+        events = [job.next_event()[:2] for _ in emap.kinds]
+        assert sorted(events) == sorted((1, kind) for kind in emap.kinds)
+        with pytest.raises(queue.Empty):  # nothing more comes: no kind twice
+            job.events.get(timeout=0.5)
+        job.release(1)
+        assert cache.stats.prefetch_used == 1
+    finally:
+        reader.close()

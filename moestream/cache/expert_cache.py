@@ -263,8 +263,10 @@ class ExpertCache(InPlaceSlots):
         for kind in self.emap.kinds:
             if state.remaining[kind] == 0:
                 job.events.put((key[1], kind, state.errors[kind]))
-            else:
-                state.listeners.append(job)
+        # a hit still being read (a prefetch in flight): told of each other kind as it lands, once (one
+        # listener entry per job: each entry hears every kind, and `HeldExperts` counts its events)
+        if any(state.remaining[kind] for kind in self.emap.kinds):
+            state.listeners.append(job)
 
     def _admit_pending(self, job: LayerJob) -> Admitted:
         """Give slots to the job's waiting misses, in order, while the next victim is not in use."""

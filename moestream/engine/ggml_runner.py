@@ -435,7 +435,8 @@ class GgmlRunner(ModelRunner):
         if self.experts.host_routing():
             raise GgmlUnavailableError(
                 f"ggml's {kind} backend computes a step as one graph: a trace, a routing replay and "
-                "--prefetch need each layer's routing on the host, which it does not give yet (--device cpu)"
+                "--prefetch need each layer's routing on the host, which it does not give yet (--device cpu; "
+                "a trace and --prefetch run with a GPU tier, --gpu-tier)"
             )
         key = (self._generation, self.experts.cache_version())
         if self._device is not None and self._device[0] == key:  # the host slots did not move

@@ -190,6 +190,12 @@ class GpuTier:
             self.memory.upload_from(c.pools[kind], slot * nbytes, address, nbytes)
             self.counters.bytes_uploaded += nbytes
 
+    def missing(self, layer: int, experts: list[int]) -> list[int]:
+        """Which of `experts` of `layer` hold no device slot (what a read-ahead into the host cache is
+        for)."""
+        residents = self._class_of[layer].residents
+        return [e for e in experts if (layer, e) not in residents]
+
     def forget(self, layer: int, experts: list[int]) -> None:
         """`experts` placed but never uploaded (a read failed, or the host cache no longer held one): out
         of the tier, so they miss again rather than be computed from another expert's bytes."""

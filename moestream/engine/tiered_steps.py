@@ -43,6 +43,7 @@ from moestream.cache.policy import EvictionPolicy
 from moestream.engine.gpu_tier import ClassPlan, GpuTier, WayTrial, plan_tier
 from moestream.engine.host_misses import HostMisses
 from moestream.engine.stats import TierCounters
+from moestream.engine.tier_ahead import ReadAhead, heard
 from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.graphs.graph_set import GraphSet
@@ -124,16 +125,16 @@ class TieredSteps:
         are stale), made when first used and again when those slots move (a restream).
 
         Raises:
-            GgmlUnavailableError: a trace, a routing replay or --prefetch is on (not yet with a GPU tier).
+            GgmlUnavailableError: a routing replay is on (not yet with a GPU tier).
         """
+        if self.experts.replaying():
+            raise GgmlUnavailableError(
+                f"a GPU tier on ggml's {self.memory.backend.kind} backend does not yet take a routing replay "
+                "(--device cpu)"
+            )
         key = self.experts.generation
         if self._tier is not None and self._tier[0] == key:
             return self._tier[1], False
-        if self.experts.host_routing():
-            raise GgmlUnavailableError(
-                f"a GPU tier on ggml's {self.memory.backend.kind} backend does not yet give a trace, a "
-                "routing replay or --prefetch each layer's routing (--device cpu)"
-            )
         self.drop()
         for base, nbytes in self.experts.slot_regions():  # the host slots: copied from, never weights
             self.memory.forbid(base, nbytes, "the expert cache's slots")
@@ -187,6 +188,9 @@ class TieredSteps:
                     continue
                 slot, misses = placed
                 group = {e for row in rows for e in row}
+                self._fetch(b.moe_in[:n], self.experts.host_routing())
+                k = b.weights[0].shape[1]
+                ahead = heard(self.experts, tier, i, b.moe_in[:n], b.order[:n, :k], b.weights[i % 2][:n])
                 try:
                     # copied in now: every miss ("upload"), none ("host": the CPU computes them), or a share
                     # of those the gate kept out ("split", given slots here); the gate's own admissions
@@ -200,9 +204,12 @@ class TieredSteps:
                     b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
                     # the CPU's share (none for "upload": the graph then picks every output the device's)
                     on_cpu = set(misses) - set(copied)
-                    cpu = functools.partial(self._host_pairs, i, b, rows, on_cpu) if self.mixed else None
-                    self._upload(tier, i, rows, slot, copied, cpu)
+                    cpu = None
+                    if self.mixed:
+                        cpu = functools.partial(self._host_pairs, i, b, rows, on_cpu, ahead)
+                    self._upload(tier, i, rows, slot, copied, ahead, cpu)
                     self._defer(tier, i, slot, [e for e in admitted if e in on_cpu])
+                    ahead()  # where none was read or computed (once per layer: the gate counts them)
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
                     raise
@@ -220,12 +227,15 @@ class TieredSteps:
         rows: list[list[int]],
         slot: dict[int, int],
         misses: list[int],
+        ahead: ReadAhead,
         during: Callable[[], None] | None = None,
     ) -> None:
         """`misses` copied into their device slots from the host cache, which holds them for the copies
         (pinned) and reads those it lacks from disk: each kind copied as it lands, the gate while the up
         and down are still read. Before the graph that computes them (the copies on its stream).
-        `during`: run once every copy is issued, before waiting for them (the CPU's share of the layer)."""
+        `ahead`: the next layer's read-ahead, once these reads are queued (by `during` where it computes
+        the CPU's share, whose reads go first). `during`: run once every copy is issued, before waiting
+        for them (the CPU's share of the layer)."""
         if not misses:
             if during is not None:
                 during()
@@ -237,6 +247,8 @@ class TieredSteps:
                     uses[e] += 1
         sync = self.memory.backend.synchronize
         with self.experts.hold(layer, misses, list(uses.values()), len(rows)) as held:
+            if during is None:
+                ahead()  # the reads of the misses the host cache lacks are queued: behind them
             left = dict.fromkeys(misses, sum(len(k) for k in held.kinds.values()))
             for e, kinds, source in held.landed():
                 tier.upload(layer, slot[e], kinds, source)
@@ -278,12 +290,14 @@ class TieredSteps:
             tier.forget(layer, list(sources))
             self.experts.unpin(layer, list(sources))
 
-    def _host_pairs(self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int]) -> None:
+    def _host_pairs(
+        self, layer: int, b: StepBuffers, rows: list[list[int]], misses: set[int], ahead: ReadAhead
+    ) -> None:
         """The (token, k) outputs of `misses` computed on the CPU into `b.outputs`, and `b.pick` choosing
         them there and the device's slots elsewhere: by one ggml CPU graph over the host cache's slots
         (`HostMisses`) where the host cache holds every miss, else by the expert runtime (a miss there
-        read from disk as the schedule reads one). In numpy on the step's buffers: a layer's few pairs
-        cost microseconds, not torch's tens of them."""
+        read from disk as the schedule reads one; `ahead` run once its reads are queued). In numpy on the
+        step's buffers: a layer's few pairs cost microseconds, not torch's tens of them."""
         n, k = len(rows), len(rows[0])
         routed = [e for row in rows for e in row]  # [n * k], token-major
         index = [i for i, e in enumerate(routed) if e in misses]  # the misses' (token, k) positions
@@ -294,6 +308,7 @@ class TieredSteps:
             experts = [routed[i] for i in index]
             held = self._held(layer, rows, misses)
             if held is not None:
+                ahead()  # nothing of these to read
                 try:
                     slots = [held[e] for e in experts]
                     out = self._graphs().compute(layer, b.moe_in.numpy()[:n], pairs // k, slots, experts)
@@ -305,10 +320,11 @@ class TieredSteps:
                 hidden = b.moe_in[:n][index // k]  # [P, H]: each pair's token
                 top = torch.tensor(experts).view(-1, 1)
                 weights = b.weights[layer % 2][:n].reshape(-1)[index].view(-1, 1)
-                done = self.experts.compute(layer, hidden, top, weights)
+                done = self.experts.compute(layer, hidden, top, weights, ahead)  # heard: not again
                 outputs = torch.cat([as_f32(done.outputs[e]) for e in done.routing.by_expert])
                 flat[pairs[done.routing.tokens.numpy()]] = outputs.numpy()
             pick[pairs] += n * k
+        ahead()  # (where there were no pairs: now)
         b.pick.numpy()[:n] = pick.reshape(n, k)
 
     def _held(self, layer: int, rows: list[list[int]], misses: set[int]) -> dict[int, int] | None:
@@ -321,7 +337,7 @@ class TieredSteps:
                 self.experts.count_resident(len(held), 1)
                 return held
             self.experts.unpin(layer, list(held))
-        return self.experts.pin(layer, [[e for e in row if e in misses] for row in rows])
+        return self.experts.pin(layer, [[e for e in row if e in misses] for row in rows], heard=True)
 
     def _graphs(self) -> HostMisses:
         """The CPU graphs of the misses over the host cache's slots (made again after a restream)."""
@@ -332,10 +348,10 @@ class TieredSteps:
             self._host = (key, HostMisses(self.experts.graph_types(), self.spec.hidden, self.threads))
         return self._host[1]
 
-    def _fetch(self, t: torch.Tensor) -> None:
-        """The device's bytes of `t` (a view at the start of a device-only buffer) into it (the way "host":
-        there already, the graph copied them back)."""
-        if self.mixed:
+    def _fetch(self, t: torch.Tensor, wanted: bool = True) -> None:
+        """The device's bytes of `t` (a view at the start of a device-only buffer) into it, where
+        `wanted` (the way "host": there already, the graph copied them back)."""
+        if self.mixed or not wanted:
             return
         _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
         self.memory.download(region, t.data_ptr() - region.host, t.nbytes)

@@ -11,6 +11,7 @@ binds it to each expert streaming it builds (at load, after each restream: `gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +94,10 @@ class ExpertLayers:
         rt = self._runtime
         return rt.replay is not None or bool(rt.observers) or rt.prefetch is not None or not rt.tier.in_place
 
+    def replaying(self) -> bool:
+        """Whether a routing replay replaces each layer's routing."""
+        return self._runtime.replay is not None
+
     def every_position(self) -> bool:
         """Whether every position's routing is wanted on the host (a trace records, a routing replay
         replaces each position's): a prefill chunk's FFN past the last attention then runs on every
@@ -110,11 +115,30 @@ class ExpertLayers:
         return self._runtime.forward(layer, hidden, top_k_index, top_k_weights)
 
     def compute(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        queued: Callable[[], None] | None = None,
     ) -> Routed:
         """Every routed expert's output of `layer` (hidden [T, H], the routing [T, K]), not summed: hits
-        at once, each miss as its bytes land (`ExpertRuntime.experts`; a replay's routing where one runs)."""
-        return self._runtime.experts(layer, hidden, top_k_index, top_k_weights)
+        at once, each miss as its bytes land (`ExpertRuntime.experts`; a replay's routing where one runs).
+        `queued`: the layer's routing was `heard` already; run once the reads are queued (a read-ahead)."""
+        return self._runtime.experts(layer, hidden, top_k_index, top_k_weights, queued)
+
+    def heard(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> tuple[int, list[int]] | None:
+        """A layer's routing that a device's graph worked out (hidden [T, H], routing [T, K] on the host),
+        heard as `compute` hears it: the prefetch gate scores its guess, a trace records it. Returns the
+        next MoE layer's confident guesses (None without prefetch), for `read_ahead`."""
+        return self._runtime.heard(layer, hidden, top_k_index, top_k_weights)
+
+    def read_ahead(self, predicted: tuple[int, list[int]] | None) -> None:
+        """Once per MoE layer forward that `heard` heard, once its own reads are queued: the gate asked,
+        and where it allows, `predicted` read ahead into the host cache behind those reads."""
+        self._runtime.read_ahead(predicted)
 
     def counters(self) -> StreamCounters:
         """The streaming's cumulative counters (bytes read, hits, misses, waits, prefetches)."""
@@ -210,12 +234,12 @@ class ExpertLayers:
         rt.cache.count_hits(hits)
         rt.layer_calls += len(self.layers) if layers is None else layers
 
-    def pin(self, layer: int, rows: list[list[int]]) -> dict[int, int] | None:
+    def pin(self, layer: int, rows: list[list[int]], heard: bool = False) -> dict[int, int] | None:
         """Each token's experts of `layer` (`rows`, in router order) pinned in their slots when the cache
-        holds every one and nothing needs the routing on the host: expert -> its slot (the policy hears
-        of the forward as the schedule would tell it); None to compute them by `compute` instead.
-        `unpin` them once the graph that reads the slots ran."""
-        if self.host_routing():
+        holds every one and nothing needs the routing on the host (or it was `heard` already): expert ->
+        its slot (the policy hears of the forward as the schedule would tell it); None to compute them
+        by `compute` instead. `unpin` them once the graph that reads the slots ran."""
+        if self.host_routing() and not heard:
             return None
         rt = self._runtime
         experts = execution_order(rows)

@@ -17,6 +17,7 @@ Schedule per layer forward:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from moestream.cache.policy import execution_order
 from moestream.cache.records import LayerJob
 from moestream.runtime.families import ExpertFamily
 from moestream.runtime.formats import WeightFormat, layer_formats
-from moestream.runtime.prefetch import PrefetchGate
+from moestream.runtime.prefetch import Guess, PrefetchGate
 from moestream.runtime.switch import SwitchLayer
 from moestream.runtime.tiers import DeviceTier
 
@@ -191,15 +192,44 @@ class ExpertRuntime:
         return self.experts(layer, hidden, top_k_index, top_k_weights).weighted_sum(hidden)
 
     def experts(
-        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        queued: Callable[[], None] | None = None,
     ) -> Routed:
         """Every routed expert's output, not yet summed (a caller that sums them itself: the ggml graphs).
-        With a routing replay, the routing and weights are the trace's (`Routed.rows`, `.weights`)."""
+        With a routing replay, the routing and weights are the trace's (`Routed.rows`, `.weights`).
+        `queued`: the caller heard this layer's routing itself (`heard`; these may be some of its pairs):
+        it is not heard again, and `queued` runs once the reads of the layer are queued, instead of the
+        read-ahead of `read_ahead`."""
+        if queued is not None:
+            return self._route(layer, hidden, top_k_index.tolist(), top_k_weights, queued)
         if self.replay is not None:
             return self._replayed(layer, hidden, top_k_index, top_k_weights)
         ahead = self._lookahead(layer, hidden)
-        rows, predicted = self._readback(layer, top_k_index, ahead)
-        return self._route(layer, hidden, rows, top_k_weights, ahead, predicted)
+        rows, guessed = self._readback(layer, top_k_index, ahead)
+        predicted = self._heard(layer, hidden, rows, top_k_weights, ahead, guessed)
+        return self._route(layer, hidden, rows, top_k_weights, functools.partial(self.read_ahead, predicted))
+
+    def heard(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> tuple[int, list[int]] | None:
+        """A layer's routing worked out without `experts` (a GPU tier's graph; hidden [T,H] and the
+        routing [T,K] on the host) heard as `experts` hears it: the gate scores its guess for this layer,
+        observers (a trace) record it. Returns the next MoE layer and its confidently guessed experts
+        (None without prefetch), for `read_ahead` once the caller's own reads of this layer are queued."""
+        ahead = self._lookahead(layer, hidden)
+        rows, guessed = self._readback(layer, top_k_index, ahead)
+        return self._heard(layer, hidden, rows, top_k_weights, ahead, guessed)
+
+    def read_ahead(self, predicted: tuple[int, list[int]] | None) -> None:
+        """Once per MoE layer forward that `heard` heard (the gate counts them): read `predicted` ahead
+        into the cache, behind the reads already queued, where the gate allows it now."""
+        go = self.prefetch is not None and self.prefetch.allow()
+        if go and predicted is not None:
+            self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
 
     def _replayed(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -210,10 +240,33 @@ class ExpertRuntime:
         )
         top_k_weights = torch.tensor(weights, dtype=top_k_weights.dtype, device=top_k_weights.device)
         ahead = self._ahead.get(layer)
-        predicted = None
+        guessed = None
         if self.prefetch is not None and ahead is not None and guesses is not None:
-            predicted = (ahead[0], self.prefetch.choose(ahead[0], self.emap.num_experts, guesses))
-        return self._route(layer, hidden, rows, top_k_weights, None, predicted)
+            guessed = (ahead[0], guesses)
+        predicted = self._heard(layer, hidden, rows, top_k_weights, None, guessed)
+        return self._route(layer, hidden, rows, top_k_weights, functools.partial(self.read_ahead, predicted))
+
+    def _heard(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rows: list[list[int]],
+        top_k_weights: torch.Tensor,
+        ahead: tuple[int, object] | None,
+        guessed: tuple[int, list[Guess]] | None,
+    ) -> tuple[int, list[int]] | None:
+        """The routing of `layer` heard: the gate's guess for it scored, then the next layer's guesses
+        (`guessed`) given to the gate, which keeps the confident ones (returned); observers told."""
+        predicted = None
+        if self.prefetch is not None:
+            self.prefetch.observe(layer, rows)  # how good the guess for this layer was (before the next)
+            if guessed is not None:
+                predicted = (guessed[0], self.prefetch.choose(guessed[0], self.emap.num_experts, guessed[1]))
+        if self.observers:
+            event = LayerRouting(layer, hidden, rows, top_k_weights, ahead[1] if ahead else None)
+            for observe in self.observers:
+                observe(event)
+        return predicted
 
     def _route(
         self,
@@ -221,19 +274,13 @@ class ExpertRuntime:
         hidden: torch.Tensor,
         rows: list[list[int]],
         top_k_weights: torch.Tensor,
-        ahead: tuple[int, object] | None,
-        predicted: tuple[int, list[int]] | None,
+        queued: Callable[[], None],
     ) -> Routed:
-        """The layer's experts once the routing is on the host: `rows` per token, weights [T,K]."""
-        if self.prefetch is not None:
-            self.prefetch.observe(layer, rows)  # how good the guess for this layer was
-        if self.observers:
-            event = LayerRouting(layer, hidden, rows, top_k_weights, ahead[1] if ahead else None)
-            for observe in self.observers:
-                observe(event)
+        """The layer's experts once the routing is on the host: `rows` per token, weights [T,K]; `queued`
+        run once their reads are queued (the read-ahead)."""
         order = execution_order(rows)
         routing = self._routes(rows, hidden.device)
-        outputs = self._compute(layer, order, hidden, routing.by_expert, predicted)
+        outputs = self._compute(layer, order, hidden, routing.by_expert, queued)
         return Routed(rows, top_k_weights, routing, outputs)
 
     def _lookahead(self, layer: int, hidden: torch.Tensor) -> tuple[int, object] | None:
@@ -246,9 +293,9 @@ class ExpertRuntime:
 
     def _readback(
         self, layer: int, top_k_index: torch.Tensor, ahead: tuple[int, object] | None
-    ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
-        """The routing as lists, and with prefetch on, the next layer's experts guessed confidently enough
-        (`PrefetchGate.choose`), in one readback."""
+    ) -> tuple[list[list[int]], tuple[int, list[Guess]] | None]:
+        """The routing as lists, and with prefetch on, the next layer's guesses (each token's top k and
+        their scores, for `PrefetchGate.choose`), in one readback."""
         if ahead is None or self.prefetch is None:
             return top_k_index.tolist(), None  # the one host readback of the routing
         next_layer, out = ahead
@@ -259,7 +306,7 @@ class ExpertRuntime:
         both = torch.cat([top_k_index.float(), guess.float(), confidence], dim=1).tolist()
         rows = [[int(e) for e in row[:k]] for row in both]
         guesses = [list(zip(map(int, row[k : 2 * k]), row[2 * k :])) for row in both]
-        return rows, (next_layer, self.prefetch.choose(next_layer, scores.shape[-1], guesses))
+        return rows, (next_layer, guesses)
 
     def _compute(
         self,
@@ -267,7 +314,7 @@ class ExpertRuntime:
         order: list[int],
         hidden: torch.Tensor,
         routes: dict[int, Route],
-        predicted: tuple[int, list[int]] | None,
+        queued: Callable[[], None],
     ) -> dict[int, torch.Tensor]:
         job = None
         try:
@@ -278,9 +325,7 @@ class ExpertRuntime:
             if rest:
                 served = dict(zip(order, uses))
                 job = self.cache.open_layer(layer, rest, [served[e] for e in rest], hidden.shape[0])
-            go = self.prefetch is not None and self.prefetch.allow()  # asked every forward: it counts tokens
-            if go and predicted is not None:  # read ahead only what the tier lacks (maybe nothing)
-                self.cache.prefetch(predicted[0], self.tier.missing(*predicted))
+            queued()  # the read-ahead, behind the layer's reads
             if job is not None:
                 at_once = self.tier.in_place and self.plans[layer].at_once(hidden.shape[0], len(rest))
                 if at_once and not job.misses:
