@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 31 item 6 against llama.cpp (run from the repository root on the GPU machine, `.gpu/` carried; the
+# 24 x 128 Q4_K_M synthetic written unless ggml_cuda_lease.sh left it in /tmp): the experts bigger than
+# the RAM given, every engine in the same cgroup memory limit, the page cache dropped before each run
+# (benchmarks/llamacpp/side_by_side.py, as the CPU path's streaming comparison): llama.cpp -ngl 99 with
+# every routed expert on the CPU (--n-cpu-moe 24) and with 6 layers' experts on the GPU (--n-cpu-moe 18,
+# about the VRAM of moestream's 2 GiB tier), streamed by mmap at read-aheads LLAMA_RA; moestream --device cuda (ggml's CUDA
+# backend) with a 2 GiB GPU tier over a host cache of HOST (5GiB), without and with --prefetch.
+# Outputs under $OUT/sbs (each run's JSON and server log) and the table.
+set -uo pipefail
+. benchmarks/ggml_cuda_env.sh || exit 1
+synth_model || { tail -5 $OUT/synth.log; exit 1; }
+LIMIT=${LIMIT:-7GiB} HOST=${HOST:-5GiB} T=${T:-8}
+specs=()
+for ra in ${LLAMA_RA:-128 4096}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
+  specs+=("llama:ngl=99,ncmoe=24,t=$T,ra=$ra" "llama:ngl=99,ncmoe=18,t=$T,ra=$ra")
+done
+specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128"
+  "moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
+python3 benchmarks/llamacpp/side_by_side.py run "${specs[@]}" --llama-server $LC/llama-server --gguf "$MODEL" \
+  --model "$MODEL" --memory-limit $LIMIT --max-tokens ${TOKENS:-32} --out $OUT/sbs 2>&1 | tail -20
+python3 benchmarks/llamacpp/side_by_side.py table --out $OUT/sbs 2>&1 | tail -20
