@@ -141,13 +141,13 @@ def test_generate_batch_over_a_gpu_tier_with_parallel_slots(misses, tiny_dir, mo
     prompts = [PROMPT, PROMPT[3:] + [9, 10], [7, 7, 250, 1]]
     with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle, parallel=3) as engine:
         want = [engine.generate(p, max_tokens=GREEDY, ignore_eos=True).tokens for p in prompts]
-        rows, steps = engine.batch.decode_rows, engine.batch.decode_steps
+        rows = engine.batch.decode_rows
         got = engine.generate_batch(prompts, max_tokens=GREEDY, ignore_eos=True)
-        batched, steps = engine.batch.decode_rows - rows, engine.batch.decode_steps - steps
+        batched = engine.batch.decode_rows - rows
     assert [g.tokens for g in got] == want
     # every decoded row went through the batch's steps; how many shared a step depends on when each
     # request's thread joined (test_batch_runner's tier test steps several rows together by schedule)
-    assert batched == 3 * (GREEDY - 1) and steps <= batched
+    assert batched == 3 * (GREEDY - 1)
 
 
 def test_generate_batch_with_a_gpu_tier_runs_the_prompts_in_turn(tiny_dir, monkeypatch):
