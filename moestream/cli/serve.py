@@ -62,9 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="requests that run at once, their decode steps batched (llama-server's -np): N KV-cache slots "
         "of --ctx-size each (the mode line gives their memory); more requests wait in the queue. Default "
-        "auto: 4, 2 or 1, the most the runner can batch (the CPU's ggml graphs, no --gpu-tier) whose slots "
-        "leave the expert cache every expert where it had them all, else at least 7/8 of its bytes (an "
-        "explicit --cache: slots that fit beside it); the mode line says the choice and why",
+        "auto: 4, 2 or 1, the most the runner can batch (the ggml graphs) whose slots leave the expert "
+        "cache every expert where it had them all, else at least 7/8 of its bytes (an explicit --cache: "
+        "slots that fit beside it); on ggml's CUDA backend, whose slots also leave the GPU every expert "
+        "where one slot did, else a GPU tier at least 7/8 of one slot's (an explicit --gpu-tier: slots "
+        "that fit beside it); the mode line says the choice and why",
     )
     p.add_argument("--max-body", default="4MiB", help="largest accepted request body (default 4MiB)")
     p.add_argument(

@@ -22,7 +22,9 @@ every expert); unified memory (one tier of host memory the GPU reads in place) i
 that also keeps the KV cache and the activations. An explicit size wins over auto, tier by tier.
 
 `--parallel auto` (serve's default) is chosen here too, before the cache is sized: the largest of
-PARALLEL_CHOICES slots that the runner can batch and the memory plan affords (`choose_parallel`).
+PARALLEL_CHOICES slots that the runner can batch and the memory plan affords (`choose_parallel`); on a
+ggml backend, where the slots' KV cache and graph buffers also take the device's memory, the device then
+chooses among those (`engine/device_parallel.py`, once the streaming is built).
 """
 
 from __future__ import annotations
@@ -340,12 +342,8 @@ def _keeps_cache(plan: SlotPlan, one: SlotPlan, every: int) -> tuple[bool, str]:
 
 
 def no_batching(model: ModelDescription, options: EngineOptions, no_graph: str | None) -> str | None:
-    """Why this run's runner decodes one sequence at a time (None: the ggml graphs on the CPU, which
-    batch several): the words after "auto: " in the mode line."""
-    import os
-
-    if options.gpu_tier is not None:  # it batches (-np N), but the plan has no words for its device slots
-        return "the memory plan does not yet size a GPU tier's slots per sequence (give -np N)"
+    """Why this run's runner decodes one sequence at a time (None: the ggml graphs, which batch several,
+    on the CPU or on a backend): the words after "auto: " in the mode line."""
     if model.spec is None:
         if model.device.type != "cpu":
             why = f"--device {model.device.type}"
@@ -354,11 +352,6 @@ def no_batching(model: ModelDescription, options: EngineOptions, no_graph: str |
         return f"this run's trunk ({why}) runs one request at a time"
     if any(layer.mixer.recurrent for layer in model.spec.layers):
         return f"{model.spec.family}'s linear-attention layers keep one recurrent state"
-    backend = (
-        "cuda" if options.ggml_device is not None else os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
-    )
-    if backend:
-        return f"the memory plan has slots for the CPU's graphs, not ggml's {backend} backend's"
     return None
 
 
@@ -369,8 +362,9 @@ def auto_parallel(
     rooms: list[Room] | None = None,
 ) -> tuple[int, str]:
     """--parallel auto for the loaded `model` (its trunk in, `model.spec` set; `model.parallel` 1):
-    (slots, the mode line's words why), by `choose_parallel` over `slot_plans`. 1 where the runner
-    cannot batch (`no_batching`)."""
+    (slots, the mode line's words why), by `choose_parallel` over `slot_plans`: the host's memory plan.
+    1 where the runner cannot batch (`no_batching`). On a ggml backend the device's memory then chooses
+    among the slots allowed here (`engine/device_parallel.py`)."""
     unbatched = no_batching(model, options, no_graph)
     if unbatched is not None:
         return 1, unbatched

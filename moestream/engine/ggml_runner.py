@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +68,11 @@ DEVICE_CHUNK = 512  # on a backend (ggml's CUDA: llama.cpp's default micro-batch
 # the previous one's)
 KEEP_PREFILL_SETS = 1
 KEEP_DECODE_SETS = 2
+
+
+def _slots_words(slots: int) -> str:
+    """The KV cache's slots in the mode line (none said for one)."""
+    return f" in each of {slots} slots (--parallel {slots})" if slots > 1 else ""
 
 
 def decode_sets(slots: int) -> int:
@@ -150,6 +156,8 @@ class GgmlRunner(ModelRunner):
         # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
         # routed expert in stacks of its own (`_on_device`), the step one graph
         self.memory = DeviceMemory(backend) if backend is not None else None
+        # the device's memory before this runner takes any (its KV cache is counted in what it keeps)
+        measured = backend.memory() if backend is not None and gpu_tier == AUTO else (0, 0)
         self._device: tuple[tuple, dict[int, ExpertTypes], Whole] | None = None  # (key, types, slots)
         self._stacks: list[Region] = []  # the experts' stacks on the device
         if self.memory is not None:
@@ -180,43 +188,36 @@ class GgmlRunner(ModelRunner):
                 )
             else:
                 if gpu_tier == AUTO:
-                    gpu_tier = self._auto_tier(trunk_bytes)
+                    gpu_tier = self._auto_tier(trunk_bytes, *measured)
                 if gpu_tier is not None:
                     self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy, threads)
         except BaseException:
             self.close()
             raise
 
-    def _auto_tier(self, trunk_bytes: int) -> int | None:
-        """`--gpu-tier auto`: every expert on the device where they fit beside the trunk, the KV cache and
-        the graphs' buffers (as `planned_bytes` counts them), else a tier of what is left (`auto_tier`);
-        the choice said in the mode line.
+    def _auto_tier(self, trunk_bytes: int, free: int, total: int) -> int | None:
+        """`--gpu-tier auto` on a device with `free` of `total` bytes free: every expert on the device where
+        they fit beside the trunk, the KV cache and the graphs' buffers (`device_needs`), else a tier of
+        what is left (`auto_tier`); the choice said in the mode line.
 
         Raises:
             GgmlUnavailableError: the backend does not say its free memory.
             CacheBudgetError: too little is left for a tier.
         """
         backend = self.memory.backend
-        free, total = backend.memory()
         if not total:
             raise GgmlUnavailableError(
                 f"--gpu-tier auto: ggml's {backend.kind} backend does not say its free memory; give "
                 "--gpu-tier a size"
             )
-        spec, experts, moe = self.spec, self.experts, self._moe_layers
-        types, n = experts.graph_types(), experts.num_experts
-        if any(types.get(layer) is None or types[layer].arena is None for layer in moe):
+        needs = device_needs(self.spec, self.experts, self.ctx, self.threads, len(self.seqs), trunk_bytes)
+        if needs is None:
             return None  # a tier cannot hold them (TieredSteps says so); every expert on the device
-        every = expert_bytes(types, moe, spec.hidden, n)
-        inter = types[moe[0]].inter
-        graphs = planned_bytes(spec, self.ctx, n, inter, self.threads, len(self.seqs))[1]
-        reserve = trunk_bytes + self.kv_bytes + graphs
-        least = minimum_budget(types, moe, spec.hidden, n, spec.top_k)
-        tier = auto_tier(free, reserve, every, least, experts.holds_all())
+        tier = auto_tier(free, needs.reserve, needs.every, needs.least, needs.holds_all)
         where = "every expert on the device" if tier is None else f"a tier of {format_size(tier)}"
         self.auto_words = (
-            f"--gpu-tier auto: {where} ({format_size(free)} free, {format_size(reserve)} for the trunk, KV "
-            f"cache and graphs, {format_size(every)} of experts)"
+            f"--gpu-tier auto: {where} ({format_size(free)} free, {format_size(needs.reserve)} for the "
+            f"trunk, KV cache and graphs, {format_size(needs.every)} of experts)"
         )
         return tier
 
@@ -235,16 +236,15 @@ class GgmlRunner(ModelRunner):
             return (
                 f"trunk ggml graphs on ggml's {backend.kind} backend ({backend.description}; "
                 f"{self.spec.family}: {experts}), KV cache F16 of {self.ctx} positions there"
+                + _slots_words(len(self.seqs))
             )
         if self.experts.graph_types():
             whole = "; one graph a step while every expert is cached"
         else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
-        slots = len(self.seqs)
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
-            f"{whole}), KV cache F16 of {self.ctx} positions"
-            + (f" in each of {slots} slots (--parallel {slots})" if slots > 1 else "")
+            f"{whole}), KV cache F16 of {self.ctx} positions" + _slots_words(len(self.seqs))
         )
 
     @property
@@ -544,6 +544,36 @@ def planned_bytes(
     prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, slots, ctx, experts, inter, threads) + 4 * spec.vocab * (slots - 1)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + decode_sets(slots) * decode
+
+
+@dataclass(frozen=True)
+class DeviceNeeds:
+    """What a runner on a backend keeps in the device's memory with `slots` KV-cache slots, and its routed
+    experts' bytes there: what `--gpu-tier auto` and `--parallel auto` size from (`device_needs`)."""
+
+    slots: int
+    kv: int  # the KV cache of every slot
+    graphs: int  # the graph sets' buffers at most (`planned_bytes`)
+    reserve: int  # the trunk, the KV cache and the graphs' buffers
+    every: int  # every routed expert, as the device lays them out (`expert_bytes`)
+    least: int  # the smallest GPU tier (`minimum_budget`)
+    holds_all: bool  # the host expert cache holds every expert
+
+
+def device_needs(
+    spec: ModelSpec, experts: ExpertLayers, ctx_size: int, threads: int, slots: int, trunk_bytes: int
+) -> DeviceNeeds | None:
+    """A runner of `spec` on a backend with `slots` slots of `ctx_size` positions (`trunk_bytes`: the trunk's
+    weights): what it keeps on the device (`DeviceNeeds`); None where the graphs cannot address the routed
+    experts in slots (a tier cannot hold them: every expert on the device)."""
+    moe = [x.index for x in spec.layers if x.router is not None]
+    types, n = experts.graph_types(), experts.num_experts
+    if not moe or any(types.get(layer) is None or types[layer].arena is None for layer in moe):
+        return None
+    kv, graphs = planned_bytes(spec, ctx_size, n, types[moe[0]].inter, threads, slots)
+    every = expert_bytes(types, moe, spec.hidden, n)
+    least = minimum_budget(types, moe, spec.hidden, n, spec.top_k)
+    return DeviceNeeds(slots, kv, graphs, trunk_bytes + kv + graphs, every, least, experts.holds_all())
 
 
 def _prefill(key: tuple) -> bool:

@@ -275,6 +275,12 @@ class WayTrial:
 AUTO_MARGIN = 512 << 20
 
 
+def tier_room(free: int, reserve: int) -> int:
+    """What a device with `free` bytes free leaves the routed experts after `reserve` (the trunk, the KV
+    cache, the graphs' buffers) and the margin (AUTO_MARGIN, or 1/20 of `free` where more)."""
+    return free - reserve - max(AUTO_MARGIN, free // 20)
+
+
 def auto_tier(free: int, reserve: int, every: int, least: int, holds_all: bool) -> int | None:
     """`--gpu-tier auto` on a device with `free` bytes free, `reserve` of them for the trunk, the KV cache
     and the graphs: None (every expert in stacks on the device, the step one graph) where `every` expert's
@@ -284,7 +290,7 @@ def auto_tier(free: int, reserve: int, every: int, least: int, holds_all: bool) 
     Raises:
         CacheBudgetError: what is left is less than `least` (one token's routed experts a class).
     """
-    room = free - reserve - max(AUTO_MARGIN, free // 20)
+    room = tier_room(free, reserve)
     if every <= room and holds_all:
         return None
     if room < least:

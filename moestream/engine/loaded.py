@@ -22,7 +22,7 @@ import torch
 
 from moestream.cache.expert_cache import ExpertCache
 from moestream.cache.read_at_load import read_all
-from moestream.engine.auto_budget import AutoBudget, auto_parallel, size_auto
+from moestream.engine.auto_budget import PARALLEL_CHOICES, AutoBudget, auto_parallel, size_auto
 from moestream.engine.describe import describe
 from moestream.engine.memory import TrunkLock
 from moestream.engine.memory_plan import plan_memory, plan_restream
@@ -31,7 +31,7 @@ from moestream.engine.options import AUTO, EngineOptions
 from moestream.engine.prompts import context_size
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import Counters
-from moestream.engine.trunk import ggml_spec, make_runner
+from moestream.engine.trunk import ggml_spec, make_runner, runner_backend
 from moestream.engine.unused import refuse_unused
 from moestream.errors import MoestreamError
 from moestream.ggml.graphs import set_threads as ggml_threads
@@ -115,6 +115,12 @@ class LoadedModel:
             self.streaming = self._build_streaming()
             stack.callback(lambda: self.streaming.close())  # the one in use then (a restream replaces it)
             self.experts = ExpertLayers(self.streaming, self.top_k)
+            # the ggml backend the graphs compute on (None: the CPU in place), the runner's once it is built
+            backend = runner_backend(self.spec, self.threads, self.options.ggml_device)
+            if backend is not None:
+                stack.callback(backend.close)
+                if self.parallel_auto is not None and self.options.parallel > 1:
+                    self._device_parallel(backend)
             # what computes the steps, chosen once: it owns the static cache, graphs, ggml KV cache
             self.runner: ModelRunner = make_runner(
                 self.model,
@@ -130,7 +136,7 @@ class LoadedModel:
                 policy_factory(self.options.policy, self.emap),
                 self.options.parallel,
                 self.trunk.nbytes,
-                self.options.ggml_device,
+                backend,
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()
@@ -188,6 +194,29 @@ class LoadedModel:
         self.model = build_model(self.source, self.config, self.arch, dtype, stored)
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
+
+    def _device_parallel(self, backend: Any) -> None:
+        """--parallel auto on a ggml backend: of the slots the host's plan allowed, the most the device's
+        memory holds beside the trunk and the experts (`device_parallel`), said with the host's words
+        where the host allowed fewer than the most."""
+        from moestream.engine.device_parallel import device_parallel
+
+        host, host_words = self.options.parallel, self.parallel_auto
+        slots, words = device_parallel(
+            backend,
+            self.spec,
+            self.experts,
+            self.ctx_size,
+            self.threads,
+            self.trunk.nbytes,
+            self.options.gpu_tier,
+            host,
+        )
+        if host < max(PARALLEL_CHOICES):
+            words += f"; in RAM: {host_words}"
+        self.parallel_auto = words
+        self.options = dataclasses.replace(self.options, parallel=slots)
+        self.description = dataclasses.replace(self.description, parallel=slots)
 
     def _build_streaming(self) -> ExpertStreaming:
         """A fresh reader, cache, tier and runtime, bound to every StreamingExperts module."""

@@ -72,14 +72,14 @@ def make_runner(
     policy: Callable[[], EvictionPolicy] = LRUPolicy,
     parallel: int = 1,
     trunk_bytes: int = 0,
-    ggml_device: str | None = None,
+    backend: Any = None,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
     expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`). `parallel`:
     the ggml runner's KV-cache slots (sequences decoded together). `trunk_bytes`: the trunk's weights, for
-    a GPU tier sized from the device's free memory (`--gpu-tier auto`). `ggml_device`: the GPU of ggml's
-    CUDA backend where --device cuda chose it (`engine/gpu_path.py`).
+    a GPU tier sized from the device's free memory (`--gpu-tier auto`). `backend`: the ggml backend the
+    graphs compute on (`runner_backend`; None: the CPU in place), which the runner then owns.
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
@@ -91,8 +91,6 @@ def make_runner(
     if spec is not None:
         from moestream.engine.ggml_runner import GgmlRunner
 
-        recurrent = any(layer.linear is not None for layer in spec.layers)
-        backend = _backend(threads, recurrent, ggml_device)
         args = (spec, experts, ctx_size, threads, backend, gpu_tier, policy)
         return GgmlRunner(*args, slots=parallel, trunk_bytes=trunk_bytes)
     if gpu_tier is not None:
@@ -125,19 +123,16 @@ def make_runner(
     return runner
 
 
-def _backend(threads: int, recurrent: bool, ggml_device: str | None = None) -> Any:
-    """The ggml backend the graphs compute on other than the CPU in place: ggml's CUDA backend where
-    --device cuda chose it (`ggml_device`, engine/gpu_path.py); else MOESTREAM_GGML_BACKEND=cuda (the same,
-    GPU 0, with --device cpu) or =cpu (ggml's CPU backend through the same device path, which the tests
-    check it by); None: the CPU in place.
+def backend_name(ggml_device: str | None = None) -> str:
+    """The ggml backend the graphs compute on other than the CPU in place: "cuda" where --device cuda chose
+    it (`ggml_device`, engine/gpu_path.py) or MOESTREAM_GGML_BACKEND=cuda (GPU 0, with --device cpu);
+    "cpu" for MOESTREAM_GGML_BACKEND=cpu (ggml's CPU backend through the same device path, which the tests
+    check it by); "": the CPU in place.
 
     Raises:
         MoestreamError: MOESTREAM_GGML_BACKEND names another backend than --device cuda's, or none known.
     """
     import os
-
-    from moestream.engine.gpu_path import gpu_index
-    from moestream.ggml.backend import cpu_backend, cuda_backend
 
     name = os.environ.get("MOESTREAM_GGML_BACKEND", "").strip()
     if name not in ("", "cuda", "cpu"):
@@ -147,9 +142,25 @@ def _backend(threads: int, recurrent: bool, ggml_device: str | None = None) -> A
             raise MoestreamError(
                 f"MOESTREAM_GGML_BACKEND=cpu and --device {ggml_device} ask for two backends: give one"
             )
-        return cuda_backend(gpu_index(ggml_device), recurrent=recurrent)
-    if name == "cuda":
-        return cuda_backend(recurrent=recurrent)
+        return "cuda"
+    return name
+
+
+def runner_backend(spec: Any, threads: int, ggml_device: str | None = None) -> Any:
+    """The ggml backend (`backend_name`) that the graphs of `spec` compute on, started (the caller owns it
+    until `make_runner` hands it to the runner); None: the CPU in place, or no graphs (`spec` None).
+
+    Raises:
+        MoestreamError: as `backend_name`.
+        GgmlUnavailableError: ggml's CUDA backend cannot start (no library, no GPU).
+    """
+    name = backend_name(ggml_device) if spec is not None else ""
+    if not name:
+        return None
+    from moestream.engine.gpu_path import gpu_index
+    from moestream.ggml.backend import cpu_backend, cuda_backend
+
     if name == "cpu":
         return cpu_backend(threads)
-    return None
+    recurrent = any(layer.linear is not None for layer in spec.layers)
+    return cuda_backend(gpu_index(ggml_device) if ggml_device is not None else 0, recurrent=recurrent)
