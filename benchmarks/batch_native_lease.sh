@@ -6,11 +6,13 @@
 # `.gpu/llama-src.tar.xz` (benchmarks/llamacpp/trim_source.sh), the 24 x 128 Q4_K_M synthetic written with
 # the native library while llama.cpp builds, then llama-server -np 4 against moestream serve -np 4 at 1
 # and 4 streams, every expert in RAM (benchmarks/batch_servers.py), and the engine's thread check.
-#   run(command="bash benchmarks/batch_native_lease.sh", carry=[".gpu/whl", ".gpu/llama-src.tar.xz"])
+#   run(command="bash benchmarks/batch_native_lease.sh", carry=[".gpu/whl", ".gpu/srvwhl",
+#     ".gpu/llama-src.tar.xz"])
 # Outputs under $OUT (llama-build.log, ggml-build.log, synth.log, batch_servers.json and its logs).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+  .gpu/srvwhl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 MODEL=${MODEL:-/tmp/q24.gguf} THREADS=${THREADS:-16}
 nproc; free -g | head -2

@@ -2,13 +2,29 @@
 # ggml_cuda_stream_lease.sh; run from the repository root there, `.gpu/` carried): the wheels the image
 # lacks (gguf; transformers >= 5.24 for a GGUF's tokenizer) into /tmp/site, llama.cpp's CUDA build and
 # ggml's CUDA library from ../shared/h200's tar parts into /tmp (once a machine), the environment that
-# points moestream and llama.cpp at them, MODEL and THREADS, and the helpers the scripts share.
+# points moestream and llama.cpp at them, MODEL and THREADS, and the helpers the scripts share. The server's
+# wheels (.gpu/srvwhl: fastapi, uvicorn, pydantic) where carried.
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || return 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+  $(ls .gpu/srvwhl/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD
 [ -d /tmp/llama.cpp-cuda-sm90 ] || { cat .gpu/llama-cuda.tar.xz.part0* | tar xJ -C /tmp || return 1; }
 LC=/tmp/llama.cpp-cuda-sm90
 export MOESTREAM_GGML_LIB=$LC LD_LIBRARY_PATH=$LC${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# NATIVE_CPU=1: ggml's CPU library built here from .gpu/ggml-src.tar.xz (`make native`'s build: ggml's own
+# thread pool, not the prebuilt one's OpenMP; benchmarks/llamacpp/trim_source.sh --ggml makes the tar), beside
+# the prebuilt base and CUDA libraries of the same ggml (libggml-cpu binds to the base loaded first)
+if [ -n "${NATIVE_CPU:-}" ]; then
+  if [ ! -f /tmp/ggml-mixed/libggml-cpu.so ]; then
+    [ -d /tmp/ggml-src/llama.cpp ] || { mkdir -p /tmp/ggml-src && tar xJf .gpu/ggml-src.tar.xz -C /tmp/ggml-src; } || return 1
+    python3 -m moestream.ggml.build --source /tmp/ggml-src/llama.cpp --dest /tmp/ggml-native --jobs 12 \
+      > /tmp/ggml-native.log 2>&1 || { tail -5 /tmp/ggml-native.log; return 1; }
+    mkdir -p /tmp/ggml-mixed
+    for f in $LC/libggml-base.so* $LC/libggml-cuda.so*; do ln -sf $f /tmp/ggml-mixed/; done
+    for f in /tmp/ggml-native/lib/libggml-cpu.so*; do ln -sf $f /tmp/ggml-mixed/; done
+  fi
+  export MOESTREAM_GGML_LIB=/tmp/ggml-mixed
+fi
 MODEL=${MODEL:-/tmp/q24.gguf}
 THREADS=${THREADS:-8}
 

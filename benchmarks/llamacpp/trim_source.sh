@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# llama.cpp's source as the llama-cpp-python sdist vendors it (the same ggml as `make native`), trimmed to
-# what a CPU llama-server and ggml's CPU and CUDA backends build from (no docs, vocab models, tests, media,
-# other backends): 7 MB of tar.xz instead of the sdist's 77 MB, small enough to carry to the GPU machine
-# beside the wheels (benchmarks/batch_native_lease.sh builds both engines there from it).
-#   bash benchmarks/llamacpp/trim_source.sh SDIST.tar.gz OUT.tar.xz
+# llama.cpp's source as the llama-cpp-python sdist vendors it (the same ggml as `make native`), trimmed for
+# carrying to the GPU machine beside the wheels (its 64 MiB a call):
+#   bash benchmarks/llamacpp/trim_source.sh SDIST.tar.gz OUT.tar.xz           # 7 MB: what a CPU
+#       llama-server and ggml build from (no docs, vocab models, media, other backends):
+#       benchmarks/batch_native_lease.sh builds both engines from it
+#   bash benchmarks/llamacpp/trim_source.sh --ggml SDIST.tar.gz OUT.tar.xz    # 2.3 MB: what ggml's CPU
+#       library builds from (`python -m moestream.ggml.build --source`), NATIVE_CPU=1 in ggml_cuda_env.sh
 set -euo pipefail
+only_ggml=; [ "${1:-}" = --ggml ] && { only_ggml=1; shift; }
 sdist=$(realpath "$1"); out=$(realpath -m "$2")
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 tar xzf "$sdist" -C "$work" --wildcards '*/vendor/llama.cpp/*'
 src=$(ls -d "$work"/*/vendor/llama.cpp)
 cd "$src"
-rm -rf docs models media benches pocs skills gguf-py/tests
+if [ -n "$only_ggml" ]; then
+  keep="CMakeLists.txt cmake ggml src include common vendor licenses LICENSE app"
+  find . -mindepth 1 -maxdepth 1 $(for k in $keep; do printf -- '-not -name %s ' "$k"; done) -exec rm -rf {} +
+else
+  rm -rf docs models media benches pocs skills gguf-py/tests
+fi
 for b in webgpu et metal hexagon sycl vulkan opencl cann musa hip zdnn openvino; do rm -rf ggml/src/ggml-$b; done
 cd .. && tar cJf "$out" llama.cpp
 ls -la "$out"
