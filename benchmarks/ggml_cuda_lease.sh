@@ -22,7 +22,10 @@ fi
 # query uncopied, and with ggml's CUDA fusions off: what the scratch layout, the copy and the fusions cost
 if [ -n "${AB:-}" ]; then
   MOESTREAM_GGML_SCRATCH_REUSE=0 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-noreuse.log
-  # flash attention on the permuted query, no copy (its tokens against the CPU graphs': --compare)
-  MOESTREAM_GGML_QUERY_COPY=0 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 16 2>&1 | tail -3 | tee $OUT/speed-noqcopy.log
+  # flash attention's query not copied: the permuted view, and a one-token query reshaped (its tokens
+  # against the CPU graphs': --compare)
+  for q in view reshape; do
+    MOESTREAM_GGML_QUERY=$q python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 16 2>&1 | tail -3 | tee $OUT/speed-q$q.log
+  done
   GGML_CUDA_DISABLE_FUSION=1 python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36 --tokens 32 --compare 0 2>&1 | tail -2 | tee $OUT/speed-nofusion.log
 fi

@@ -158,11 +158,14 @@ def test_the_memory_plan_counts_a_kv_cache_per_slot(tiny_dir):
     assert sizes[3] == (3 * sizes[1][0], 3 * sizes[1][1])
 
 
+@pytest.mark.parametrize("query", ["copy", "reshape"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
-def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, tiny_dir, monkeypatch):
+def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, query, tiny_dir, monkeypatch):
     """ggml's CPU backend through the device path (buffers copied in and out, the KV cache and the
-    expert stacks on the device), as ggml's CUDA backend runs the graphs: the same bits alone and batched."""
+    expert stacks on the device), as ggml's CUDA backend runs the graphs: the same bits alone and batched,
+    flash attention's one-token queries copied or reshaped (MOESTREAM_GGML_QUERY)."""
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setattr("moestream.ggml.net._QUERY", query)
     with moestream.load(str(tiny_dir(arch)), cache="64MiB", trunk="ggml", parallel=3) as engine:
         runner = engine.runner
         assert runner.memory is not None

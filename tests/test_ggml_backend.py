@@ -200,6 +200,47 @@ def test_the_runner_on_a_backend_gives_the_in_place_bits(arch, tiny_dir, monkeyp
     assert torch.equal(got, want)
 
 
+def _ops(engine) -> list[str]:
+    """The op names of the decode step's one graph (the last one-token whole-step set built)."""
+    runner = engine.runner
+    net = [gs.whole[1] for (t, *_), gs in runner._sets.items() if t == 1 and gs.whole is not None][-1]
+    b = net.lib.base
+    nodes = (b.ggml_graph_node(net.gf, i) for i in range(b.ggml_graph_n_nodes(net.gf)))
+    return [b.ggml_op_name(GgmlTensor.from_address(p).op).decode() for p in nodes]
+
+
+@pytest.mark.parametrize("query", ["view", "reshape"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v2"])
+def test_flash_attentions_query_uncopied_gives_the_same_bits(arch, query, tiny_dir, monkeypatch):
+    """MOESTREAM_GGML_QUERY=view (the permuted query as the CPU path gives it) and =reshape (a one-token
+    query as the contiguous tensor the copy makes, not copied): the in-place bits, and a decoded token's
+    graph without the query's copies (one CONT a layer with the default copy)."""
+    from test_ggml_runner import _runner_logits
+
+    import moestream
+
+    path = tiny_dir(arch)
+    want, _ = _logits(path, monkeypatch, "")
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    conts = {}
+    for mode in ("copy", query):
+        monkeypatch.setattr("moestream.ggml.net._QUERY", mode)
+        with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
+            assert torch.equal(_runner_logits(engine), want)
+            conts[mode] = _ops(engine).count("CONT")
+    assert conts[query] < conts["copy"]
+
+
+def test_a_query_mode_of_neither_is_refused_in_a_sentence(tiny_dir, monkeypatch):
+    import moestream
+    from moestream.ggml.lib import GgmlUnavailableError
+
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setattr("moestream.ggml.net._QUERY", "permute")
+    with pytest.raises(GgmlUnavailableError, match="MOESTREAM_GGML_QUERY='permute': say copy, view or"):
+        moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml")
+
+
 def test_chunks_spans_and_a_restream_on_a_backend(tiny_dir, monkeypatch):
     """Prefill chunks and attention spans across graph sets (built and dropped, their device copies with
     them), and a restream (new expert slots: the device's stacks made again): the in-place bits."""

@@ -53,6 +53,7 @@ from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.errors import MoestreamError
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
+from moestream.ggml.net import Net
 from moestream.graphs.graph_set import GraphSet, set_bytes
 from moestream.graphs.layers import SPAN_STEP, StepBuffers, layer_caches, recurrent_bytes
 from moestream.graphs.moe import Whole
@@ -155,6 +156,8 @@ class GgmlRunner(ModelRunner):
         self.kv = layer_caches(spec, self.ctx * slots)  # Gated DeltaNet layers: their two states
         # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
         # routed expert in stacks of its own (`_on_device`), the step one graph
+        if backend is not None:
+            Net.check_query_mode()
         self.memory = DeviceMemory(backend) if backend is not None else None
         # the device's memory before this runner takes any (its KV cache is counted in what it keeps)
         measured = backend.memory() if backend is not None and gpu_tier == AUTO else (0, 0)

@@ -46,9 +46,11 @@ _REUSE = os.environ.get("MOESTREAM_GGML_SCRATCH_REUSE", "1") != "0"
 # such inputs alive for the fusions it allows, "alloc deps"): freed at the last reader, an input's bytes
 # went to the run's output and the fusion was refused
 FUSE_WINDOW = 32
-# on a backend, flash attention's query as a contiguous copy (see `Net.query`); 0 gives it the permuted
-# view as on the CPU and as llama.cpp does, for measuring that copy and the replay's tokens without it
-_QUERY_COPY = os.environ.get("MOESTREAM_GGML_QUERY_COPY", "1") != "0"
+# on a backend, how flash attention gets its query (see `Net.query`): "copy" (the default) a contiguous
+# copy; "view" the permuted view, as on the CPU and as llama.cpp does (12-06 on the H100: the copy's 3.3%
+# of a decoded token saved, the greedy tokens off the CPU graphs' from the second); "reshape" a one-token
+# query as the contiguous tensor the copy would make, without copying (a longer one copied): for measuring
+_QUERY = os.environ.get("MOESTREAM_GGML_QUERY", "copy").strip()
 
 
 class Net:
@@ -125,8 +127,23 @@ class Net:
         contiguous copy on a backend (ggml's CUDA graphs, replayed, computed flash attention over the
         permuted view otherwise than launched one by one: wrong tokens; found 2026-12-04 on the H200 by
         benchmarks/cuda_graph_bisect.py; the copy is D x N x T floats)."""
+        t = GgmlTensor.from_address(q)
+        if self.memory is not None and _QUERY == "reshape" and t.ne[2] == 1:
+            # one token: [D, N, 1] and its permutation [D, 1, N] hold the same bytes in the same order,
+            # the copy's layout (this view's strides are the copy's)
+            return self.reshape_3d(q, t.ne[0], 1, t.ne[1])
         q = self.permute(q, 0, 2, 1, 3)
-        return q if self.memory is None or not _QUERY_COPY else self.cont(q)
+        return q if self.memory is None or _QUERY == "view" else self.cont(q)
+
+    @staticmethod
+    def check_query_mode() -> None:
+        """Refuse a MOESTREAM_GGML_QUERY of none of the three ways (a runner on a backend asks at load).
+
+        Raises:
+            GgmlUnavailableError: the variable says something else.
+        """
+        if _QUERY not in ("copy", "view", "reshape"):
+            raise GgmlUnavailableError(f"MOESTREAM_GGML_QUERY={_QUERY!r}: say copy, view or reshape")
 
     def __getattr__(self, name: str):
         """net.mul_mat(a, b), net.rms_norm(x, eps), ...: ggml_<name>(ctx, ...)."""
