@@ -5,7 +5,7 @@
 # Qwen3-30B-A3B's shape (8.4 GiB; written here if ggml_cuda_lease.sh has not left it in /tmp): decode
 # tok/s, bytes read from disk per decoded token, the read rate while decoding and the disk's O_DIRECT
 # ceiling for this file's experts measured before the load and after the runs, in the same process
-# (benchmarks/ggml_cuda.py speed --ceiling). RUNS: cache:tier:misses entries. Outputs under $OUT
+# (benchmarks/ggml_cuda.py speed --ceiling). RUNS: cache:tier:misses entries; PREFETCH: off (default), on or auto. Outputs under $OUT
 # (stream-*.log).
 set -uo pipefail
 . benchmarks/ggml_cuda_env.sh || exit 1
@@ -16,6 +16,6 @@ for run in ${RUNS:-5GiB:2GiB:upload 5GiB:2GiB:host}; do
   echo "== cache $cache, tier $tier, misses $misses"
   python3 benchmarks/ggml_cuda.py speed "$MODEL" --cache $cache --gpu-tier $tier --tier-misses $misses \
     --prompts ${PROMPTS:-36} --tokens 32 --threads $THREADS --repeats 2 --ceiling ${CEILING:-10} \
-    --compare ${COMPARE:-0} > $OUT/stream-$cache-$tier-$misses.log 2>&1
-  grep -v '^moestream' $OUT/stream-$cache-$tier-$misses.log | tail -4
+    --compare ${COMPARE:-0} --prefetch ${PREFETCH:-off} > $OUT/stream-$cache-$tier-$misses-${PREFETCH:-off}.log 2>&1
+  grep -v '^moestream' $OUT/stream-$cache-$tier-$misses-${PREFETCH:-off}.log | tail -4
 done
