@@ -305,7 +305,10 @@ def test_a_signal_during_a_stream_ends_it_cleanly_and_exits_0(tiny_dir, sig):
             )
         )
         waiter.start()
-        time.sleep(0.3)  # queued behind the stream
+        deadline = time.monotonic() + 30
+        while live.http.get("/health").json()["waiting"] < 1:  # until it is queued behind the stream
+            assert time.monotonic() < deadline, "the second request was never queued"
+            time.sleep(0.01)
         live.proc.send_signal(sig)
         start = time.monotonic()
         with pytest.raises(openai.APIError, match="shutting down"):
