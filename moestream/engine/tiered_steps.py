@@ -178,8 +178,8 @@ class TieredSteps:
                 ready = False
                 if i == len(self.spec.layers) or self.spec.layers[i].router is None:
                     continue
-                n = gs.rows(i)
-                rows = b.order[:n, : b.weights[0].shape[1]].tolist()
+                n, k = gs.rows(i), b.weights[0].shape[1]
+                rows = b.order[:n, :k].tolist()
                 way = self.way()
                 placed = tier.place(i, rows, way != "upload") if i + 1 in fused else None
                 if placed is None:
@@ -188,10 +188,11 @@ class TieredSteps:
                     continue
                 slot, misses = placed
                 group = {e for row in rows for e in row}
-                self._fetch(b.moe_in[:n], self.experts.host_routing())
-                k = b.weights[0].shape[1]
-                ahead = heard(self.experts, tier, i, b.moe_in[:n], b.order[:n, :k], b.weights[i % 2][:n])
                 try:
+                    # the routing heard where a trace or prefetch wants it (inside: a failure here must
+                    # also take the placed misses out of the tier)
+                    self._fetch(b.moe_in[:n], self.experts.host_routing())
+                    ahead = heard(self.experts, tier, i, b.moe_in[:n], b.order[:n, :k], b.weights[i % 2][:n])
                     # copied in now: every miss ("upload"), none ("host": the CPU computes them), or a share
                     # of those the gate kept out ("split", given slots here); the gate's own admissions
                     # are copied after the graph, from where the CPU computed them
