@@ -322,6 +322,12 @@ def choose_parallel(plans: Sequence[SlotPlan], every: int | None, tokens: int) -
     return one, "; ".join(refused) or "one slot"
 
 
+def keeps_share(mine: int, ones: int) -> bool:
+    """Whether N slots' budget `mine` keeps at least (KEEP_SHARE - 1) / KEEP_SHARE of one slot's `ones`
+    (`--parallel auto`'s rule, for the host's cache and for a device's GPU tier)."""
+    return mine * KEEP_SHARE >= ones * (KEEP_SHARE - 1)
+
+
 def _keeps_cache(plan: SlotPlan, one: SlotPlan, every: int) -> tuple[bool, str]:
     """Whether an auto cache with `plan`'s slots keeps what one slot's has (`choose_parallel`'s rule)."""
     if plan.cache is None or one.cache is None:
@@ -333,7 +339,7 @@ def _keeps_cache(plan: SlotPlan, one: SlotPlan, every: int) -> tuple[bool, str]:
             f"{plan.slots} slots would leave the cache {format_size(plan.cache)} of every expert's "
             f"{format_size(every)}"
         )
-    if plan.cache * KEEP_SHARE >= one.cache * (KEEP_SHARE - 1):
+    if keeps_share(plan.cache, one.cache):
         return True, ""
     return False, (
         f"{plan.slots} slots would leave the cache {format_size(plan.cache)} of one slot's "

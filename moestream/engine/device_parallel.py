@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.engine.auto_budget import KEEP_SHARE, PARALLEL_CHOICES
+from moestream.engine.auto_budget import KEEP_SHARE, PARALLEL_CHOICES, keeps_share
 from moestream.engine.ggml_runner import DeviceNeeds, device_needs
 from moestream.engine.gpu_tier import auto_tier, tier_room
 from moestream.engine.options import AUTO
@@ -91,7 +91,7 @@ def _auto(free: int, need: DeviceNeeds, one: DeviceNeeds, gpu_tier: Any, where: 
             return True, f"every expert still on {where}"
         left = f"a tier of {format_size(mine)}" if mine else "no room for a tier"
         return False, f"{n} slots would leave {where} {left}, not every expert's {format_size(need.every)}"
-    if mine and mine * KEEP_SHARE >= ones * (KEEP_SHARE - 1):
+    if mine and keeps_share(mine, ones):
         return True, f"the GPU tier keeps {format_size(mine)} of one slot's {format_size(ones)}"
     return False, (
         f"{n} slots would leave the GPU tier {format_size(mine or 0)} of one slot's {format_size(ones)} "
