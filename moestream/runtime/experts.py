@@ -208,9 +208,7 @@ class ExpertRuntime:
             return self._route(layer, hidden, top_k_index.tolist(), top_k_weights, queued)
         if self.replay is not None:
             return self._replayed(layer, hidden, top_k_index, top_k_weights)
-        ahead = self._lookahead(layer, hidden)
-        rows, guessed = self._readback(layer, top_k_index, ahead)
-        predicted = self._heard(layer, hidden, rows, top_k_weights, ahead, guessed)
+        rows, predicted = self._hear(layer, hidden, top_k_index, top_k_weights)
         return self._route(layer, hidden, rows, top_k_weights, functools.partial(self.read_ahead, predicted))
 
     def heard(
@@ -220,9 +218,16 @@ class ExpertRuntime:
         routing [T,K] on the host) heard as `experts` hears it: the gate scores its guess for this layer,
         observers (a trace) record it. Returns the next MoE layer and its confidently guessed experts
         (None without prefetch), for `read_ahead` once the caller's own reads of this layer are queued."""
+        return self._hear(layer, hidden, top_k_index, top_k_weights)[1]
+
+    def _hear(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> tuple[list[list[int]], tuple[int, list[int]] | None]:
+        """The routing read back (with the next layer's guesses, one readback) and heard (`_heard`): the
+        rows, and the next layer's confident guesses."""
         ahead = self._lookahead(layer, hidden)
         rows, guessed = self._readback(layer, top_k_index, ahead)
-        return self._heard(layer, hidden, rows, top_k_weights, ahead, guessed)
+        return rows, self._heard(layer, hidden, rows, top_k_weights, ahead, guessed)
 
     def read_ahead(self, predicted: tuple[int, list[int]] | None) -> None:
         """Once per MoE layer forward that `heard` heard (the gate counts them): read `predicted` ahead
