@@ -56,10 +56,8 @@ CHILD = """
         usage = int((group / "memory.usage_in_bytes").read_text())
         return usage - int(stat["total_inactive_file"]) - int(stat["total_active_file"])
 
-    def held(buf):  # the buffers' tensors (their numpy views, made once, share these bytes)
-        import torch
-        parts = (t for v in vars(buf).values() for t in (v if isinstance(v, tuple) else (v,)))
-        return sum(t.nbytes for t in parts if isinstance(t, torch.Tensor))
+    def held(buf):  # the buffers' tensors, as a backend mirrors them
+        return sum(t.nbytes for _, t in buf.tensors())
 
     ckpt, group, share = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     with moestream.load(ckpt) as probe:  # no limit yet: every expert fits, the parts are what counts
