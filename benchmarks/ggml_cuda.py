@@ -160,7 +160,7 @@ def speed(args: argparse.Namespace) -> None:
         vocab = engine.runner.spec.vocab
         gen = torch.Generator().manual_seed(0)
         results = {"load_s": round(load_s, 1)}
-        tokens = {}
+        tokens, forced = {}, {}
         for n in [int(x) for x in args.prompts.split(",")]:
             prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
             for _ in range(args.warmup):
@@ -178,13 +178,16 @@ def speed(args: argparse.Namespace) -> None:
                 # the decode steps' wall time outside Net.run (Python, sampling, the engine's loop)
                 prefill_inside = s.prefill.seconds  # upper bound of prefill's share of `inside`
                 dec_inside = max(0.0, inside[0] - prefill_inside)
-                share.append(max(0.0, 1 - dec_inside / s.decode.seconds) if s.decode.seconds else 0.0)
+                # (none where a decoded token is not one Net.run: a GPU tier's layers, or where no
+                # decode step ran through it)
+                if s.device_tier is None and dec_inside > 0 and s.decode.seconds:
+                    share.append(max(0.0, 1 - dec_inside / s.decode.seconds))
             row = {
                 "prompt_tokens": n,
                 "prefill_tok_s": round(best_prefill, 1),
                 "decode_tok_s": round(sorted(decode)[len(decode) // 2], 1),
                 "decode_runs": [round(d, 1) for d in decode],
-                "python_share_decode": round(sorted(share)[len(share) // 2], 3),
+                "python_share_decode": round(sorted(share)[len(share) // 2], 3) if share else None,
             }
             if tiers:  # the GPU tier: hit rate while decoding, MiB uploaded per decoded token (last run)
                 row["tier_decode_hit_rate"] = round(tiers[-1]["decode_hit_rate"], 4)
@@ -198,6 +201,8 @@ def speed(args: argparse.Namespace) -> None:
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
+            if args.compare:  # the device's logits along its own greedy tokens, for the CPU graphs' below
+                forced[n] = _forced(engine, prompt, tokens[n][1])
         results["decode_step"] = _profile(engine.runner, run)
         print(json.dumps(results["decode_step"]), flush=True)
     if ceiling:  # the disk again, after the runs: the higher of the two is the ceiling
@@ -216,7 +221,39 @@ def speed(args: argparse.Namespace) -> None:
                 same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
                 results[f"p{n}"]["cpu_tokens_equal"] = "all" if same is None else f"first {same}"
                 print(f"p{n}: {args.compare} greedy tokens, device vs CPU graphs: first unequal {same}")
+                row = _logit_gap(forced[n], _forced(engine, prompt, theirs), theirs, same)
+                results[f"p{n}"].update(row)
+                print(f"p{n}: logits along the device's tokens, device vs CPU graphs: {json.dumps(row)}")
     print(json.dumps(results))
+
+
+def _forced(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits that chose each of `tokens` after `prompt`, the tokens fed back (teacher-forced): the
+    prompt's prefill, then a step per token but the last; [len(tokens), V], a fresh KV cache."""
+    step = engine.runner
+    logits, kv = step(prompt, None)
+    out = [logits.float().clone()]
+    for token in tokens[:-1]:
+        logits, kv = step([token], kv)
+        out.append(logits.float().clone())
+    return torch.stack(out)
+
+
+def _logit_gap(dev: torch.Tensor, cpu: torch.Tensor, tokens: list[int], first: int | None) -> dict:
+    """How far the device's logits are from the CPU graphs' along the same tokens (max |difference| over
+    the CPU's largest |logit|), how many steps pick the same argmax, and where the greedy tokens part,
+    how close the CPU's own choice was there: its top logit less its logit of the device's token, over
+    the same scale (a near tie when that is within the logits' difference)."""
+    scale = cpu.abs().max().item()
+    row = {
+        "logits_vs_cpu": round((dev - cpu).abs().max().item() / scale, 5),
+        "forced_argmax_equal": f"{int((dev.argmax(-1) == cpu.argmax(-1)).sum())}/{len(tokens)}",
+    }
+    if first is not None:
+        c, d = cpu[first], dev[first]
+        row["cpu_margin_at_first_unequal"] = round((c.max() - c[tokens[first]]).item() / scale, 5)
+        row["device_margin_at_first_unequal"] = round((d.max() - d[c.argmax()]).item() / scale, 5)
+    return row
 
 
 def _reads(decode) -> dict:
