@@ -13,6 +13,7 @@ import ctypes as C
 import json
 import os
 import platform
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -409,6 +410,37 @@ def _check_layout(base: C.CDLL) -> None:
         )
 
 
+def elf_needed(path: Path) -> list[str]:
+    """The libraries a 64-bit little-endian ELF shared object names as DT_NEEDED, in order (its dynamic
+    section's entries, their names read from its string table); [] for any other file."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    (phoff,) = struct.unpack_from("<Q", data, 32)
+    phentsize, phnum = struct.unpack_from("<HH", data, 54)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if kind == 1:  # PT_LOAD: where an address lies in the file
+            loads.append((vaddr, offset, filesz))
+        elif kind == 2:  # PT_DYNAMIC
+            dynamic = (offset, filesz)
+    if dynamic is None:
+        return []
+    needed, strtab = [], None
+    for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, value = struct.unpack_from("<qQ", data, at)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED: an offset into the string table
+            needed.append(value)
+        elif tag == 5:  # DT_STRTAB: the table's address
+            strtab = next((value - v + o for v, o, n in loads if v <= value < v + n), None)
+    if strtab is None:
+        return []
+    return [data[strtab + n : data.index(b"\0", strtab + n)].decode() for n in needed]
+
+
 def load() -> Library:
     """Locate, check and load ggml; raises GgmlUnavailableError with the reason and the remedy."""
     folder, kind = locate()
@@ -434,9 +466,12 @@ def load() -> Library:
         fn = getattr(cpu, f"ggml_cpu_has_{name}", None)
         if fn is not None and fn():
             isa.append(name.upper())
-    # libggml-cpu's own dependencies are searched by a handle's lookup: libgomp's symbol is there only
-    # where that build links OpenMP (torch's copy of libgomp is not among them)
-    openmp = hasattr(cpu, "omp_get_max_threads")
+    # the CPU library's own DT_NEEDED, not a handle's lookup: llama.cpp's default libggml-base links
+    # libgomp too (for its quantisation loops), so a native libggml-cpu beside it (one ggml, its CPU
+    # library rebuilt with ggml's own thread pool) would look like an OpenMP build
+    openmp = any(
+        name.startswith(("libgomp", "libomp", "libiomp")) for name in elf_needed(folder / "libggml-cpu.so")
+    )
     return Library(base, cpu, folder, kind, base.ggml_version().decode(), tuple(isa), gated_delta_net, openmp)
 
 
