@@ -6,17 +6,25 @@
 # every routed expert on the CPU (--n-cpu-moe 24) and with 6 layers' experts on the GPU (--n-cpu-moe 18,
 # about the VRAM of moestream's 2 GiB tier), streamed by mmap at read-aheads LLAMA_RA; moestream --device cuda (ggml's CUDA
 # backend) with a 2 GiB GPU tier over a host cache of HOST (5GiB), without and with --prefetch.
-# Outputs under $OUT/sbs (each run's JSON and server log) and the table.
+# Outputs under $OUT: sbs.tgz (each run's JSON and server log), sbs.log, sbs-table.txt; BUDGET (420 s)
+# is when no further run starts.
 set -uo pipefail
 . benchmarks/ggml_cuda_env.sh || exit 1
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
 LIMIT=${LIMIT:-7GiB} HOST=${HOST:-5GiB} T=${T:-8}
-specs=()
-for ra in ${LLAMA_RA:-128 4096}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
-  specs+=("llama:ngl=99,ncmoe=24,t=$T,ra=$ra" "llama:ngl=99,ncmoe=18,t=$T,ra=$ra")
+specs=()  # the runs in the order of what matters most, each written as it ends (a BUDGET cut keeps them)
+specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
+for ra in ${LLAMA_RA:-4096 128}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
+  specs+=("llama:ngl=99,ncmoe=18,t=$T,ra=$ra" "llama:ngl=99,ncmoe=24,t=$T,ra=$ra")
 done
-specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128"
-  "moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
-python3 benchmarks/llamacpp/side_by_side.py run "${specs[@]}" --llama-server $LC/llama-server --gguf "$MODEL" \
-  --model "$MODEL" --memory-limit $LIMIT --max-tokens ${TOKENS:-32} --out $OUT/sbs 2>&1 | tail -20
-python3 benchmarks/llamacpp/side_by_side.py table --out $OUT/sbs 2>&1 | tail -20
+specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128")
+for spec in "${specs[@]}"; do  # one process a run, so that the call's budget cuts between runs, not in one
+  [ $SECONDS -lt ${BUDGET:-420} ] || { echo "budget: $spec not run"; continue; }
+  echo "== $spec (T=$SECONDS)"
+  python3 benchmarks/llamacpp/side_by_side.py run "$spec" --llama-server $LC/llama-server --gguf "$MODEL" \
+    --model "$MODEL" --memory-limit $LIMIT --max-tokens ${TOKENS:-32} --out $OUT/sbs >> $OUT/sbs.log 2>&1
+  tail -3 $OUT/sbs.log
+done
+python3 benchmarks/llamacpp/side_by_side.py table --out $OUT/sbs 2>&1 | tee $OUT/sbs-table.txt | tail -20
+# the runs' folders are named by their specs ('=' and ',': not names that come back from the machine)
+tar czf $OUT/sbs.tgz -C $OUT sbs && rm -rf $OUT/sbs
