@@ -46,7 +46,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 import moestream  # noqa: E402
+from moestream.engine.ggml_runner import GgmlRunner  # noqa: E402
+from moestream.engine.gpu_tier import GpuTier  # noqa: E402
+from moestream.engine.host_misses import HostMisses  # noqa: E402
+from moestream.ggml.backend import Backend  # noqa: E402
 from moestream.ggml.net import Net  # noqa: E402
+from moestream.runtime.expert_layers import ExpertLayers  # noqa: E402
 
 FAMILIES = [
     "qwen3_moe",
@@ -77,6 +82,69 @@ ONE_HEAD = dict(num_attention_heads=1, num_key_value_heads=1, head_dim=64)  # he
 CUDA_SHAPES = {"deepseek_v2": MLA_576, "deepseek_v3": MLA_576, "olmoe": ONE_HEAD}
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 FORCED = [9, 150, 77, 31, 200, 6, 18, 42]
+
+
+class Phases:
+    """Where a decoded token's wall time goes, each part exclusive of the parts it calls: `graphs` (a
+    graph's run: its copies in and out, its compute, on a backend its wait), `sync` (the backend's
+    waits outside a graph's run: a GPU tier's copies), `upload` (issuing a GPU tier's copies), `cpu` (a
+    GPU tier's misses computed on the CPU: the host graph or the expert runtime), `step` (the runner's
+    own Python inside a step), and what is left of the decode's seconds: the engine's loop (sampling,
+    stop checks, stats). Counted over the one-token steps only (decode), by wrapping the classes'
+    methods for the whole process."""
+
+    WRAPPED = (
+        (Net, "run", "graphs"),
+        (Backend, "synchronize", "sync"),
+        (GpuTier, "upload", "upload"),
+        (HostMisses, "compute", "cpu"),
+        (ExpertLayers, "compute", "cpu"),
+    )
+
+    def __init__(self) -> None:
+        self.on, self.stack, self.steps = False, [], 0
+        self.seconds: dict[str, float] = {}
+        for owner, name, key in self.WRAPPED:
+            setattr(owner, name, self._timed(getattr(owner, name), key))
+        call = GgmlRunner.__call__
+
+        def step(runner, ids, cache):
+            if len(ids) != 1:  # a prompt's chunk (or a batch's): not counted
+                return call(runner, ids, cache)
+            self.on, self.steps = True, self.steps + 1
+            try:
+                return self._timed(call, "step")(runner, ids, cache)
+            finally:
+                self.on = False
+
+        GgmlRunner.__call__ = step
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = {key: 0.0 for key in ["graphs", "sync", "upload", "cpu", "step"]}
+        self.steps = 0
+
+    def _timed(self, fn, key: str):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            self.stack.append(0.0)  # the time of the wrapped calls inside this one
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - t0
+                self.seconds[key] += took - self.stack.pop()
+                if self.stack:
+                    self.stack[-1] += took
+
+        return timed
+
+    def per_token(self, decode_seconds: float, tokens: int) -> dict:
+        """ms per decoded token in each part, `engine` the decode's seconds outside the steps."""
+        ms = {k: round(1e3 * v / max(tokens, 1), 3) for k, v in self.seconds.items()}
+        ms["engine"] = round(1e3 * (decode_seconds - sum(self.seconds.values())) / max(tokens, 1), 3)
+        return ms
 
 
 def _logits(path: Path, backend: str) -> torch.Tensor:
@@ -138,15 +206,8 @@ def check(args: argparse.Namespace) -> None:
 
 def speed(args: argparse.Namespace) -> None:
     os.environ["MOESTREAM_GGML_BACKEND"] = args.backend
-    inside = [0.0]
+    phases = Phases()
     run = Net.run
-
-    def timed(self):
-        t0 = time.perf_counter()
-        run(self)
-        inside[0] += time.perf_counter() - t0
-
-    Net.run = timed
     ceiling = _ceiling(args)
     t0 = time.perf_counter()
     tier = {"gpu_tier": args.gpu_tier} if args.gpu_tier else {}
@@ -165,29 +226,31 @@ def speed(args: argparse.Namespace) -> None:
             prompt = torch.randint(100, vocab - 100, (n,), generator=gen).tolist()
             for _ in range(args.warmup):
                 engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
-            best_prefill, decode, share, tiers, phases = 0.0, [], [], [], []
+            best_prefill, decode, share, tiers, runs = 0.0, [], [], [], []
             for _ in range(args.repeats):
-                inside[0] = 0.0
+                phases.reset()
                 out = engine.generate(prompt, max_tokens=args.tokens, ignore_eos=True)
                 s = out.stats
                 best_prefill = max(best_prefill, s.prefill.tok_s)
                 if s.device_tier is not None:
                     tiers.append(s.device_tier)
                 decode.append(s.decode.tok_s)
-                phases.append(s.decode)
-                # the decode steps' wall time outside Net.run (Python, sampling, the engine's loop)
-                prefill_inside = s.prefill.seconds  # upper bound of prefill's share of `inside`
-                dec_inside = max(0.0, inside[0] - prefill_inside)
-                # (none where a decoded token is not one Net.run: a GPU tier's layers, or where no
-                # decode step ran through it)
-                if s.device_tier is None and dec_inside > 0 and s.decode.seconds:
-                    share.append(max(0.0, 1 - dec_inside / s.decode.seconds))
+                # the decode's steps (one-token runner calls: the first decoded token comes from the
+                # prompt's last chunk, so one fewer than the decode's tokens)
+                ms = phases.per_token(s.decode.seconds, phases.steps)
+                runs.append((s.decode, ms))
+                # Python's share: the decode's wall time outside the graphs' runs, the backend's waits,
+                # the tier's copies and the CPU's share of its misses
+                busy = sum(ms[k] for k in ("graphs", "sync", "upload", "cpu"))
+                share.append(max(0.0, 1 - busy / (ms["engine"] + busy + ms["step"])) if phases.steps else 0.0)
+            median_phase, median_ms = sorted(runs, key=lambda r: r[0].tok_s)[len(runs) // 2]
             row = {
                 "prompt_tokens": n,
                 "prefill_tok_s": round(best_prefill, 1),
                 "decode_tok_s": round(sorted(decode)[len(decode) // 2], 1),
                 "decode_runs": [round(d, 1) for d in decode],
-                "python_share_decode": round(sorted(share)[len(share) // 2], 3) if share else None,
+                "python_share_decode": round(sorted(share)[len(share) // 2], 3),
+                "decode_ms_per_step": median_ms,  # the median run's, by part (Phases)
             }
             if tiers:  # the GPU tier: hit rate while decoding, MiB uploaded per decoded token (last run)
                 row["tier_decode_hit_rate"] = round(tiers[-1]["decode_hit_rate"], 4)
@@ -197,7 +260,7 @@ def speed(args: argparse.Namespace) -> None:
             trial = getattr(engine.runner.tiered, "trial", None)
             if trial is not None:  # MOESTREAM_TIER_MISSES=auto: the way chosen, and the steps' times
                 row["tier_way"] = trial.describe()
-            row.update(_reads(sorted(phases, key=lambda d: d.tok_s)[len(phases) // 2]))  # the median run's
+            row.update(_reads(median_phase))  # the median run's
             print(json.dumps(row), flush=True)
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
