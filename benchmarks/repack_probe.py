@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8, help="experts per token")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--each", action="store_true", help="each of a token's experts its own input (a down's)")
     args = p.parse_args()
 
     t = next(x for x in GGUFReader(args.model).tensors if x.name == args.tensor)
@@ -86,6 +87,7 @@ def main() -> None:
         for T in [int(x) for x in args.tokens.split(",")]:
             x = torch.randn(T, cols, generator=gen)
             k = args.k if len(shape) == 3 else 1
+            xe = torch.randn(T, k, cols, generator=gen)
             ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
             outs, times = {}, {}
             for way in ("stored", "repacked"):
@@ -97,7 +99,10 @@ def main() -> None:
                     w = net.tensor(type_id, shape)
                     lib.base.ggml_backend_tensor_alloc(buffer, w, base)
                     lib.base.ggml_backend_tensor_set(w, raw.data_ptr(), 0, raw.numel())
-                if len(shape) == 3:
+                if len(shape) == 3 and args.each:  # each expert its own input (a down's: [I, K, T])
+                    xt = net.tensor(F32, [cols, k, T], xe.data_ptr())
+                    y = net.mul_mat_id(w, xt, net.tensor(I32, [k, T], ids.data_ptr()))
+                elif len(shape) == 3:
                     xt = net.tensor(F32, [cols, 1, T], x.data_ptr())
                     y = net.mul_mat_id(w, xt, net.tensor(I32, [k, T], ids.data_ptr()))
                 else:

@@ -47,6 +47,7 @@ from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.gpu_tier import auto_tier, expert_bytes, minimum_budget
 from moestream.engine.options import AUTO
+from moestream.engine.repacked import REPACK_ROWS, RepackedExperts
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
@@ -54,6 +55,7 @@ from moestream.errors import MoestreamError
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.ggml.net import Net
+from moestream.ggml.repack import REPACK_ENV, repack_wanted
 from moestream.graphs.graph_set import GraphSet, set_bytes
 from moestream.graphs.layers import SPAN_STEP, StepBuffers, layer_caches, recurrent_bytes
 from moestream.graphs.moe import Whole
@@ -181,7 +183,21 @@ class GgmlRunner(ModelRunner):
         self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
         self.auto_words = ""  # --gpu-tier auto: what it chose and why (the mode line)
+        # MOESTREAM_GGML_REPACK=1: short steps on repacked copies of the experts (`engine/repacked.py`),
+        # made once every expert is in its slot for good
+        self._repack = repack_wanted()
+        self._repacked: RepackedExperts | None = None
         try:
+            if self._repack and backend is not None:
+                raise GgmlUnavailableError(
+                    f"{REPACK_ENV}=1 repacks the experts for ggml's CPU path, not a backend's "
+                    "(--device cuda): unset it there"
+                )
+            if self._repack and not experts.holds_all():
+                raise GgmlUnavailableError(
+                    f"{REPACK_ENV}=1 copies every expert once all are cached: it needs an expert cache that "
+                    "holds every expert (--cache), or unset it"
+                )
             if gpu_tier is None:
                 tier_misses(False)  # refused when set: there is no tier to miss
             elif self.memory is None:
@@ -245,6 +261,11 @@ class GgmlRunner(ModelRunner):
             whole = "; one graph a step while every expert is cached"
         else:  # the graphs cannot compute them (a family's activation, a format ggml lacks)
             whole = ", computed by the expert runtime"
+        if self._repack:
+            whole += (
+                f"; steps of up to {REPACK_ROWS} tokens on a repacked copy of the experts, made once every "
+                f"expert is in its slot ({REPACK_ENV}=1)"
+            )
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"
             f"{whole}), KV cache F16 of {self.ctx} positions" + _slots_words(len(self.seqs))
@@ -300,6 +321,7 @@ class GgmlRunner(ModelRunner):
         kern = kern if kern is not None else ggml.kernels(self.threads)
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
+            self._drop_repacked()
             self._generation = self.experts.generation
         if self.tiered is not None:  # the tier first: made again, it closes the sets over the old one
             self._tier_types()
@@ -313,7 +335,7 @@ class GgmlRunner(ModelRunner):
             self._sets.pop(key).close()
             gs = None
         if gs is None:
-            types = self.experts.graph_types() if self.memory is None else self._device_types()
+            types = self._host_types(tokens) if self.memory is None else self._device_types()
             experts = self.experts.num_experts
             segments = tuple((slot * self.ctx, 1 if len(slots) > 1 else tokens) for slot in slots)
             shape = (tokens, span)
@@ -516,6 +538,24 @@ class GgmlRunner(ModelRunner):
         outputs = torch.cat([as_f32(routed.outputs[e]) for e in routing.by_expert])
         flat.index_copy_(0, routing.tokens * k + routing.positions, outputs)
 
+    def _host_types(self, tokens: int) -> dict[int, ExpertTypes]:
+        """How a host graph set of `tokens` tokens sees the experts: their slots, or with
+        MOESTREAM_GGML_REPACK=1, a step of at most REPACK_ROWS tokens while every expert is in its slot
+        for good, the repacked copies (made on the first such set)."""
+        types = self.experts.graph_types()
+        first = self.experts.resident_slots() if self._repack and tokens <= REPACK_ROWS else None
+        if first is None:
+            return types
+        if self._repacked is None:
+            self._repacked = RepackedExperts(types, first, self.experts.num_experts, self.spec.hidden)
+        return self._repacked.types
+
+    def _drop_repacked(self) -> None:
+        """The repacked copies freed (the sets over them closed first)."""
+        if self._repacked is not None:
+            self._repacked.close()
+            self._repacked = None
+
     def close_sets(self) -> None:
         for gs in self._sets.values():
             gs.close()
@@ -524,6 +564,7 @@ class GgmlRunner(ModelRunner):
     def close(self) -> None:
         """The graph sets and the KV cache freed at once (and on a backend, everything it holds there)."""
         self.close_sets()
+        self._drop_repacked()
         self.kv = []
         if self.memory is not None:
             if self.tiered is not None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import SORT_DESC, Net
+from moestream.ggml.repack import Repacker
 from moestream.graphs.parts import Router
 from moestream.runtime.expert_layers import ExpertTypes
 
@@ -113,6 +114,8 @@ def cached_experts(net: Net, p: ExpertTypes, hidden: int, x: int, ids: int, firs
     def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
         t = net.tensor(type_id, [cols, rows, slots], arena.address[kind] + first * arena.stride(kind))
         GgmlTensor.from_address(t).nb[2] = arena.stride(kind)  # experts a slot apart
+        if arena.repacked and kind in arena.repacked:  # a copy in ggml's repacked layout: its kernels
+            Repacker.mark(t, *arena.repacked[kind])
         return t
 
     def biased(y: int, kind: str) -> int:  # + the bias row of each token's expert (gpt-oss)

@@ -35,6 +35,9 @@ class SlotArena:
     # kind -> the distance between its experts where it is not slot_bytes: a device's stacks of each
     # kind's experts back to back (ggml's CUDA kernels step between experts in whole blocks)
     strides: dict[str, int] | None = field(default=None, compare=False)
+    # kind -> (ggml buffer, kernels) of a copy in ggml's repacked layout (`engine/repacked.py`): the
+    # graphs mark that kind's weights with them (`ggml.repack.Repacker.mark`)
+    repacked: dict[str, tuple[int, int]] | None = field(default=None, compare=False)
 
     def stride(self, kind: str) -> int:
         return self.slot_bytes if self.strides is None else self.strides[kind]

@@ -1,0 +1,93 @@
+"""The CPU path's decode steps on ggml's repacked kernels (MOESTREAM_GGML_REPACK=1, experimental).
+
+llama.cpp keeps its CPU weights in ggml's repacked layout (`ggml/repack.py`); on 2 cores that is its lead
+at several streams (BENCHMARKS: a MoE layer's products 1.39x faster at 4 tokens, 1.77-2.02x at 16, and
+slower at a 256-token chunk). Here the expert cache's slots keep the blocks as stored (the expert runtime,
+a GPU tier and the cache's reads use them as such) and, once every expert is in its slot for good
+(`ExpertLayers.resident_slots`), each size class's slots are copied once into a repack buffer in that
+layout, matrix by matrix, for the kinds whose type has repacked kernels (Q4_K, Q4_0, IQ4_NL, ...; the
+others, Q6_K among them, stay on the slots). The graph sets of steps of at most `REPACK_ROWS` tokens (a
+decoded token, a batch's rows, a short prompt chunk) compute those kinds from the copy; longer chunks from
+the slots. The copy takes as much memory again as the classes' slots: that is the cost of the switch, and
+why it is not the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moestream import ggml
+from moestream.ggml.net import Net
+from moestream.ggml.repack import Repacker
+from moestream.runtime.expert_layers import ExpertTypes, SlotArena
+
+REPACK_ROWS = 64  # steps of up to this many tokens compute from the repacked copy
+
+
+class RepackedExperts:
+    """The repacked copies of one expert streaming's experts while each is in its slot for good (`types`:
+    `ExpertLayers.graph_types()`; `first`: each MoE layer's slot of its expert 0, expert e in slot
+    first + e, `ExpertLayers.resident_slots()`; `experts` a layer); `types` as the graphs see them over
+    the copies. Freed by `close`, after the graph sets built over them."""
+
+    def __init__(
+        self, types: dict[int, ExpertTypes], first: dict[int, int], experts: int, hidden: int
+    ) -> None:
+        lib = ggml.library()
+        self.repacker = Repacker(lib)
+        self.nbytes = 0
+        self.kinds: set[str] = set()  # the matrix kinds repacked somewhere
+        net = Net(lib, nodes=8)  # a context for the matrices' leaves while they are written
+        try:
+            self.types: dict[int, ExpertTypes] = {}
+            with self.repacker.quiet():
+                for layer, t in types.items():
+                    arena = t.arena
+                    if arena is not None and layer in first:
+                        arena = self._copy(net, t, arena, first[layer], experts, hidden)
+                    self.types[layer] = dataclasses.replace(t, arena=arena)
+        except BaseException:
+            self.repacker.close()
+            raise
+        finally:
+            net.close()
+
+    def _copy(
+        self, net: Net, t: ExpertTypes, a: SlotArena, first: int, experts: int, hidden: int
+    ) -> SlotArena:
+        """A layer's `experts` slots from `first` on in a repack buffer, laid out as those slots are
+        (each kind at its offset), each kind that has repacked kernels written matrix by matrix; the
+        arena over it: expert e's kind at the copy's address + (first + e) slots, as the slots' are
+        (the other kinds' addresses: the slots')."""
+        H, inter = hidden, t.inter
+        dims = {"gate": (t.gate, H, inter), "up": (t.up, H, inter), "down": (t.down, inter, H)}
+        start = min(a.address.values())  # where a slot's bytes begin, kinds at their offsets from it
+        handle, base = self.repacker.alloc(experts * a.slot_bytes)
+        address, marks = dict(a.address), {}
+        for kind, (type_id, cols, rows) in dims.items():
+            if kind not in a.address:
+                continue
+            leaf = net.tensor(type_id, [cols, rows])
+            extra = 0
+            for e in range(experts):
+                at = base + e * a.slot_bytes + a.address[kind] - start
+                extra = self.repacker.repack(leaf, handle, at, a.address[kind] + (first + e) * a.stride(kind))
+                if not extra:  # no repacked kernels for this type: the slots' blocks
+                    break
+            if extra:
+                address[kind] = base + a.address[kind] - start - first * a.slot_bytes
+                marks[kind] = (handle, extra)
+                self.kinds.add(kind)
+        if not marks:
+            self.repacker.free(handle)
+            return a
+        self.nbytes += experts * a.slot_bytes
+        strides = {kind: a.slot_bytes if kind in marks else a.stride(kind) for kind in a.address}
+        return dataclasses.replace(a, address=address, slots=first + experts, strides=strides, repacked=marks)
+
+    def describe(self) -> str:
+        kinds = ", ".join(k for k in ("gate", "up", "down") if k in self.kinds) or "none"
+        return f"repacked copy {self.nbytes / 2**20:.1f} MiB ({kinds})"
+
+    def close(self) -> None:
+        self.repacker.close()

@@ -1,0 +1,198 @@
+"""MOESTREAM_GGML_REPACK=1 (experimental; `ggml/repack.py`, `engine/repacked.py`): the CPU path's steps of
+up to REPACK_ROWS tokens compute the experts from a copy in ggml's repacked layout (ggml's CPU_REPACK
+buffer type, llama.cpp's default), made once every expert is in its slot.
+
+The oracles: ggml's own products over the blocks as stored (the slots), and the blocks dequantized by
+the gguf package. The copy is checked expert by expert and kind by kind: its product through the
+repacked kernels equals the slot's through the stored ones within 1e-5 of its magnitude (the same q8_K
+activations, each product summed in another order). Through a model, another rounding can flip a
+near-tied router to another expert at a position (as tests/test_gguf_cuda.py states for its kernels):
+the logits stay within 2e-2 of the stored run's. A step longer than REPACK_ROWS (a long prompt's chunk)
+computes from the slots: the stored run's bits exactly.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tiny_gguf import perturb_vectors, write_gguf
+from tiny_models import write_tiny
+
+import moestream
+from moestream import ggml
+from moestream.engine.repacked import REPACK_ROWS
+from moestream.ggml.graphs import kernels
+from moestream.ggml.lib import GgmlTensor
+from moestream.ggml.net import F32, I32, Arena, Net
+from moestream.ggml.repack import REPACK_ENV, Repacker
+
+STEPS = [9, 150, 77, 31, 200, 6]
+
+
+def _q4_k_m(layer: int, kind: str) -> Q:
+    return Q.Q6_K if kind == "down" and layer == 0 else Q.Q4_K
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    """A tiny qwen3_moe as a Q4_K_M-like GGUF (Q4_K experts, layer 0's down Q6_K: no repacked kernels)."""
+    root = tmp_path_factory.mktemp("repack")
+    hf = write_tiny("qwen3_moe", root / "hf", hidden_size=512, moe_intermediate_size=512)
+    perturb_vectors(hf)
+    return hf, write_gguf(hf, root / "model.gguf", ftype=Q.Q8_0, expert_type=_q4_k_m)
+
+
+def _run(path, monkeypatch, repack: bool, prompt: list[int]):
+    """The prompt's logits, then one step per STEPS token: [1 + len(STEPS), V]; the kinds repacked."""
+    monkeypatch.setenv(REPACK_ENV, "1" if repack else "0")
+    with moestream.load(str(path), cache="256MiB", threads=2) as engine:
+        step = engine.runner
+        logits, kv = step(prompt, None)
+        out = [logits.clone()]
+        for token in STEPS:
+            logits, kv = step([token], kv)
+            out.append(logits.clone())
+        copy = engine.runner._repacked
+        return torch.stack(out), (set(copy.kinds) if copy is not None else set()), engine.mode_line()
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_short_steps_compute_the_repacked_copy_within_rounding(q4km, monkeypatch):
+    _, path = q4km
+    prompt = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]  # one chunk of 12 <= REPACK_ROWS tokens
+    stored, kinds, _ = _run(path, monkeypatch, False, prompt)
+    repacked, kinds, line = _run(path, monkeypatch, True, prompt)
+    assert kinds == {"gate", "up", "down"}  # layer 1's Q4_K down; layer 0's Q6_K down stays on the slots
+    assert f"{REPACK_ENV}=1" in line
+    assert _relative(repacked, stored) < 2e-2
+
+
+def test_the_copy_holds_each_expert_in_the_repacked_layout(q4km, monkeypatch):
+    """Each expert's matrix of each kind: through the copy and the repacked kernels as through its slot
+    and the stored kernels (one expert at a time, then several tokens of several experts)."""
+    _, path = q4km
+    monkeypatch.setenv(REPACK_ENV, "1")
+    gen = torch.Generator().manual_seed(0)
+    with moestream.load(str(path), cache="256MiB", threads=2) as engine:
+        _, kv = engine.runner([5, 17, 33], None)
+        engine.runner([9], kv)  # a decoded token: the copy made
+        runner = engine.runner
+        first, stored = runner.experts.resident_slots(), runner.experts.graph_types()
+        copies, E, H = runner._repacked.types, runner.experts.num_experts, runner.spec.hidden
+        marked = 0
+        for layer, t in stored.items():
+            c = copies[layer]
+            for kind in ("gate", "up", "down"):
+                type_id = getattr(t, kind)
+                shape = [H, t.inter, E] if kind != "down" else [t.inter, H, E]
+                mark = (c.arena.repacked or {}).get(kind)
+                marked += mark is not None
+                for ids in [[[e]] for e in range(E)] + [[[0, E - 1], [E // 2, 1], [2, 3]]]:
+                    ids = torch.tensor(ids, dtype=torch.int32)
+                    x = torch.randn(ids.shape[0], shape[0], generator=gen)
+                    slots = t.arena.address[kind] + first[layer] * t.arena.stride(kind)
+                    copy = c.arena.address[kind] + first[layer] * c.arena.stride(kind)
+                    want = _products(None, type_id, shape, x, ids, None, slots, None, t.arena.stride(kind))
+                    got = _products(None, type_id, shape, x, ids, None, copy, mark, c.arena.stride(kind))
+                    assert want.isfinite().all() and _relative(got, want) < 1e-5, (layer, kind, ids.tolist())
+        assert marked == 5  # gate and up of both layers, layer 1's down
+
+
+def test_a_chunk_longer_than_the_repacked_rows_computes_the_slots(q4km, monkeypatch):
+    _, path = q4km
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(REPACK_ROWS + 16)]
+    stored, _, _ = _run(path, monkeypatch, False, prompt)
+    repacked, kinds, _ = _run(path, monkeypatch, True, prompt)
+    assert torch.equal(repacked[0], stored[0])  # the prompt's one chunk: the slots' blocks, bit for bit
+    assert kinds and _relative(repacked[1:], stored[1:]) < 1e-3  # the decoded tokens: the copy
+
+
+def test_the_switch_is_refused_where_it_cannot_hold(q4km, monkeypatch):
+    _, path = q4km
+    monkeypatch.setenv(REPACK_ENV, "1")
+    with pytest.raises(Exception, match="MOESTREAM_GGML_REPACK=1 copies every expert once all are cached"):
+        moestream.load(str(path), cache="1MiB", threads=2)  # experts streamed: no copy could stay right
+    monkeypatch.setenv(REPACK_ENV, "yes")
+    with pytest.raises(Exception, match="MOESTREAM_GGML_REPACK='yes': say 1"):
+        moestream.load(str(path), cache="256MiB", threads=2)
+
+
+def _products(raw, type_id, shape, x, ids, repacker, address=None, mark=None, stride=0):
+    """ggml_mul_mat_id over `shape` [K, N, E] weights, x [T, K], ids [T, k]: [T, k, N]. The weights: `raw`
+    (blocks as stored), or written by `repacker` into its buffer (its repacked kernels), or at `address`
+    (experts `stride` bytes apart, as a cache's slots; its kernels `mark`, where given)."""
+    lib = ggml.library()
+    kern = kernels(2)
+    T_, k = ids.shape
+    out = torch.zeros(T_, k, shape[1])
+    net = Net(lib, nodes=16)
+    try:
+        if address is not None:
+            w = net.tensor(type_id, shape, address)
+            GgmlTensor.from_address(w).nb[2] = stride
+        elif repacker is None:
+            w = net.tensor(type_id, shape, raw.data_ptr())
+        else:
+            handle, base = repacker.alloc(raw.numel())
+            extra = repacker.repack(net.tensor(type_id, shape), handle, base, raw.data_ptr())
+            assert extra
+            w, mark = net.tensor(type_id, shape, base), (handle, extra)
+        if mark is not None:
+            Repacker.mark(w, *mark)
+        xt = net.tensor(F32, [shape[0], 1, T_], x.data_ptr())
+        y = net.mul_mat_id(w, xt, net.tensor(I32, [k, T_], ids.data_ptr()))
+        net.finish([net.fix(y, out.data_ptr())], 2, kern.pool)
+        arena = Arena([net])
+        with kern._lock:
+            net.run()
+            kern.idle()
+        arena.close()
+    finally:
+        net.close()
+    return out
+
+
+def test_the_repacker_writes_ggmls_layout_for_types_that_have_kernels():
+    gen = torch.Generator().manual_seed(0)
+    E, K, N = 8, 512, 64
+    w = torch.randn(E * N, K, generator=gen)
+    raw = ggml.quantize(w, "Q4_K")
+    repacker = Repacker(ggml.library())
+    try:
+        for T_ in (1, 4):
+            x = torch.randn(T_, K, generator=gen)
+            ids = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(T_)]).to(torch.int32)
+            stored = _products(raw, int(Q.Q4_K), [K, N, E], x, ids, None)
+            repacked = _products(raw, int(Q.Q4_K), [K, N, E], x, ids, repacker)
+            assert _relative(repacked, stored) < 1e-5
+            # against the blocks dequantized by the gguf package: the activations' q8_K rounding
+            weights = torch.from_numpy(gguf.quants.dequantize(raw.numpy().reshape(E * N, -1), Q.Q4_K).copy())
+            want = torch.stack(
+                [torch.stack([weights.view(E, N, K)[e] @ x[t] for e in ids[t]]) for t in range(T_)]
+            )
+            assert _relative(repacked, want) < 2e-2
+        # a type without repacked kernels: nothing written, no kernels
+        net = Net(ggml.library(), nodes=4)
+        try:
+            q6 = ggml.quantize(w, "Q6_K")
+            handle, base = repacker.alloc(q6.numel())
+            assert repacker.repack(net.tensor(int(Q.Q6_K), [K, N * E]), handle, base, q6.data_ptr()) == 0
+        finally:
+            net.close()
+    finally:
+        repacker.close()
+
+
+def test_the_switch_is_refused_on_a_backend(q4km, monkeypatch):
+    """ggml's CPU backend through the device path (as ggml's CUDA backend runs the graphs): the copy is the
+    CPU path's, so the switch is refused there in one sentence."""
+    _, path = q4km
+    monkeypatch.setenv(REPACK_ENV, "1")
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with pytest.raises(Exception, match=r"repacks the experts for ggml's CPU path, not a backend's"):
+        moestream.load(str(path), cache="256MiB", threads=2)
