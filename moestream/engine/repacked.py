@@ -37,7 +37,8 @@ class RepackedExperts:
         self.repacker = Repacker(lib)
         self.nbytes = 0
         self.kinds: set[str] = set()  # the matrix kinds repacked somewhere
-        net = Net(lib, nodes=8)  # a context for the matrices' leaves while they are written
+        # a context for the matrices' leaves while they are written (a leaf a kind a layer)
+        net = Net(lib, nodes=3 * len(types) + 8)
         try:
             self.types: dict[int, ExpertTypes] = {}
             with self.repacker.quiet():
