@@ -160,34 +160,51 @@ def _products(raw, type_id, shape, x, ids, repacker, address=None, mark=None, st
     return out
 
 
-def test_the_repacker_writes_ggmls_layout_for_types_that_have_kernels():
+@pytest.mark.parametrize("name", ["Q4_K", "Q4_0", "Q2_K", "IQ4_NL", "MXFP4"])
+def test_the_repacker_writes_ggmls_layout_for_types_that_have_kernels(name):
+    """The types with repacked kernels on x86 (AVX2 and up): products through the repacked copy as through
+    the blocks as stored, and as through the blocks dequantized by the gguf package."""
     gen = torch.Generator().manual_seed(0)
     E, K, N = 8, 512, 64
     w = torch.randn(E * N, K, generator=gen)
-    raw = ggml.quantize(w, "Q4_K")
+    raw = ggml.quantize(w, name)
+    type_id = int(getattr(Q, name))
     repacker = Repacker(ggml.library())
+    net = Net(ggml.library(), nodes=4)
     try:
-        for T_ in (1, 4):
+        handle, base = repacker.alloc(raw.numel())
+        if not repacker.repack(net.tensor(type_id, [K, N * E]), handle, base, raw.data_ptr()):
+            pytest.skip(f"this ggml build has no repacked kernels for {name} on this CPU")
+        weights = torch.from_numpy(
+            gguf.quants.dequantize(raw.numpy().reshape(E * N, -1), getattr(Q, name)).copy()
+        )
+        for T_ in (1, 4, 20):
             x = torch.randn(T_, K, generator=gen)
             ids = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(T_)]).to(torch.int32)
-            stored = _products(raw, int(Q.Q4_K), [K, N, E], x, ids, None)
-            repacked = _products(raw, int(Q.Q4_K), [K, N, E], x, ids, repacker)
+            stored = _products(raw, type_id, [K, N, E], x, ids, None)
+            repacked = _products(raw, type_id, [K, N, E], x, ids, repacker)
             assert _relative(repacked, stored) < 1e-5
-            # against the blocks dequantized by the gguf package: the activations' q8_K rounding
-            weights = torch.from_numpy(gguf.quants.dequantize(raw.numpy().reshape(E * N, -1), Q.Q4_K).copy())
+            # the dequantized blocks: up to the activations' rounding (q8_K, q8_0)
             want = torch.stack(
                 [torch.stack([weights.view(E, N, K)[e] @ x[t] for e in ids[t]]) for t in range(T_)]
             )
             assert _relative(repacked, want) < 2e-2
-        # a type without repacked kernels: nothing written, no kernels
-        net = Net(ggml.library(), nodes=4)
-        try:
-            q6 = ggml.quantize(w, "Q6_K")
-            handle, base = repacker.alloc(q6.numel())
-            assert repacker.repack(net.tensor(int(Q.Q6_K), [K, N * E]), handle, base, q6.data_ptr()) == 0
-        finally:
-            net.close()
     finally:
+        net.close()
+        repacker.close()
+
+
+def test_a_type_without_repacked_kernels_is_left_as_stored():
+    """Q6_K (a Q4_K_M's downs) has no repacked kernels: nothing written, none returned."""
+    w = torch.randn(512, 512, generator=torch.Generator().manual_seed(1))
+    q6 = ggml.quantize(w, "Q6_K")
+    repacker = Repacker(ggml.library())
+    net = Net(ggml.library(), nodes=4)
+    try:
+        handle, base = repacker.alloc(q6.numel())
+        assert repacker.repack(net.tensor(int(Q.Q6_K), [512, 512]), handle, base, q6.data_ptr()) == 0
+    finally:
+        net.close()
         repacker.close()
 
 

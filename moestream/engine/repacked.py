@@ -4,12 +4,12 @@ llama.cpp keeps its CPU weights in ggml's repacked layout (`ggml/repack.py`); on
 at several streams (BENCHMARKS: a MoE layer's products 1.39x faster at 4 tokens, 1.77-2.02x at 16, and
 slower at a 256-token chunk). Here the expert cache's slots keep the blocks as stored (the expert runtime,
 a GPU tier and the cache's reads use them as such) and, once every expert is in its slot for good
-(`ExpertLayers.resident_slots`), each size class's slots are copied once into a repack buffer in that
-layout, matrix by matrix, for the kinds whose type has repacked kernels (Q4_K, Q4_0, IQ4_NL, ...; the
-others, Q6_K among them, stay on the slots). The graph sets of steps of at most `REPACK_ROWS` tokens (a
-decoded token, a batch's rows, a short prompt chunk) compute those kinds from the copy; longer chunks from
-the slots. The copy takes as much memory again as the classes' slots: that is the cost of the switch, and
-why it is not the default.
+(`ExpertLayers.resident_slots`), each layer's experts are copied once into a repack buffer in that
+layout, matrix by matrix, for the kinds whose type has repacked kernels (on x86 with AVX2: Q4_K, Q4_0,
+Q2_K, IQ4_NL, MXFP4; the others, Q6_K and Q8_0 among them, stay on the slots). The graph sets of steps
+of at most `REPACK_ROWS` tokens (a decoded token, a batch's rows, a short prompt chunk) compute those
+kinds from the copy; longer chunks from the slots. The copy takes as much memory again as the layers'
+slots: that is the cost of the switch, and why it is not the default.
 """
 
 from __future__ import annotations
