@@ -8,8 +8,8 @@ a GPU tier and the cache's reads use them as such) and, once every expert is in 
 layout, matrix by matrix, for the kinds whose type has repacked kernels (on x86 with AVX2: Q4_K, Q4_0,
 Q2_K, IQ4_NL, MXFP4; the others, Q6_K and Q8_0 among them, stay on the slots). The graph sets of steps
 of at most `REPACK_ROWS` tokens (a decoded token, a batch's rows, a short prompt chunk) compute those
-kinds from the copy; longer chunks from the slots. The copy takes as much memory again as the layers'
-slots: that is the cost of the switch, and why it is not the default.
+kinds from the copy; longer chunks from the slots. The copy takes as much memory again as those kinds'
+matrices: that is the cost of the switch, and why it is not the default.
 """
 
 from __future__ import annotations
@@ -56,34 +56,33 @@ class RepackedExperts:
     def _copy(
         self, net: Net, t: ExpertTypes, a: SlotArena, first: int, experts: int, hidden: int
     ) -> SlotArena:
-        """A layer's `experts` slots from `first` on in a repack buffer, laid out as those slots are
-        (each kind at its offset), each kind that has repacked kernels written matrix by matrix; the
-        arena over it: expert e's kind at the copy's address + (first + e) slots, as the slots' are
-        (the other kinds' addresses: the slots')."""
+        """A layer's `experts` experts (slots `first` on) of each kind that has repacked kernels, in a
+        repack buffer of that kind's matrices back to back, written matrix by matrix; the arena over
+        them: expert e's matrix of such a kind at the copy's address + (first + e) matrices (its stride),
+        the other kinds' at the slots'."""
         H, inter = hidden, t.inter
         dims = {"gate": (t.gate, H, inter), "up": (t.up, H, inter), "down": (t.down, inter, H)}
-        start = min(a.address.values())  # where a slot's bytes begin, kinds at their offsets from it
-        handle, base = self.repacker.alloc(experts * a.slot_bytes)
-        address, marks = dict(a.address), {}
+        address, strides, marks = dict(a.address), {k: a.stride(k) for k in a.address}, {}
         for kind, (type_id, cols, rows) in dims.items():
             if kind not in a.address:
                 continue
             leaf = net.tensor(type_id, [cols, rows])
+            size = net.lib.base.ggml_nbytes(leaf)
+            handle, base = self.repacker.alloc(experts * size)
             extra = 0
             for e in range(experts):
-                at = base + e * a.slot_bytes + a.address[kind] - start
-                extra = self.repacker.repack(leaf, handle, at, a.address[kind] + (first + e) * a.stride(kind))
+                source = a.address[kind] + (first + e) * a.stride(kind)
+                extra = self.repacker.repack(leaf, handle, base + e * size, source)
                 if not extra:  # no repacked kernels for this type: the slots' blocks
                     break
-            if extra:
-                address[kind] = base + a.address[kind] - start - first * a.slot_bytes
-                marks[kind] = (handle, extra)
-                self.kinds.add(kind)
+            if not extra:
+                self.repacker.free(handle)
+                continue
+            address[kind], strides[kind], marks[kind] = base - first * size, size, (handle, extra)
+            self.kinds.add(kind)
+            self.nbytes += experts * size
         if not marks:
-            self.repacker.free(handle)
             return a
-        self.nbytes += experts * a.slot_bytes
-        strides = {kind: a.slot_bytes if kind in marks else a.stride(kind) for kind in a.address}
         return dataclasses.replace(a, address=address, slots=first + experts, strides=strides, repacked=marks)
 
     def describe(self) -> str:
