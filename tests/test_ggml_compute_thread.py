@@ -6,7 +6,6 @@ native`'s builds use ggml's own pool; the test marks the loaded library as OpenM
 from __future__ import annotations
 
 import dataclasses
-import struct
 import threading
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 import moestream
 from moestream.ggml import graphs
 from moestream.ggml import lib as ggml_lib
+from moestream.power.testing import write_fake_elf
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 
@@ -63,35 +63,13 @@ def test_the_compute_thread_hands_back_an_error_and_keeps_serving():
     assert worker.run(lambda: worker.run(lambda: 3)) == 3  # from the thread itself: at once
 
 
-def _elf(needed: list[str], vaddr: int = 0x400000) -> bytes:
-    """A minimal 64-bit little-endian ELF shared object: one PT_LOAD over the whole file at `vaddr`, a
-    PT_DYNAMIC whose DT_NEEDED entries name `needed` through a DT_STRTAB placed after a DT_NEEDED (the
-    order a linker may write them in), then DT_NULL."""
-    header, phdrs = 64, 2 * 56
-    strtab = b"\0" + b"".join(n.encode() + b"\0" for n in needed)
-    offsets = [1 + sum(len(n) + 1 for n in needed[:i]) for i in range(len(needed))]
-    dyn_at = header + phdrs
-    entries = [(1, o) for o in offsets[:1]] + [(5, 0)] + [(1, o) for o in offsets[1:]] + [(0, 0)]
-    str_at = dyn_at + 16 * len(entries)
-    entries[1 if needed else 0] = (5, vaddr + str_at)
-    size = str_at + len(strtab)
-    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
-    out = ident + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, header, 0, 0, header, 56, 2, 0, 0, 0)
-    out += struct.pack("<IIQQQQQQ", 1, 4, 0, vaddr, vaddr, size, size, 0x1000)  # PT_LOAD
-    out += struct.pack(
-        "<IIQQQQQQ", 2, 4, dyn_at, vaddr + dyn_at, vaddr + dyn_at, 16 * len(entries), 16 * len(entries), 8
-    )
-    out += b"".join(struct.pack("<qQ", t, v) for t, v in entries)
-    return out + strtab
-
-
 def test_openmp_is_read_from_the_cpu_librarys_own_needed_list(tmp_path):
     """A native libggml-cpu beside llama.cpp's libggml-base (which links libgomp itself) is not an
     OpenMP build: the check reads libggml-cpu's DT_NEEDED, not what a handle's lookup reaches."""
     names = ["libggml-base.so.0", "libgomp.so.1", "libm.so.6", "libc.so.6"]
-    (tmp_path / "omp.so").write_bytes(_elf(names))
-    (tmp_path / "pool.so").write_bytes(_elf(["libggml-base.so.0", "libc.so.6"], vaddr=0))
-    (tmp_path / "none.so").write_bytes(_elf([]))
+    write_fake_elf(tmp_path / "omp.so", [], needed=names)
+    write_fake_elf(tmp_path / "pool.so", ["ggml_graph_compute"], needed=["libggml-base.so.0", "libc.so.6"])
+    write_fake_elf(tmp_path / "none.so", ["ggml_graph_compute"])
     (tmp_path / "text").write_text("not an ELF file")
     assert ggml_lib.elf_needed(tmp_path / "omp.so") == names
     assert ggml_lib.elf_needed(tmp_path / "pool.so") == ["libggml-base.so.0", "libc.so.6"]

@@ -13,12 +13,12 @@ import ctypes as C
 import json
 import os
 import platform
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from moestream.errors import MoestreamError
 from moestream.ggml.host import cpu_flags, native_dir
+from moestream.power.elfsyms import ElfError, needed_libraries
 
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_NAME, GGML_MAX_N_THREADS = 4, 10, 64, 512
 # What the prebuilt x86_64 wheel is compiled with (GGML_NATIVE=OFF, AVX2 baseline).
@@ -411,34 +411,12 @@ def _check_layout(base: C.CDLL) -> None:
 
 
 def elf_needed(path: Path) -> list[str]:
-    """The libraries a 64-bit little-endian ELF shared object names as DT_NEEDED, in order (its dynamic
-    section's entries, their names read from its string table); [] for any other file."""
-    data = Path(path).read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    """The libraries the ELF shared object `path` names as DT_NEEDED, in order (`power.elfsyms`); [] for
+    any other file."""
+    try:
+        return needed_libraries(path)
+    except ElfError:
         return []
-    (phoff,) = struct.unpack_from("<Q", data, 32)
-    phentsize, phnum = struct.unpack_from("<HH", data, 54)
-    loads, dynamic = [], None
-    for i in range(phnum):
-        kind, _, offset, vaddr, _, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
-        if kind == 1:  # PT_LOAD: where an address lies in the file
-            loads.append((vaddr, offset, filesz))
-        elif kind == 2:  # PT_DYNAMIC
-            dynamic = (offset, filesz)
-    if dynamic is None:
-        return []
-    needed, strtab = [], None
-    for at in range(dynamic[0], dynamic[0] + dynamic[1], 16):
-        tag, value = struct.unpack_from("<qQ", data, at)
-        if tag == 0:  # DT_NULL
-            break
-        if tag == 1:  # DT_NEEDED: an offset into the string table
-            needed.append(value)
-        elif tag == 5:  # DT_STRTAB: the table's address
-            strtab = next((value - v + o for v, o, n in loads if v <= value < v + n), None)
-    if strtab is None:
-        return []
-    return [data[strtab + n : data.index(b"\0", strtab + n)].decode() for n in needed]
 
 
 def load() -> Library:

@@ -1,7 +1,9 @@
-"""Exported function names of an ELF shared library, read from its dynamic symbol table.
+"""Exported function names of an ELF shared library, read from its dynamic symbol table; the libraries it
+names as needed, read from its dynamic section.
 
 Used to probe only the llama.cpp functions a given libllama.so really exports (bpftrace refuses the
-whole program when one uprobe target is missing, and older builds lack `llama_process`).
+whole program when one uprobe target is missing, and older builds lack `llama_process`), and whether a
+ggml CPU library links OpenMP itself (`ggml.lib`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import struct
 from pathlib import Path
 
 _SHT_DYNSYM = 11
+_SHT_DYNAMIC = 6
+_DT_NULL, _DT_NEEDED = 0, 1
 _STB_GLOBAL, _STB_WEAK = 1, 2
 _STT_FUNC, _STT_GNU_IFUNC = 2, 10
 _STV_HIDDEN, _STV_INTERNAL = 2, 1
@@ -89,4 +93,31 @@ def exported_functions(path: str | Path) -> set[str]:
                     continue
                 end = strtab.find(b"\0", name_off)
                 names.add(strtab[name_off : end if end >= 0 else None].decode("utf-8", "replace"))
+        return names
+
+
+def needed_libraries(path: str | Path) -> list[str]:
+    """The libraries `path` names as DT_NEEDED, in order ([] where it has no dynamic section).
+
+    Raises:
+        ElfError: not a readable ELF object. OSError: the file cannot be opened.
+    """
+    with open(path, "rb") as fh:
+        order, is64 = _layout(fh.read(16))
+        sections = _sections(fh, order, is64)
+        names: list[str] = []
+        entry = order + ("qQ" if is64 else "iI")
+        for kind, offset, size, link, entsize in sections:
+            if kind != _SHT_DYNAMIC or link >= len(sections):
+                continue
+            strtab = _read(fh, sections[link][1], sections[link][2])
+            dynamic = _read(fh, offset, size)
+            step = entsize or struct.calcsize(entry)
+            for pos in range(0, len(dynamic) - step + 1, step):
+                tag, value = struct.unpack_from(entry, dynamic, pos)
+                if tag == _DT_NULL:
+                    break
+                if tag == _DT_NEEDED:
+                    end = strtab.find(b"\0", value)
+                    names.append(strtab[value : end if end >= 0 else None].decode("utf-8", "replace"))
         return names

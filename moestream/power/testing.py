@@ -3,7 +3,8 @@
 `make_fake_jetson` lays out the sysfs/procfs files of a Jetson Orin Nano under a temporary root, shaped
 like the real ones (class/devfreq entry linked to the platform device, `device/load`, ina3221 hwmon,
 cpufreq); `write_fake_elf` writes a minimal ELF shared object whose dynamic symbol table exports the
-given functions, so library probing can be tested without a compiler.
+given functions (and whose dynamic section names the given libraries), so library probing can be tested
+without a compiler.
 """
 
 from __future__ import annotations
@@ -68,22 +69,26 @@ def add_fake_process(root: str | os.PathLike[str], pid: int, argv: list[str]) ->
     _put(Path(root) / f"proc/{pid}/cmdline", "\0".join(argv) + "\0")
 
 
-def write_fake_elf(path: str | os.PathLike[str], functions: list[str]) -> None:
-    """A minimal little-endian ELF64 shared object exporting `functions` through .dynsym."""
-    dynstr = b"\0" + b"".join(f.encode() + b"\0" for f in functions)
-    shstr = b"\0.dynsym\0.dynstr\0.shstrtab\0.text\0"
+def write_fake_elf(path: str | os.PathLike[str], functions: list[str], needed: list[str] = ()) -> None:
+    """A minimal little-endian ELF64 shared object exporting `functions` through .dynsym and naming
+    `needed` as DT_NEEDED in a .dynamic section (none without them)."""
+    names = list(functions) + list(needed)
+    dynstr = b"\0" + b"".join(f.encode() + b"\0" for f in names)
+    offsets = [1 + sum(len(n) + 1 for n in names[:i]) for i in range(len(names))]
+    shstr = b"\0.dynsym\0.dynstr\0.shstrtab\0.text\0.dynamic\0"
     syms = [bytes(24)]  # the null symbol
-    offset = 1
-    for fn in functions:
+    for offset in offsets[: len(functions)]:
         # st_info 0x12: global function; st_shndx 4: defined in .text
         syms.append(struct.pack("<IBBHQQ", offset, 0x12, 0, 4, 0x1000, 16))
-        offset += len(fn) + 1
     syms.append(struct.pack("<IBBHQQ", 0, 0x12, 0, 0, 0, 0))  # an undefined (imported) symbol: not exported
     dynsym = b"".join(syms)
-    body = dynsym + dynstr + shstr
+    # DT_NEEDED entries (offsets into .dynstr), then DT_NULL
+    dynamic = b"".join(struct.pack("<qQ", 1, o) for o in offsets[len(functions) :]) + bytes(16)
+    body = dynsym + dynstr + shstr + (dynamic if needed else b"")
     shoff = 64 + len(body)
+    shnum = 6 if needed else 5
     header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
-    header += struct.pack("<HHIQQQIHHHHHH", 3, 183, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 5, 3)
+    header += struct.pack("<HHIQQQIHHHHHH", 3, 183, 1, 0, 0, shoff, 0, 64, 0, 0, 64, shnum, 3)
     sections = [bytes(64)]
     pos = 64
     for name_off, kind, data, link, entsize in (
@@ -94,5 +99,7 @@ def write_fake_elf(path: str | os.PathLike[str], functions: list[str]) -> None:
         sections.append(struct.pack("<IIQQQQIIQQ", name_off, kind, 2, 0, pos, len(data), link, 1, 8, entsize))
         pos += len(data)
     sections.append(struct.pack("<IIQQQQIIQQ", 27, 1, 6, 0x1000, 0, 0, 0, 0, 16, 0))  # .text (empty)
+    if needed:  # .dynamic, its strings in .dynstr (section 2)
+        sections.append(struct.pack("<IIQQQQIIQQ", 33, 6, 3, 0, pos, len(dynamic), 2, 0, 8, 16))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(header + body + b"".join(sections))
