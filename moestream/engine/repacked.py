@@ -60,10 +60,8 @@ class RepackedExperts:
         repack buffer of that kind's matrices back to back, written matrix by matrix; the arena over
         them: expert e's matrix of such a kind at the copy's address + (first + e) matrices (its stride),
         the other kinds' at the slots'."""
-        H, inter = hidden, t.inter
-        dims = {"gate": (t.gate, H, inter), "up": (t.up, H, inter), "down": (t.down, inter, H)}
         address, strides, marks = dict(a.address), {k: a.stride(k) for k in a.address}, {}
-        for kind, (type_id, cols, rows) in dims.items():
+        for kind, (type_id, cols, rows) in t.shapes(hidden).items():
             if kind not in a.address:
                 continue
             leaf = net.tensor(type_id, [cols, rows])

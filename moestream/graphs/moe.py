@@ -111,7 +111,10 @@ def cached_experts(net: Net, p: ExpertTypes, hidden: int, x: int, ids: int, firs
     arena = p.arena
     slots = arena.slots - first
 
-    def weights(kind: str, type_id: int, cols: int, rows: int) -> int:
+    shapes = p.shapes(hidden)
+
+    def weights(kind: str) -> int:
+        type_id, cols, rows = shapes[kind]
         t = net.tensor(type_id, [cols, rows, slots], arena.address[kind] + first * arena.stride(kind))
         GgmlTensor.from_address(t).nb[2] = arena.stride(kind)  # experts a slot apart
         if arena.repacked and kind in arena.repacked:  # a copy in ggml's repacked layout: its kernels
@@ -124,11 +127,10 @@ def cached_experts(net: Net, p: ExpertTypes, hidden: int, x: int, ids: int, firs
         b = p.biases[kind]  # [E, out]
         return net.add_id(y, net.weight(b, [b.shape[1], b.shape[0]]), experts)
 
-    H = hidden
-    g = biased(net.mul_mat_id(weights("gate", p.gate, H, p.inter), x, ids), "gate")  # [I, K, T]
-    u = biased(net.mul_mat_id(weights("up", p.up, H, p.inter), x, ids), "up")
+    g = biased(net.mul_mat_id(weights("gate"), x, ids), "gate")  # [I, K, T]
+    u = biased(net.mul_mat_id(weights("up"), x, ids), "up")
     act = net.swiglu_split(g, u) if p.oai is None else net.swiglu_oai(g, u, *p.oai)
-    return biased(net.mul_mat_id(weights("down", p.down, p.inter, H), act, ids), "down")
+    return biased(net.mul_mat_id(weights("down"), act, ids), "down")
 
 
 def moe_sum(net: Net, y: int, w: int, H: int, K: int, T: int) -> int:

@@ -57,14 +57,19 @@ class ExpertTypes:
     biases: dict[str, torch.Tensor] | None = field(default=None, compare=False)
     oai: tuple[float, float] | None = None
 
+    def shapes(self, hidden: int) -> dict[str, tuple[int, int, int]]:
+        """kind -> (ggml type, columns, rows) of one expert's matrix, for gate, up and down."""
+        return {
+            "gate": (self.gate, hidden, self.inter),
+            "up": (self.up, hidden, self.inter),
+            "down": (self.down, self.inter, hidden),
+        }
+
     def matrix_bytes(self, hidden: int) -> tuple[tuple[str, int], ...]:
         """(kind, bytes of one expert's matrix of that kind) for gate, up and down, as ggml lays them
         out (a whole number of blocks a row)."""
-        return (
-            ("gate", self.inter * ggml.row_bytes(self.gate, hidden)),
-            ("up", self.inter * ggml.row_bytes(self.up, hidden)),
-            ("down", hidden * ggml.row_bytes(self.down, self.inter)),
-        )
+        shapes = self.shapes(hidden).items()
+        return tuple((kind, rows * ggml.row_bytes(t, cols)) for kind, (t, cols, rows) in shapes)
 
 
 class ExpertLayers:
