@@ -18,7 +18,6 @@ copied to a GPU tier as stored).
 from __future__ import annotations
 
 import argparse
-import ctypes as C
 import sys
 import time
 from pathlib import Path
@@ -31,33 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moestream import ggml
 from moestream.ggml.graphs import kernels
-from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F32, I32, Arena, Net
-
-
-def repack_buffer_type(lib) -> int:
-    """ggml's CPU_REPACK buffer type, from the CPU backend's registry (its extra buffer types)."""
-    lib.cpu.ggml_backend_cpu_reg.restype = C.c_void_p
-    lib.base.ggml_backend_reg_dev_get.restype = C.c_void_p
-    lib.base.ggml_backend_reg_dev_get.argtypes = [C.c_void_p, C.c_size_t]
-    lib.base.ggml_backend_reg_get_proc_address.restype = C.c_void_p
-    lib.base.ggml_backend_reg_get_proc_address.argtypes = [C.c_void_p, C.c_char_p]
-    reg = lib.cpu.ggml_backend_cpu_reg()
-    dev = lib.base.ggml_backend_reg_dev_get(reg, 0)
-    fn = lib.base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
-    if not fn:
-        raise SystemExit("this ggml's CPU backend has no extra buffer types")
-    bufts = C.CFUNCTYPE(C.POINTER(C.c_void_p), C.c_void_p)(fn)(dev)
-    names = []
-    i = 0
-    while bufts[i]:
-        name = lib.base.ggml_backend_buft_name(bufts[i])
-        name = name.decode() if isinstance(name, bytes) else C.cast(name, C.c_char_p).value.decode()
-        names.append(name)
-        if name == "CPU_REPACK":
-            return bufts[i]
-        i += 1
-    raise SystemExit(f"no CPU_REPACK among this ggml's extra buffer types {names}")
+from moestream.ggml.repack import Repacker
 
 
 def main() -> None:
@@ -77,9 +51,8 @@ def main() -> None:
     raw = torch.from_numpy(np.ascontiguousarray(t.data).reshape(-1).copy())  # the blocks as stored
     lib = ggml.library()
     kern = kernels(args.threads)
-    buft = repack_buffer_type(lib)
-    buffer = lib.base.ggml_backend_buft_alloc_buffer(buft, raw.numel())
-    base = lib.base.ggml_backend_buffer_get_base(buffer)
+    repacker = Repacker(lib)  # ggml's CPU_REPACK buffer type, from the CPU backend's registry
+    buffer, base = repacker.alloc(raw.numel())
     type_id = int(t.tensor_type)
     print(f"{args.tensor}: {t.tensor_type.name} [{cols}, {rows}, {experts}], {raw.numel() / 2**20:.1f} MiB")
     gen = torch.Generator().manual_seed(0)
@@ -95,10 +68,12 @@ def main() -> None:
                 net = Net(lib, nodes=16)
                 if way == "stored":
                     w = net.tensor(type_id, shape, raw.data_ptr())
-                else:  # in the repack buffer: its init_tensor sets the traits, its set_tensor repacks
-                    w = net.tensor(type_id, shape)
-                    lib.base.ggml_backend_tensor_alloc(buffer, w, base)
-                    lib.base.ggml_backend_tensor_set(w, raw.data_ptr(), 0, raw.numel())
+                else:  # written into the repack buffer in its type's repacked layout, marked with its kernels
+                    extra = repacker.repack(net.tensor(type_id, shape), buffer, base, raw.data_ptr())
+                    if not extra:
+                        raise SystemExit(f"{t.tensor_type.name} has no repacked kernels in this ggml build")
+                    w = net.tensor(type_id, shape, base)
+                    Repacker.mark(w, buffer, extra)
                 if len(shape) == 3 and args.each:  # each expert its own input (a down's: [I, K, T])
                     xt = net.tensor(F32, [cols, k, T], xe.data_ptr())
                     y = net.mul_mat_id(w, xt, net.tensor(I32, [k, T], ids.data_ptr()))
@@ -116,7 +91,6 @@ def main() -> None:
                         net.run()
                     times[way] = (time.perf_counter() - start) / args.calls * 1e6
                 outs[way] = out.clone()
-                assert GgmlTensor.from_address(w).buffer or way == "stored"
                 arena.close()
                 net.close()
             diff = (outs["stored"] - outs["repacked"]).abs().max().item() / outs["stored"].abs().max().item()
@@ -125,7 +99,7 @@ def main() -> None:
                 f"({times['stored'] / times['repacked']:.2f}x), outputs' difference {diff:.2e}"
             )
     finally:
-        lib.base.ggml_backend_buffer_free(buffer)
+        repacker.close()
 
 
 if __name__ == "__main__":
