@@ -97,6 +97,8 @@ def main() -> None:
         "flushed by the CPU's compute (as a GPU's compute leaves them); the tokens are then meaningless",
     )
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--gpu-tier", default="", help="a GPU tier of this size on the backend (e.g. 40MiB)")
+    p.add_argument("--tier-misses", default="host", help="the tier's way of a miss: upload, host or split")
     p.add_argument("--top", type=int, default=30, help="profile rows")
     args = p.parse_args()
     Net.run = _timed
@@ -105,7 +107,12 @@ def main() -> None:
             os.environ.pop("MOESTREAM_GGML_BACKEND", None)
         else:
             os.environ["MOESTREAM_GGML_BACKEND"] = backend
-        with moestream.load(args.model, trunk="ggml", threads=args.threads) as engine:
+        tier = {"gpu_tier": args.gpu_tier} if args.gpu_tier and backend != "host" else {}
+        if tier:
+            os.environ["MOESTREAM_TIER_MISSES"] = args.tier_misses
+        else:
+            os.environ.pop("MOESTREAM_TIER_MISSES", None)
+        with moestream.load(args.model, trunk="ggml", threads=args.threads, **tier) as engine:
             print(engine.mode_line(), file=sys.stderr, flush=True)
             prompt = [100 + i for i in range(args.prompt)]
             for _ in range(args.warmup):
