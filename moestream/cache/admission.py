@@ -52,8 +52,10 @@ class FrequencyGate:
 
     def count(self, keys: list[Key], uses: list[int]) -> None:
         """A forward routed `uses[i]` tokens to `keys[i]`."""
+        counts = self.uses
+        get = counts.get
         for key, n in zip(keys, uses):
-            self.uses[key] = self.uses.get(key, 0) + n
+            counts[key] = get(key, 0) + n
 
     def admits(self, key: Key, victim: Key | None) -> bool:
         """Whether `key` may take `victim`'s slot (None: a free slot)."""

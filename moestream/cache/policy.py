@@ -189,12 +189,16 @@ class ResidentSet:
         `admission.FrequencyGate`; victim None: a free slot); a miss it refuses stays out. Returns
         (hits, misses)."""
         keys = list(keys)
-        self.policy.on_group(keys, uses, tokens)
+        policy = self.policy
+        policy.on_group(keys, uses, tokens)
         slot_of = self._slot_of
-        hits = [k for k in keys if k in slot_of]
-        misses = [k for k in keys if k not in slot_of]
-        for key in hits:
-            self.touch(key)
+        hits, misses = [], []
+        for key in keys:
+            (hits if key in slot_of else misses).append(key)
+        for key in hits:  # `touch`, without its slot
+            policy.on_hit(key)
+        if not misses:
+            return hits, misses
         group = set(keys)
         for key in misses:
             if self.keeps(key) and (admits is None or admits(key, self.next_victim(group))):

@@ -151,21 +151,29 @@ class GpuTier:
         the host tier instead). `gated` (the caller computes the misses elsewhere): a miss is admitted
         only as the class's `FrequencyGate` allows; one it refuses has no slot in the map."""
         c = self._class_of[layer]
-        experts = execution_order(rows)
+        if len(rows) == 1 and len(set(rows[0])) == len(rows[0]):  # a decoded token: each expert once
+            experts, uses = rows[0], [1] * len(rows[0])
+        else:
+            experts = execution_order(rows)
+            counted = dict.fromkeys(experts, 0)
+            for row in rows:
+                for e in row:
+                    counted[e] += 1
+            uses = list(counted.values())
         if len(experts) > c.plan.slots:
             return None
         keys = [(layer, e) for e in experts]
-        uses = dict.fromkeys(experts, 0)
-        for row in rows:
-            for e in row:
-                uses[e] += 1
         # the simulator's protocol (`ResidentSet.access_group`): the policy hears of the group, hits are
         # touched, misses admitted without evicting one of the group (pinned: the layer's graph reads them)
         residents = c.residents
-        c.gate.count(keys, list(uses.values()))
+        c.gate.count(keys, uses)
         admits = c.gate.admits if gated else None
-        _, missed = residents.access_group(keys, list(uses.values()), len(rows), admits)
-        slot = {e: residents.slot_of(key) for e, key in zip(experts, keys) if key in residents}
+        _, missed = residents.access_group(keys, uses, len(rows), admits)
+        slot_of, slot = residents.slot_of, {}
+        for e, key in zip(experts, keys):
+            s = slot_of(key)
+            if s is not None:
+                slot[e] = s
         misses = [e for _, e in missed]
         self.counters.hits += len(experts) - len(misses)
         self.counters.misses += len(misses)

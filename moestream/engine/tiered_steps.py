@@ -53,6 +53,7 @@ from moestream.graphs.spec import ModelSpec
 from moestream.runtime.expert_layers import ExpertLayers
 from moestream.units import format_size
 
+_NOTHING_AHEAD = ReadAhead(None, None)  # a layer whose routing nothing hears: no read-ahead (done)
 # the step's buffers that the host writes before a step and every layer's graph reads
 STEP_INPUTS = ("tokens", "positions", "rows", "mask", "window")
 HostLayer = Callable[[int, int], None]  # (MoE layer, rows): its experts computed on the host into b.outputs
@@ -97,6 +98,7 @@ class TieredSteps:
         kept = ("resid0", "resid1") if self.mixed else ("resid0", "resid1", "moe_in")
         self.device_only = frozenset((*STEP_INPUTS, *kept))
         self._moe = [x.index for x in spec.layers if x.router is not None]
+        self._moe_set = frozenset(self._moe)
         types = experts.graph_types()
         if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe):
             raise GgmlUnavailableError(
@@ -179,28 +181,34 @@ class TieredSteps:
                 _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
                 self.memory.upload(region, t.data_ptr() - region.host, t.nbytes)
         ready, hits, layers = False, 0, 0
+        # once a step: the numpy views, the way (a trial changes it between steps), whether the routing is
+        # heard (a trace, prefetch)
+        order, slots, k, moe = b.order.numpy(), b.slots.numpy(), b.weights[0].shape[1], self._moe_set
+        way, routing_heard = self.way(), self.experts.host_routing()
         try:
             for i, net in enumerate(graphs):
                 (fused[i] if ready else net).run()
                 self._flush(tier)  # misses the CPU computed: to their slots now, for the next tokens
                 ready = False
-                if i == len(self.spec.layers) or self.spec.layers[i].router is None:
+                if i not in moe:
                     continue
-                n, k = gs.rows(i), b.weights[0].shape[1]
-                rows = b.order[:n, :k].tolist()
-                way = self.way()
+                n = gs.rows(i)
+                rows = order[:n, :k].tolist()
                 placed = tier.place(i, rows, way != "upload") if i + 1 in fused else None
                 if placed is None:
                     self._fetch(b.moe_in[:n])
                     host_layer(i, n)
                     continue
                 slot, misses = placed
-                group = {e for row in rows for e in row}
+                group = set(rows[0]) if n == 1 else {e for row in rows for e in row}
                 try:
                     # the routing heard where a trace or prefetch wants it (inside: a failure here must
                     # also take the placed misses out of the tier)
-                    self._fetch(b.moe_in[:n], self.experts.host_routing())
-                    ahead = heard(self.experts, tier, i, b.moe_in[:n], b.order[:n, :k], b.weights[i % 2][:n])
+                    ahead = _NOTHING_AHEAD
+                    if routing_heard:
+                        self._fetch(b.moe_in[:n])
+                        hidden, weights = b.moe_in[:n], b.weights[i % 2][:n]
+                        ahead = heard(self.experts, tier, i, hidden, b.order[:n, :k], weights)
                     # copied in now: every miss ("upload"), none ("host": the CPU computes them), or a share
                     # of those the gate kept out ("split", given slots here); the gate's own admissions
                     # are copied after the graph, from where the CPU computed them
@@ -210,7 +218,7 @@ class TieredSteps:
                         rest = [e for e in misses if e not in slot]
                         copied = rest[: round(self.split_share() * len(rest))]
                         slot.update(tier.admit(i, copied, list(group)))
-                    b.slots.numpy()[:n] = [row_slots(slot, row) for row in rows]
+                    slots[:n] = [row_slots(slot, row) for row in rows]
                     # the CPU's share (none for "upload": the graph then picks every output the device's)
                     on_cpu = set(misses) - set(copied)
                     cpu = None
@@ -384,10 +392,10 @@ class TieredSteps:
         """The repacked copy the CPU's misses read now (None: the host slots)."""
         return self._host[2] if self._host is not None else None
 
-    def _fetch(self, t: torch.Tensor, wanted: bool = True) -> None:
-        """The device's bytes of `t` (a view at the start of a device-only buffer) into it, where
-        `wanted` (the way "host": there already, the graph copied them back)."""
-        if self.mixed or not wanted:
+    def _fetch(self, t: torch.Tensor) -> None:
+        """The device's bytes of `t` (a view at the start of a device-only buffer) into it (the way
+        "host": there already, the graph copied them back)."""
+        if self.mixed:
             return
         _, _, region = self.memory.translate(t.data_ptr(), t.nbytes)
         self.memory.download(region, t.data_ptr() - region.host, t.nbytes)
