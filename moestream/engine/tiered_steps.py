@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
 import time
 from collections.abc import Callable
@@ -421,9 +420,15 @@ def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
     its output on the device is not picked) gets a slot no other of the row has, so that the row's ids are
     distinct as a router's are (ggml's CUDA kernels for mul_mat_id may count on it; the lowest such slots,
     below the row's length, which every class has)."""
-    used = {slot[e] for e in row if e in slot}
-    spare = (s for s in itertools.count() if s not in used)
-    return [slot[e] if e in slot else next(spare) for e in row]
+    out = [slot.get(e, -1) for e in row]
+    if -1 in out:
+        used, spare = set(out), 0
+        for j, s in enumerate(out):
+            if s == -1:
+                while spare in used:
+                    spare += 1
+                out[j], spare = spare, spare + 1
+    return out
 
 
 def tier_split() -> float:
