@@ -106,6 +106,60 @@ def test_the_copy_holds_each_expert_in_the_repacked_layout(q4km, monkeypatch):
         assert marked == 3 * len(stored) - 1  # every gate and up, every down but layer 0's (Q6_K)
 
 
+@pytest.fixture(scope="module")
+def q4_0_trunk(q4km, tmp_path_factory):
+    """The same model with its trunk's matrices in Q4_0 (q4km's are Q8_0, which has no repacked kernels
+    on x86; Q4_K's 256-wide blocks do not fit the tiny model's 128 attention columns)."""
+    hf, _ = q4km
+    root = tmp_path_factory.mktemp("repack_trunk")
+    return write_gguf(hf, root / "model.gguf", ftype=Q.Q4_0, expert_type=_q4_k_m)
+
+
+def test_the_trunks_repacked_copy_holds_each_matrix_and_short_steps_read_it(q4km, q4_0_trunk, monkeypatch):
+    """The trunk's Q4_0 matrices are copied once into the repacked layout (a Q8_0 trunk's: none); each
+    copy's product through the repacked kernels equals the matrix's through the stored ones within 1e-5
+    of its magnitude; short steps read the copies (their logits within rounding of the stored run's),
+    a longer chunk the matrices as stored (bit for bit)."""
+    from moestream.engine.repacked import RepackedTrunk, trunk_matrices
+
+    _, q8_trunk = q4km
+    monkeypatch.setenv(REPACK_ENV, "1")
+    with moestream.load(str(q8_trunk), cache="256MiB", threads=2) as engine:
+        copy = RepackedTrunk(trunk_matrices(engine.runner.spec))
+        assert copy.map == {}  # Q8_0 and float matrices: nothing repacked, nothing allocated
+        copy.close()
+    gen = torch.Generator().manual_seed(0)
+    with moestream.load(str(q4_0_trunk), cache="256MiB", threads=2) as engine:
+        runner = engine.runner
+        _, kv = runner([5, 17, 33], None)
+        runner([9], kv)  # a decoded token: the copies made
+        trunk = runner._trunk_copy
+        q4_0 = [m for m in trunk_matrices(runner.spec) if m.type_id == int(Q.Q4_0)]
+        assert q4_0 and {m.address for m in q4_0} == set(trunk.map)
+        for m in q4_0:
+            address, buffer, kernels = trunk.map[m.address]
+            x = torch.randn(3, m.cols, generator=gen)
+            ids = torch.zeros(3, 1, dtype=torch.int32)
+            shape = [m.cols, m.rows, 1]
+            want = _products(None, m.type_id, shape, x, ids, None, m.address, None, 0)
+            got = _products(None, m.type_id, shape, x, ids, None, address, (buffer, kernels), 0)
+            assert want.isfinite().all() and _relative(got, want) < 1e-5
+    short = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
+    long = [(7 * i + 3) % 250 + 3 for i in range(REPACK_ROWS + 16)]
+    # the experts from their slots, as stored: what differs is the trunk's
+    from moestream.engine.ggml_runner import GgmlRunner
+
+    monkeypatch.setattr(GgmlRunner, "_host_types", lambda self, tokens: self.experts.graph_types())
+    for prompt in (short, long):
+        stored, _, _ = _run(q4_0_trunk, monkeypatch, False, prompt)
+        repacked, _, _ = _run(q4_0_trunk, monkeypatch, True, prompt)
+        if prompt is long:
+            assert torch.equal(repacked[0], stored[0])  # the chunk: the matrices as stored
+        else:  # read from the copies (these steps' sums round otherwise: ~1e-7 here)
+            assert not torch.equal(repacked[0], stored[0])
+        assert _relative(repacked, stored) < 2e-2
+
+
 def test_a_chunk_longer_than_the_repacked_rows_computes_the_slots(q4km, monkeypatch):
     _, path = q4km
     prompt = [(7 * i + 3) % 250 + 3 for i in range(REPACK_ROWS + 16)]

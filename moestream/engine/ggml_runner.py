@@ -47,7 +47,7 @@ from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.gpu_tier import auto_tier, expert_bytes, minimum_budget
 from moestream.engine.options import AUTO
-from moestream.engine.repacked import REPACK_ROWS, RepackedExperts
+from moestream.engine.repacked import REPACK_ROWS, RepackedExperts, RepackedTrunk, trunk_matrices
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
@@ -187,6 +187,7 @@ class GgmlRunner(ModelRunner):
         # made once every expert is in its slot for good
         self._repack = repack_wanted()
         self._repacked: RepackedExperts | None = None
+        self._trunk_copy: RepackedTrunk | None = None  # the trunk's, for the same steps (`_host_trunk`)
         try:
             if self._repack and backend is not None and (gpu_tier is None or tier_misses(True) == "upload"):
                 raise GgmlUnavailableError(
@@ -350,7 +351,8 @@ class GgmlRunner(ModelRunner):
             args = (self.spec, self.kv, shape, experts, types, self.threads, kern.pool, last, self.memory)
             tiered = self.tiered
             if tiered is None:
-                gs = GraphSet(*args, segments)
+                trunk = self._host_trunk(tokens) if self.memory is None else None
+                gs = GraphSet(*args, segments, trunk=trunk)
             else:
                 gs = GraphSet(*args, segments, tiered.device_only, tiered.mixed)
             self._sets[key] = gs
@@ -558,6 +560,15 @@ class GgmlRunner(ModelRunner):
             self._repacked = RepackedExperts(types, first, self.experts.num_experts, self.spec.hidden)
         return self._repacked.types
 
+    def _host_trunk(self, tokens: int) -> dict[int, tuple[int, int, int]] | None:
+        """With MOESTREAM_GGML_REPACK=1, a host graph set of at most REPACK_ROWS tokens reads the trunk's
+        repacked copies (made on the first such set): their map, else None."""
+        if not self._repack or tokens > REPACK_ROWS:
+            return None
+        if self._trunk_copy is None:
+            self._trunk_copy = RepackedTrunk(trunk_matrices(self.spec))
+        return self._trunk_copy.map
+
     def _drop_repacked(self) -> None:
         """The repacked copies freed (the sets over them closed first)."""
         if self._repacked is not None:
@@ -573,6 +584,9 @@ class GgmlRunner(ModelRunner):
         """The graph sets and the KV cache freed at once (and on a backend, everything it holds there)."""
         self.close_sets()
         self._drop_repacked()
+        if self._trunk_copy is not None:
+            self._trunk_copy.close()
+            self._trunk_copy = None
         self.kv = []
         if self.memory is not None:
             if self.tiered is not None:

@@ -15,10 +15,12 @@ matrices: that is the cost of the switch, and why it is not the default.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from moestream import ggml
-from moestream.ggml.net import Net
+from moestream.ggml.net import FLOAT_TYPES, Net
 from moestream.ggml.repack import Repacker
+from moestream.graphs.parts import Matrix
 from moestream.runtime.expert_layers import ExpertTypes, SlotArena
 
 REPACK_ROWS = 64  # steps of up to this many tokens compute from the repacked copy
@@ -86,6 +88,62 @@ class RepackedExperts:
     def describe(self) -> str:
         kinds = ", ".join(k for k in ("gate", "up", "down") if k in self.kinds) or "none"
         return f"repacked copy {self.nbytes / 2**20:.1f} MiB ({kinds})"
+
+    def close(self) -> None:
+        self.repacker.close()
+
+
+def trunk_matrices(obj: object) -> Iterator[Matrix]:
+    """Every `Matrix` of a model spec (its layers' attention, dense MLPs, shared experts, routers; the
+    head), found through its dataclasses, lists, tuples and dicts."""
+    if isinstance(obj, Matrix):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from trunk_matrices(getattr(obj, f.name))
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from trunk_matrices(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from trunk_matrices(x)
+
+
+class RepackedTrunk:
+    """Repacked copies of the trunk's block-quantized matrices whose type has repacked kernels (each
+    matrix once, in a buffer of its own): `map` gives a matrix's address -> (its copy's address, the
+    copy's ggml buffer, its kernels), what `LayerGraphs` reads for the products of short steps. The trunk
+    is locked in memory for the runner's life, so the copies never go stale. Freed by `close`, after the
+    graph sets built over them."""
+
+    def __init__(self, matrices: Iterator[Matrix]) -> None:
+        lib = ggml.library()
+        self.repacker = Repacker(lib)
+        self.map: dict[int, tuple[int, int, int]] = {}
+        self.nbytes = 0
+        floats = set(FLOAT_TYPES.values())
+        todo = {m.address: m for m in matrices if m.type_id not in floats}
+        net = Net(lib, nodes=len(todo) + 8)
+        try:
+            with self.repacker.quiet():
+                for address, m in todo.items():
+                    leaf = net.tensor(m.type_id, [m.cols, m.rows])
+                    size = lib.base.ggml_nbytes(leaf)
+                    handle, base = self.repacker.alloc(size)
+                    extra = self.repacker.repack(leaf, handle, base, address)
+                    if not extra:  # no repacked kernels for this type (or shape): read as stored
+                        self.repacker.free(handle)
+                        continue
+                    self.map[address] = (base, handle, extra)
+                    self.nbytes += size
+        except BaseException:
+            self.repacker.close()
+            raise
+        finally:
+            net.close()
+
+    def describe(self) -> str:
+        return f"the trunk's repacked copy {self.nbytes / 2**20:.1f} MiB ({len(self.map)} matrices)"
 
     def close(self) -> None:
         self.repacker.close()

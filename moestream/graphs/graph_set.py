@@ -39,10 +39,12 @@ class GraphSet:
         segments: tuple[tuple[int, int], ...] = ((0, 0),),
         device_only: frozenset[str] = frozenset(),
         mixed: bool = False,
+        trunk: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         """`device_only`: on a backend, the buffers (by `StepBuffers.tensors` name) that only its graphs
         read and write, never copied around a compute (the residual stream between per-layer graphs).
-        `mixed`: the `fused` graphs take each expert output from the device or the host (`LayerGraphs`)."""
+        `mixed`: the `fused` graphs take each expert output from the device or the host (`LayerGraphs`).
+        `trunk`: the trunk's matrices read from repacked copies (`LayerGraphs`)."""
         tokens, span = shape
         # `segments`: (first KV-cache row of its slot, tokens) per sequence (`LayerGraphs.segments`)
         self.buf = StepBuffers.make(spec, tokens, span, experts, len(segments))
@@ -65,8 +67,17 @@ class GraphSet:
         self._based: list[int] = []  # each view's data pointer at the rows of segment 0 of its slot
         self._whole_views = (0, 0)  # the whole graph's views: that range of kv_views
         self.firsts = tuple(first for first, _ in segments)
+        self.trunk = trunk
         self._build = LayerGraphs(
-            spec, kv, self.buf, types, last=last, segments=segments, mixed=mixed, kv_views=self.kv_views
+            spec,
+            kv,
+            self.buf,
+            types,
+            last=last,
+            segments=segments,
+            mixed=mixed,
+            kv_views=self.kv_views,
+            trunk=trunk,
         )
         self.last = self._build.last  # past the last layer's attention, the last position only
         self.rows = self._build.rows
@@ -123,6 +134,7 @@ class GraphSet:
                         self.last,
                         self.segments,
                         kv_views=self.kv_views,
+                        trunk=self.trunk,
                     ).step(net),
                     self.threads,
                     self.pool,

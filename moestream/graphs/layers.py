@@ -23,6 +23,7 @@ import torch
 
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F16, F32, I32, Net
+from moestream.ggml.repack import Repacker
 from moestream.graphs.moe import Whole, cached_experts, moe_sum, route, shared_expert
 from moestream.graphs.parts import Matrix, Mlp
 from moestream.graphs.spec import Layer, ModelSpec
@@ -229,12 +230,16 @@ class LayerGraphs:
         segments: tuple[tuple[int, int], ...] = ((0, 0),),
         mixed: bool = False,
         kv_views: list[tuple[int, int, int]] | None = None,
+        trunk: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         """`mixed`: the `fused` graphs take each (token, k) output from the device's slots or from the
         host's `outputs`, as `pick` says (a GPU tier whose misses the CPU computes). `kv_views`: a
         batch's attention appends each (keys or values view's address, its segment, its bytes a KV
-        row) there, so that `GraphSet.rebase` can point them at other slots' rows."""
+        row) there, so that `GraphSet.rebase` can point them at other slots' rows. `trunk`: a matrix's
+        address -> (its repacked copy's address, that copy's ggml buffer, its kernels), for the trunk's
+        products that read a copy in ggml's repacked layout (`engine/repacked.py`, RepackedTrunk)."""
         self.spec, self.kv, self.buf = spec, kv, buf
+        self.trunk = trunk or {}
         self.kv_views = kv_views
         self.mixed = mixed
         self.experts = experts or {}  # MoE layer -> its routed experts' ggml types, for `fused` graphs
@@ -418,11 +423,21 @@ class LayerGraphs:
         beside others would not get the bits it gets alone; mul_mat_id takes vec_dot for every row
         (the weights still read once for all of them)."""
         if not self.batch:
-            return net.mul_mat(net.weight(w, [cols, rows]), x)
+            return net.mul_mat(self._weight(net, w, [cols, rows]), x)
         T = GgmlTensor.from_address(x).ne[1]
         x3 = net.reshape_3d(x if _contiguous(x) else net.cont(x), cols, 1, T)
         ids = net.tensor(I32, [1, T], self.buf.zeros.data_ptr())
-        return net.reshape_2d(net.mul_mat_id(net.weight(w, [cols, rows, 1]), x3, ids), rows, T)
+        return net.reshape_2d(net.mul_mat_id(self._weight(net, w, [cols, rows, 1]), x3, ids), rows, T)
+
+    def _weight(self, net: Net, w: torch.Tensor | tuple[int, int], ne: list[int]) -> int:
+        """A product's weight leaf: over its repacked copy where `trunk` has one (marked with its
+        kernels), else over the matrix as stored."""
+        copy = self.trunk.get(w[0]) if self.trunk and isinstance(w, tuple) else None
+        if copy is None:
+            return net.weight(w, ne)
+        t = net.tensor(w[1], ne, copy[0])
+        Repacker.mark(t, copy[1], copy[2])
+        return t
 
     def mlp(self, net: Net, x: int, mlp: Mlp) -> int:
         """A SwiGLU MLP: down(silu(gate x) * up x)."""
