@@ -160,6 +160,30 @@ def test_the_trunks_repacked_copy_holds_each_matrix_and_short_steps_read_it(q4km
         assert _relative(repacked, stored) < 2e-2
 
 
+def test_the_memory_plan_keeps_what_the_copies_take(q4_0_trunk, monkeypatch):
+    """With the switch, an auto budget keeps room for the copies: the bytes `copy_bytes` plans (from the
+    expert map and the spec, before any copy exists) are those the copies then take."""
+    from moestream.engine import auto_budget
+    from moestream.engine.repacked import copy_bytes
+
+    kept = []
+    parts = auto_budget._runner_parts
+    monkeypatch.setattr(auto_budget, "_runner_parts", lambda *a: kept.extend(parts(*a)) or kept)
+    monkeypatch.setenv(REPACK_ENV, "1")
+    with moestream.load(str(q4_0_trunk), threads=2) as engine:  # cache auto
+        runner = engine.runner
+        _, kv = runner([5, 17, 33], None)
+        runner([9], kv)  # a decoded token: both copies made
+        made = runner._repacked.nbytes + runner._trunk_copy.nbytes
+        planned = copy_bytes(runner.experts._runtime.emap, runner.spec)
+        assert made > 0 and planned == made
+        assert ("the repacked copies (MOESTREAM_GGML_REPACK=1)", made) in kept
+    monkeypatch.setenv(REPACK_ENV, "0")
+    kept.clear()
+    moestream.load(str(q4_0_trunk), threads=2).close()
+    assert kept and not any("repacked" in name for name, _ in kept)
+
+
 def test_a_chunk_longer_than_the_repacked_rows_computes_the_slots(q4km, monkeypatch):
     _, path = q4km
     prompt = [(7 * i + 3) % 250 + 3 for i in range(REPACK_ROWS + 16)]

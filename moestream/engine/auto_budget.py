@@ -241,6 +241,12 @@ def _runner_parts(model: ModelDescription, kv: tuple[str, int]) -> list[tuple[st
     ]
     if model.spec.copied_bytes:
         parts.append(("the routers in float32", model.spec.copied_bytes))
+    from moestream.ggml.repack import REPACK_ENV, repack_wanted
+
+    if repack_wanted():
+        from moestream.engine.repacked import copy_bytes
+
+        parts.append((f"the repacked copies ({REPACK_ENV}=1)", copy_bytes(model.emap, model.spec)))
     return parts
 
 

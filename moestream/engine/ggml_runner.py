@@ -272,8 +272,8 @@ class GgmlRunner(ModelRunner):
             whole = ", computed by the expert runtime"
         if self._repack:
             whole += (
-                f"; steps of up to {REPACK_ROWS} tokens on a repacked copy of the experts, made once every "
-                f"expert is in its slot ({REPACK_ENV}=1)"
+                f"; steps of up to {REPACK_ROWS} tokens on repacked copies of the experts (made once every "
+                f"expert is in its slot) and of the trunk's matrices ({REPACK_ENV}=1)"
             )
         return (
             f"trunk ggml graphs ({self.spec.family}: one graph a layer, the routed experts between them"

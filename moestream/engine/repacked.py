@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from moestream import ggml
 from moestream.ggml.net import FLOAT_TYPES, Net
 from moestream.ggml.repack import Repacker
+from moestream.ggml.types import UnsupportedTypeError
 from moestream.graphs.parts import Matrix
 from moestream.runtime.expert_layers import ExpertTypes, SlotArena
+from moestream.store.experts import ExpertMap
 
 REPACK_ROWS = 64  # steps of up to this many tokens compute from the repacked copy
 
@@ -147,3 +149,38 @@ class RepackedTrunk:
 
     def close(self) -> None:
         self.repacker.close()
+
+
+def copy_bytes(emap: ExpertMap, spec: object) -> int:
+    """What MOESTREAM_GGML_REPACK=1's copies will take (`RepackedExperts`, `RepackedTrunk`): the bytes of
+    every expert matrix and trunk matrix whose type ggml's CPU backend here has repacked kernels for
+    (each repacked layout is as large as the blocks as stored), for the memory plan to keep."""
+    kernels: dict[str, bool] = {}
+    repacker = Repacker(ggml.library())
+    try:
+
+        def has(name: str) -> bool:
+            if name not in kernels:
+                try:
+                    kernels[name] = repacker.has_kernels(ggml.ggml_type(name).id)
+                except UnsupportedTypeError:  # a float or a format ggml does not take: never repacked
+                    kernels[name] = False
+            return kernels[name]
+
+        total = 0
+        for (layer, _), unit in emap.units.items():
+            for kind, parts in unit.items():
+                fmt = emap.formats.get((layer, kind))
+                if fmt is not None and has(fmt.name):
+                    total += sum(p.nbytes for p in parts)
+        floats = set(FLOAT_TYPES.values())
+        seen: set[int] = set()
+        for m in trunk_matrices(spec):
+            if m.address in seen or m.type_id in floats:
+                continue
+            seen.add(m.address)
+            if has(ggml.ggml_type(m.type_id).name):
+                total += m.ref.numel() * m.ref.element_size()
+        return total
+    finally:
+        repacker.close()

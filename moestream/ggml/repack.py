@@ -83,6 +83,28 @@ class Repacker:
         t.data, t.buffer, t.extra = None, None, None  # the leaf free for the next matrix
         return extra
 
+    def has_kernels(self, type_id: int) -> bool:
+        """Whether ggml's CPU backend here has repacked kernels for matrices of `type_id` (asked of its
+        buffer type with a matrix of 8 rows of 4096 columns, the shape every repacked layout takes:
+        nothing is written)."""
+        from moestream.ggml.net import Net
+
+        net = Net(self.lib, nodes=2)
+        try:
+            leaf = net.tensor(type_id, [4096, 8])
+            handle, base = self.alloc(self.lib.base.ggml_nbytes(leaf))
+            try:
+                b = self.lib.base
+                b.ggml_backend_tensor_alloc(handle, leaf, base)
+                t = GgmlTensor.from_address(leaf)
+                found = bool(t.extra)
+                t.data, t.buffer, t.extra = None, None, None
+                return found
+            finally:
+                self.free(handle)
+        finally:
+            net.close()
+
     def free(self, handle: int) -> None:
         """One buffer of `alloc` freed."""
         self._buffers.remove(handle)
