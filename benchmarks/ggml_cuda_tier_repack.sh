@@ -3,18 +3,17 @@
 # synthetic at $MODEL, written by an earlier call of the lease): llama.cpp with every expert on the CPU
 # (-ngl 99 --n-cpu-moe 24 -t $THREADS) against moestream's GPU tier whose misses the CPU computes, from
 # the host slots' blocks as stored or from a repacked copy (MOESTREAM_GGML_REPACK=1, llama.cpp's layout
-# for its CPU weights), each run's decode step by part (`decode_ms_per_step`). RUNS: tier:way:repack[:h],
-# most important first (h: MOESTREAM_TIER_CPU_THREAD=1, the CPU's misses on ggml's compute thread, not
-# the step's); no run starts after BUDGET seconds. Outputs under $OUT (tier-*.log).
+# for its CPU weights), each run's decode step by part (`decode_ms_per_step`). RUNS: tier:way:repack,
+# most important first; no run starts after BUDGET seconds. Outputs under $OUT (tier-*.log).
 set -uo pipefail
 export NATIVE_CPU=${NATIVE_CPU-1}
 . benchmarks/ggml_cuda_env.sh || exit 1
 ncmoe_baseline
 for run in ${RUNS:-2GiB:host:1 2GiB:host:0 2GiB:auto:1 1GiB:auto:1 2GiB:split:1}; do
   [ $SECONDS -gt ${BUDGET:-480} ] && { echo "== $run: not started (BUDGET)"; continue; }
-  IFS=: read -r tier way repack handoff <<< "$run"
-  log=$OUT/tier-$tier-$way-r$repack${handoff:+-h}.log
-  MOESTREAM_TIER_CPU_THREAD=${handoff:+1} MOESTREAM_GGML_REPACK=$repack timeout ${RUN_LIMIT:-150} python3 benchmarks/ggml_cuda.py speed "$MODEL" \
+  IFS=: read -r tier way repack <<< "$run"
+  log=$OUT/tier-$tier-$way-r$repack.log
+  MOESTREAM_GGML_REPACK=$repack timeout ${RUN_LIMIT:-150} python3 benchmarks/ggml_cuda.py speed "$MODEL" \
     --gpu-tier $tier --tier-misses $way --prompts ${PROMPTS:-36} --tokens 32 --threads $THREADS --repeats 2 \
     --compare 0 > $log 2>&1
   echo "== $run (rc $?)"; grep '^moestream' $log | grep -o 'GPU tier[^|]*' | head -1; grep -v '^moestream' $log | tail -1 | cut -c1-1000

@@ -7,8 +7,6 @@ bit for bit at every tier size (the same kernels over the same bytes); the count
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -181,47 +179,6 @@ def test_tier_misses_is_said_or_refused(tiny_dir, monkeypatch):
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
     with pytest.raises(GgmlUnavailableError, match="there is no GPU tier"):
         moestream.load(path, cache="64MiB", trunk="ggml")
-    monkeypatch.delenv("MOESTREAM_TIER_MISSES")
-    monkeypatch.delenv("MOESTREAM_TIER_SPLIT")
-    monkeypatch.setenv("MOESTREAM_TIER_CPU_THREAD", "1")
-    with pytest.raises(GgmlUnavailableError, match="MOESTREAM_TIER_CPU_THREAD=1: there is no GPU tier"):
-        moestream.load(path, cache="64MiB", trunk="ggml")
-    with pytest.raises(GgmlUnavailableError, match="MOESTREAM_TIER_MISSES=upload gives the CPU none"):
-        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
-    monkeypatch.setenv("MOESTREAM_TIER_CPU_THREAD", "yes")
-    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
-    with pytest.raises(GgmlUnavailableError, match="MOESTREAM_TIER_CPU_THREAD='yes': say 1 or 0"):
-        moestream.load(path, cache="64MiB", trunk="ggml", gpu_tier="1MiB")
-
-
-@pytest.mark.parametrize("misses", ["host", "split"])
-def test_the_cpus_misses_on_the_compute_thread_give_the_same_bits(misses, tiny_dir, monkeypatch):
-    """MOESTREAM_TIER_CPU_THREAD=1: the CPU's misses computed by ggml's one compute thread, not the
-    step's: the same graphs, the same bits as the in-place CPU graphs; the mode line says so."""
-    from moestream.ggml.graphs import COMPUTE_THREAD
-
-    path = tiny_dir("qwen3_moe")
-    want, want_tokens, _ = _run(path, monkeypatch, "")
-    threads = []
-    run = HostMisses.compute
-
-    def compute(self, *a):
-        handoff = COMPUTE_THREAD.run
-        seen = lambda fn: threads.append(threading.current_thread().name) or handoff(fn)  # noqa: E731
-        monkeypatch.setattr(COMPUTE_THREAD, "run", seen)
-        try:
-            return run(self, *a)
-        finally:
-            monkeypatch.setattr(COMPUTE_THREAD, "run", handoff)
-
-    monkeypatch.setattr(HostMisses, "compute", compute)
-    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
-    monkeypatch.setenv("MOESTREAM_TIER_CPU_THREAD", "1")
-    least, _, _, _ = _sizes(path, monkeypatch)
-    got, tokens, mode = _run(path, monkeypatch, "cpu", gpu_tier=least)
-    assert "the CPU's on ggml's compute thread, MOESTREAM_TIER_CPU_THREAD=1" in mode
-    assert threads  # handed over (from the step's thread)
-    assert torch.equal(got, want) and tokens == want_tokens
 
 
 @pytest.mark.parametrize("misses", ["upload", "host", "split"])

@@ -13,13 +13,10 @@ mul_mat_id quantizes and multiplies each column alone), so padding changes nothi
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from moestream import ggml
-from moestream.ggml.graphs import COMPUTE_THREAD
 from moestream.ggml.net import F32, I32, Arena, Net
 from moestream.graphs.moe import cached_experts
 from moestream.runtime.expert_layers import ExpertTypes
@@ -52,22 +49,11 @@ class _Graph:
             raise
 
 
-def _run(net: Net) -> int:
-    net.run()
-    return 0
-
-
 class HostMisses:
-    """The CPU graphs of one runner's GPU tier misses, on ggml's compute pool of `threads`. `handoff`
-    (MOESTREAM_TIER_CPU_THREAD=1, experimental): each graph computed by ggml's one compute thread
-    (`ggml.graphs.COMPUTE_THREAD`) while the calling thread waits, so that the pool's work (which streams
-    the experts' bytes through its threads' caches) leaves the caller's core and its caches to the
-    step's Python."""
+    """The CPU graphs of one runner's GPU tier misses, on ggml's compute pool of `threads`."""
 
-    def __init__(
-        self, types: dict[int, ExpertTypes], hidden: int, threads: int, handoff: bool = False
-    ) -> None:
-        self.types, self.hidden, self.threads, self.handoff = types, hidden, threads, handoff
+    def __init__(self, types: dict[int, ExpertTypes], hidden: int, threads: int) -> None:
+        self.types, self.hidden, self.threads = types, hidden, threads
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._arena: Arena | None = None
         self._pool = 0
@@ -90,10 +76,7 @@ class HostMisses:
             x[P:] = x[0]
             g.slots.numpy()[P:] = slots[0]
             g.experts.numpy()[P:] = experts[0]
-        if self.handoff:
-            COMPUTE_THREAD.run(functools.partial(_run, g.net))
-        else:
-            g.net.run()
+        g.net.run()
         kern.idle()
         return g.out.numpy()[:P]
 

@@ -83,7 +83,6 @@ class TieredSteps:
         """
         self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
         self.threads, self.repack = threads, repack
-        self.handoff = tier_cpu_thread()  # MOESTREAM_TIER_CPU_THREAD=1: the CPU's misses on another thread
         # (the streaming's generation, its CPU graphs, the repacked copy they read or None)
         self._host: tuple[int, HostMisses, RepackedExperts | None] | None = None
         self.misses = tier_misses(True)  # "upload", "host", "split" or "auto" (a `WayTrial` chooses)
@@ -91,11 +90,6 @@ class TieredSteps:
         self.split = tier_split()  # the way "split"'s share of the misses copied (not under "auto")
         # the graphs take each output from the device or the host (the way "host", and "auto" for both)
         self.mixed = self.misses != "upload"
-        if self.handoff and not self.mixed:
-            raise GgmlUnavailableError(
-                "MOESTREAM_TIER_CPU_THREAD=1 moves the CPU's share of the misses to another thread, and "
-                "MOESTREAM_TIER_MISSES=upload gives the CPU none: unset one"
-            )
         # the residual stream and the experts' input stay on the device (the experts' input comes back
         # only for a layer computed on the host); the step's inputs go there once a step
         # (where the CPU computes the misses, the experts' input comes back with each layer's routing: a
@@ -130,8 +124,6 @@ class TieredSteps:
         }[self.misses]
         if self.repack:
             misses += " (the CPU's from a repacked copy of the experts, MOESTREAM_GGML_REPACK=1)"
-        if self.handoff:
-            misses += " (the CPU's on ggml's compute thread, MOESTREAM_TIER_CPU_THREAD=1)"
         return (
             f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
             f"({format_size(nbytes)}, {self.policy().name}) filled from the host cache, {misses}"
@@ -379,7 +371,7 @@ class TieredSteps:
             copy = RepackedExperts(types, first, self.experts.num_experts, self.spec.hidden)
             types = copy.types
         try:
-            self._host = (key, HostMisses(types, self.spec.hidden, self.threads, self.handoff), copy)
+            self._host = (key, HostMisses(types, self.spec.hidden, self.threads), copy)
         except BaseException:
             if copy is not None:
                 copy.close()
@@ -455,19 +447,6 @@ def tier_split() -> float:
     return share
 
 
-def tier_cpu_thread() -> bool:
-    """MOESTREAM_TIER_CPU_THREAD: 1 computes the CPU's misses on ggml's one compute thread instead of the
-    step's (`HostMisses`); 0 or unset, on the step's thread.
-
-    Raises:
-        GgmlUnavailableError: another value.
-    """
-    asked = os.environ.get("MOESTREAM_TIER_CPU_THREAD", "").strip() or "0"
-    if asked not in ("0", "1"):
-        raise GgmlUnavailableError(f"MOESTREAM_TIER_CPU_THREAD={asked!r}: say 1 or 0")
-    return asked == "1"
-
-
 def tier_misses(tier: bool) -> str:
     """MOESTREAM_TIER_MISSES: "upload" (default), "host" (see the module doc), "split" (a share of each
     layer's misses copied in while the CPU computes the rest) or "auto" (`WayTrial`).
@@ -478,8 +457,6 @@ def tier_misses(tier: bool) -> str:
     asked = os.environ.get("MOESTREAM_TIER_MISSES", "").strip()
     if asked and not tier:
         raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked}: there is no GPU tier (--gpu-tier) here")
-    if not tier and tier_cpu_thread():
-        raise GgmlUnavailableError("MOESTREAM_TIER_CPU_THREAD=1: there is no GPU tier (--gpu-tier) here")
     if asked not in ("", "upload", "host", "split", "auto"):
         raise GgmlUnavailableError(f"MOESTREAM_TIER_MISSES={asked!r}: say upload, host, split or auto")
     if asked == "split":
