@@ -286,57 +286,16 @@ def test_a_type_without_repacked_kernels_is_left_as_stored():
         repacker.close()
 
 
-def test_the_switch_is_refused_on_a_backend_where_the_cpu_computes_no_expert(q4km, monkeypatch):
-    """ggml's CPU backend through the device path (as ggml's CUDA backend runs the graphs): with every
-    expert on the device, or a GPU tier whose misses are all copied in, the CPU computes no expert, so the
-    switch is refused there in one sentence."""
+def test_the_switch_is_refused_on_a_backend(q4km, monkeypatch):
+    """ggml's CPU backend through the device path (as ggml's CUDA backend runs the graphs): the copy is the
+    CPU path's, so the switch is refused there in one sentence, a GPU tier's too (its misses computed by
+    the CPU from a copy measured slower on the H100 than from the slots: BENCHMARKS, 12-06 late)."""
     _, path = q4km
     monkeypatch.setenv(REPACK_ENV, "1")
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
-    words = r"on a backend \(--device cuda\) only a GPU tier's misses computed by the CPU use it"
+    words = r"repacks the experts for ggml's CPU path, not a backend's"
     with pytest.raises(Exception, match=words):
         moestream.load(str(path), cache="256MiB", threads=2)
-    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "upload")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "host")
     with pytest.raises(Exception, match=words):
-        moestream.load(str(path), cache="256MiB", threads=2, gpu_tier="8MiB")
-
-
-def _tier_run(path, monkeypatch, repack: bool, misses: str):
-    """A GPU tier on ggml's CPU backend whose misses the CPU computes: the prompt's and STEPS' logits, the
-    repacked copy's kinds, the mode line."""
-    monkeypatch.setenv(REPACK_ENV, "1" if repack else "0")
-    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
-    monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
-    with moestream.load(str(path), cache="256MiB", threads=2, gpu_tier="20MiB") as engine:
-        step = engine.runner
-        logits, kv = step([5, 17, 33, 2, 99, 41, 7, 250], None)
-        out = [logits.clone()]
-        for token in STEPS:
-            logits, kv = step([token], kv)
-            out.append(logits.clone())
-        tiered = engine.runner.tiered
-        copy, hits = tiered.repacked(), tiered.counters()
-        if copy is not None:  # the CPU's graphs read the copy: its addresses, its kernels' marks
-            graphs = tiered._graphs()
-            for layer, t in copy.types.items():
-                assert graphs.types[layer].arena.address == t.arena.address
-                assert t.arena.repacked and graphs.types[layer].arena.repacked == t.arena.repacked
-        return torch.stack(out), (set(copy.kinds) if copy is not None else set()), engine.mode_line(), hits
-
-
-@pytest.mark.parametrize("misses", ["host", "split"])
-def test_a_gpu_tiers_cpu_misses_compute_the_repacked_copy(misses, q4km, monkeypatch):
-    """A GPU tier (ggml's CPU backend standing in for the device) whose misses the CPU computes: with the
-    switch, those come from the repacked copy (its Q4_K kinds), within rounding of the stored blocks'
-    run, through the same tier decisions (the same hits and misses). (Here within rounding is bit for bit:
-    the copy's products differ from the slots' by ~1e-7 of their magnitude, which the next layers' q8
-    activations absorb.)"""
-    _, path = q4km
-    stored, kinds, _, hits = _tier_run(path, monkeypatch, False, misses)
-    assert kinds == set()
-    repacked, kinds, line, hits_repacked = _tier_run(path, monkeypatch, True, misses)
-    assert kinds == {"gate", "up", "down"}
-    assert "the CPU's from a repacked copy of the experts, MOESTREAM_GGML_REPACK=1" in line
-    assert hits_repacked.misses > 0 and hits_repacked.misses == hits.misses
-    assert torch.equal(repacked[0], stored[0])  # the prompt: a chunk of the slots' blocks, bit for bit
-    assert _relative(repacked[1:], stored[1:]) < 2e-2
+        moestream.load(str(path), cache="256MiB", threads=2, gpu_tier="20MiB")

@@ -189,11 +189,10 @@ class GgmlRunner(ModelRunner):
         self._repacked: RepackedExperts | None = None
         self._trunk_copy: RepackedTrunk | None = None  # the trunk's, for the same steps (`_host_trunk`)
         try:
-            if self._repack and backend is not None and (gpu_tier is None or tier_misses(True) == "upload"):
+            if self._repack and backend is not None:
                 raise GgmlUnavailableError(
-                    f"{REPACK_ENV}=1 repacks the experts for ggml's CPU kernels: on a backend (--device "
-                    "cuda) only a GPU tier's misses computed by the CPU use it (--gpu-tier with "
-                    "MOESTREAM_TIER_MISSES=host, split or auto); unset it there"
+                    f"{REPACK_ENV}=1 repacks the experts for ggml's CPU path, not a backend's "
+                    "(--device cuda): unset it there"
                 )
             if self._repack and not experts.holds_all():
                 raise GgmlUnavailableError(
@@ -210,15 +209,8 @@ class GgmlRunner(ModelRunner):
             else:
                 if gpu_tier == AUTO:
                     gpu_tier = self._auto_tier(trunk_bytes, *measured)
-                if gpu_tier is None and self._repack:
-                    raise GgmlUnavailableError(
-                        f"{REPACK_ENV}=1: --gpu-tier auto put every expert on the device, where the CPU "
-                        "computes none of them; unset it there"
-                    )
                 if gpu_tier is not None:
-                    self.tiered = TieredSteps(
-                        self.memory, experts, spec, gpu_tier, policy, threads, repack=self._repack
-                    )
+                    self.tiered = TieredSteps(self.memory, experts, spec, gpu_tier, policy, threads)
         except BaseException:
             self.close()
             raise

@@ -41,7 +41,6 @@ import torch
 from moestream.cache.policy import EvictionPolicy
 from moestream.engine.gpu_tier import ClassPlan, GpuTier, WayTrial, plan_tier
 from moestream.engine.host_misses import HostMisses
-from moestream.engine.repacked import RepackedExperts
 from moestream.engine.stats import TierCounters
 from moestream.engine.tier_ahead import ReadAhead, heard
 from moestream.ggml.backend import DeviceMemory
@@ -69,12 +68,8 @@ class TieredSteps:
         budget: int,
         policy: Callable[[], EvictionPolicy],
         threads: int,
-        repack: bool = False,
     ) -> None:
-        """`threads`: the CPU's for the misses it computes (the way "host"). `repack`
-        (MOESTREAM_GGML_REPACK=1): those misses computed from a copy of the experts in ggml's repacked
-        layout (`engine/repacked.py`, as llama.cpp's --n-cpu-moe computes its experts), made once every
-        expert is in its host slot for good.
+        """`threads`: the CPU's for the misses it computes (the way "host").
 
         Raises:
         GgmlUnavailableError: experts the graphs cannot compute from slots, or MOESTREAM_TIER_MISSES
@@ -82,9 +77,8 @@ class TieredSteps:
         CacheBudgetError: the tier cannot hold one token's routed experts of a layer.
         """
         self.memory, self.experts, self.spec, self.policy = memory, experts, spec, policy
-        self.threads, self.repack = threads, repack
-        # (the streaming's generation, its CPU graphs, the repacked copy they read or None)
-        self._host: tuple[int, HostMisses, RepackedExperts | None] | None = None
+        self.threads = threads
+        self._host: tuple[int, HostMisses] | None = None  # (the streaming's generation, its CPU graphs)
         self.misses = tier_misses(True)  # "upload", "host", "split" or "auto" (a `WayTrial` chooses)
         self.trial = WayTrial() if self.misses == "auto" else None
         self.split = tier_split()  # the way "split"'s share of the misses copied (not under "auto")
@@ -122,8 +116,6 @@ class TieredSteps:
             "auto": "misses copied before their graph, computed by the CPU or both, as a trial of the first "
             f"{len(WayTrial.WAYS) * WayTrial().window} decoded tokens finds faster",
         }[self.misses]
-        if self.repack:
-            misses += " (the CPU's from a repacked copy of the experts, MOESTREAM_GGML_REPACK=1)"
         return (
             f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
             f"({format_size(nbytes)}, {self.policy().name}) filled from the host cache, {misses}"
@@ -356,40 +348,13 @@ class TieredSteps:
         return self.experts.pin(layer, [[e for e in row if e in misses] for row in rows], heard=True)
 
     def _graphs(self) -> HostMisses:
-        """The CPU graphs of the misses over the host cache's slots, or with `repack` over the repacked
-        copy once every expert is in its slot for good (expert e of a layer at the copy's slot first + e,
-        the slot it holds in the host cache: the same ids); made again after a restream."""
+        """The CPU graphs of the misses over the host cache's slots (made again after a restream)."""
         key = self.experts.generation
-        if self._host is not None and self._host[0] == key and (not self.repack or self._host[2]):
-            return self._host[1]
-        types, copy = self.experts.graph_types(), None
-        first = self.experts.resident_slots() if self.repack else None
-        if first is None and self._host is not None and self._host[0] == key:
-            return self._host[1]  # not yet in place for good: the slots' blocks meanwhile
-        self._drop_host()
-        if first is not None:
-            copy = RepackedExperts(types, first, self.experts.num_experts, self.spec.hidden)
-            types = copy.types
-        try:
-            self._host = (key, HostMisses(types, self.spec.hidden, self.threads), copy)
-        except BaseException:
-            if copy is not None:
-                copy.close()
-            raise
+        if self._host is None or self._host[0] != key:
+            if self._host is not None:
+                self._host[1].close()
+            self._host = (key, HostMisses(self.experts.graph_types(), self.spec.hidden, self.threads))
         return self._host[1]
-
-    def _drop_host(self) -> None:
-        """The misses' CPU graphs freed, then the repacked copy they read."""
-        if self._host is not None:
-            _, graphs, copy = self._host
-            self._host = None
-            graphs.close()
-            if copy is not None:
-                copy.close()
-
-    def repacked(self) -> RepackedExperts | None:
-        """The repacked copy the CPU's misses read now (None: the host slots)."""
-        return self._host[2] if self._host is not None else None
 
     def _fetch(self, t: torch.Tensor) -> None:
         """The device's bytes of `t` (a view at the start of a device-only buffer) into it (the way
@@ -412,7 +377,9 @@ class TieredSteps:
             self._closed = self.counters()
             self._tier[1].close()
             self._tier = None
-        self._drop_host()
+        if self._host is not None:
+            self._host[1].close()
+            self._host = None
 
 
 def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
