@@ -92,6 +92,8 @@ class TieredSteps:
         self.device_only = frozenset((*STEP_INPUTS, *kept))
         self._moe = [x.index for x in spec.layers if x.router is not None]
         self._moe_set = frozenset(self._moe)
+        self._first: dict[int, int] | None = None  # a step's `resident_slots` (the way "host")
+        self._host_hits = [0, 0]  # a step's misses read in place: (hits, layers)
         types = experts.graph_types()
         if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe):
             raise GgmlUnavailableError(
@@ -176,6 +178,9 @@ class TieredSteps:
         # heard (a trace, prefetch)
         order, slots, k, moe = b.order.numpy(), b.slots.numpy(), b.weights[0].shape[1], self._moe_set
         way, routing_heard = self.way(), self.experts.host_routing()
+        # every expert in its host slot for good (expert e at first + e): the CPU's misses read them there
+        # unpinned, as the CPU path's whole-step graph does; their hits counted once a step
+        self._first, self._host_hits = self.experts.resident_slots() if self.mixed else None, [0, 0]
         try:
             for i, net in enumerate(graphs):
                 (fused[i] if ready else net).run()
@@ -225,8 +230,9 @@ class TieredSteps:
                 hits, layers = hits + len(group) - len(misses), layers + 1
         finally:
             self._drop_deferred(tier)  # a step that raised: the misses it did not copy leave the tier
-        # the device's hits (none read from disk); the misses were counted by the host cache's job
-        self.experts.count_resident(hits, layers)
+        # the device's hits (none read from disk); the misses were counted by the host cache's job, or
+        # here where they were read from their slots in place
+        self.experts.count_resident(hits + self._host_hits[0], layers + self._host_hits[1])
 
     def _upload(
         self,
@@ -314,8 +320,15 @@ class TieredSteps:
         if pairs.size:  # (the experts' input is on the host: it comes back with the routing, `mixed`)
             flat = b.outputs.numpy().reshape(-1, b.outputs.shape[2])
             experts = [routed[i] for i in index]
-            held = self._held(layer, rows, misses)
-            if held is not None:
+            if self._first is not None:  # in place for good: no pins
+                base = self._first[layer]
+                ahead()  # nothing of these to read
+                slots = [base + e for e in experts]
+                out = self._graphs().compute(layer, b.moe_in.numpy()[:n], pairs // k, slots, experts)
+                flat[pairs] = out
+                self._host_hits[0] += len(misses)
+                self._host_hits[1] += 1
+            elif (held := self._held(layer, rows, misses)) is not None:
                 ahead()  # nothing of these to read
                 try:
                     slots = [held[e] for e in experts]
