@@ -184,7 +184,8 @@ class TieredSteps:
         try:
             for i, net in enumerate(graphs):
                 (fused[i] if ready else net).run()
-                self._flush(tier)  # misses the CPU computed: to their slots now, for the next tokens
+                if self._deferred:  # misses the CPU computed: to their slots now, for the next tokens
+                    self._flush(tier)
                 ready = False
                 if i not in moe:
                     continue
@@ -216,12 +217,16 @@ class TieredSteps:
                         slot.update(tier.admit(i, copied, list(group)))
                     slots[:n] = [row_slots(slot, row) for row in rows]
                     # the CPU's share (none for "upload": the graph then picks every output the device's)
-                    on_cpu = set(misses) - set(copied)
-                    cpu = None
-                    if self.mixed:
-                        cpu = functools.partial(self._host_pairs, i, b, rows, on_cpu, ahead)
-                    self._upload(tier, i, rows, slot, copied, ahead, cpu)
-                    self._defer(tier, i, slot, [e for e in admitted if e in on_cpu])
+                    on_cpu = set(misses) - set(copied) if copied else set(misses)
+                    if not copied and self.mixed:  # nothing to copy: the CPU's share alone
+                        self._host_pairs(i, b, rows, on_cpu, ahead)
+                    else:
+                        cpu = None
+                        if self.mixed:
+                            cpu = functools.partial(self._host_pairs, i, b, rows, on_cpu, ahead)
+                        self._upload(tier, i, rows, slot, copied, ahead, cpu)
+                    if admitted:
+                        self._defer(tier, i, slot, [e for e in admitted if e in on_cpu])
                     ahead()  # where none was read or computed (once per layer: the gate counts them)
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
