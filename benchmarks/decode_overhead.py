@@ -17,7 +17,9 @@ generations after `--warmup` ones. `--skip-compute`: Net.run a no-op in the meas
 prefill too: the tokens are then meaningless), so that the CPU's compute does not flush the caches the
 Python runs from, as a GPU's compute does not: the Python's own time, the steadiest figure here.
 `--profile`: a cProfile of one more generation's decode, the functions by their own time in us per
-decoded token (Net.run's compute shown apart). Prints one JSON line per backend.
+decoded token (Net.run's compute shown apart). `--gpu-tier SIZE --tier-misses WAY`: the device path over
+a GPU tier of that size (a graph a layer; on `--backend cpu` only), e.g. a quarter of a 24 x 128-expert
+tiny synthetic's experts with the way "host". Prints one JSON line per backend.
 """
 
 from __future__ import annotations
