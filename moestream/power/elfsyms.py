@@ -9,6 +9,7 @@ ggml CPU library links OpenMP itself (`ggml.lib`).
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 _SHT_DYNSYM = 11
@@ -62,6 +63,23 @@ def _read(fh, offset: int, size: int) -> bytes:
     return data
 
 
+def _tables(
+    fh, sections: list[tuple[int, int, int, int, int]], kind: int
+) -> Iterator[tuple[bytes, bytes, int]]:
+    """Each section of `kind` with its linked string table: (the string table, the section's bytes, its
+    entry size or 0)."""
+    for section_kind, offset, size, link, entsize in sections:
+        if section_kind != kind or link >= len(sections):
+            continue
+        yield _read(fh, sections[link][1], sections[link][2]), _read(fh, offset, size), entsize
+
+
+def _string(strtab: bytes, offset: int) -> str:
+    """The NUL-terminated name at `offset` of a string table."""
+    end = strtab.find(b"\0", offset)
+    return strtab[offset : end if end >= 0 else None].decode("utf-8", "replace")
+
+
 def exported_functions(path: str | Path) -> set[str]:
     """Names of the functions `path` defines and exports (global or weak, default visibility).
 
@@ -73,11 +91,7 @@ def exported_functions(path: str | Path) -> set[str]:
         sections = _sections(fh, order, is64)
         names: set[str] = set()
         sym_fmt = order + ("IBBHQQ" if is64 else "IIIBBH")
-        for kind, offset, size, link, entsize in sections:
-            if kind != _SHT_DYNSYM or link >= len(sections):
-                continue
-            strtab = _read(fh, sections[link][1], sections[link][2])
-            symtab = _read(fh, offset, size)
+        for strtab, symtab, entsize in _tables(fh, sections, _SHT_DYNSYM):
             step = entsize or struct.calcsize(sym_fmt)
             for pos in range(step, len(symtab) - step + 1, step):  # entry 0 is the null symbol
                 fields = struct.unpack_from(sym_fmt, symtab, pos)
@@ -91,8 +105,7 @@ def exported_functions(path: str | Path) -> set[str]:
                     continue
                 if typ not in (_STT_FUNC, _STT_GNU_IFUNC) or other & 3 in (_STV_HIDDEN, _STV_INTERNAL):
                     continue
-                end = strtab.find(b"\0", name_off)
-                names.add(strtab[name_off : end if end >= 0 else None].decode("utf-8", "replace"))
+                names.add(_string(strtab, name_off))
         return names
 
 
@@ -107,17 +120,12 @@ def needed_libraries(path: str | Path) -> list[str]:
         sections = _sections(fh, order, is64)
         names: list[str] = []
         entry = order + ("qQ" if is64 else "iI")
-        for kind, offset, size, link, entsize in sections:
-            if kind != _SHT_DYNAMIC or link >= len(sections):
-                continue
-            strtab = _read(fh, sections[link][1], sections[link][2])
-            dynamic = _read(fh, offset, size)
+        for strtab, dynamic, entsize in _tables(fh, sections, _SHT_DYNAMIC):
             step = entsize or struct.calcsize(entry)
             for pos in range(0, len(dynamic) - step + 1, step):
                 tag, value = struct.unpack_from(entry, dynamic, pos)
                 if tag == _DT_NULL:
                     break
                 if tag == _DT_NEEDED:
-                    end = strtab.find(b"\0", value)
-                    names.append(strtab[value : end if end >= 0 else None].decode("utf-8", "replace"))
+                    names.append(_string(strtab, value))
         return names
