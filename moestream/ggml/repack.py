@@ -84,22 +84,18 @@ class Repacker:
         return extra
 
     def has_kernels(self, type_id: int) -> bool:
-        """Whether ggml's CPU backend here has repacked kernels for matrices of `type_id` (asked of its
-        buffer type with a matrix of 8 rows of 4096 columns, the shape every repacked layout takes:
-        nothing is written)."""
+        """Whether ggml's CPU backend here has repacked kernels for matrices of `type_id` (a zero matrix of
+        8 rows of 4096 columns, the shape every repacked layout takes, repacked into a buffer freed
+        after)."""
         from moestream.ggml.net import Net
 
         net = Net(self.lib, nodes=2)
         try:
             leaf = net.tensor(type_id, [4096, 8])
-            handle, base = self.alloc(self.lib.base.ggml_nbytes(leaf))
+            zeros = bytes(self.lib.base.ggml_nbytes(leaf))
+            handle, base = self.alloc(len(zeros))
             try:
-                b = self.lib.base
-                b.ggml_backend_tensor_alloc(handle, leaf, base)
-                t = GgmlTensor.from_address(leaf)
-                found = bool(t.extra)
-                t.data, t.buffer, t.extra = None, None, None
-                return found
+                return bool(self.repack(leaf, handle, base, C.cast(C.c_char_p(zeros), C.c_void_p).value))
             finally:
                 self.free(handle)
         finally:
