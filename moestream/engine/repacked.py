@@ -87,10 +87,6 @@ class RepackedExperts:
             return a
         return dataclasses.replace(a, address=address, slots=first + experts, strides=strides, repacked=marks)
 
-    def describe(self) -> str:
-        kinds = ", ".join(k for k in ("gate", "up", "down") if k in self.kinds) or "none"
-        return f"repacked copy {self.nbytes / 2**20:.1f} MiB ({kinds})"
-
     def close(self) -> None:
         self.repacker.close()
 
@@ -143,9 +139,6 @@ class RepackedTrunk:
             raise
         finally:
             net.close()
-
-    def describe(self) -> str:
-        return f"the trunk's repacked copy {self.nbytes / 2**20:.1f} MiB ({len(self.map)} matrices)"
 
     def close(self) -> None:
         self.repacker.close()
