@@ -154,13 +154,7 @@ def _logits(path: Path, backend: str) -> torch.Tensor:
     else:
         os.environ.pop("MOESTREAM_GGML_BACKEND", None)
     with moestream.load(str(path), cache="64MiB", trunk="ggml") as engine:
-        step = engine.runner
-        logits, kv = step(PROMPT, None)
-        out = [logits]
-        for token in FORCED:
-            logits, kv = step([token], kv)
-            out.append(logits)
-        return torch.stack(out)
+        return _forced(engine, PROMPT, FORCED)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -265,7 +259,7 @@ def speed(args: argparse.Namespace) -> None:
             results[f"p{n}"] = row
             tokens[n] = (prompt, out.tokens[: args.compare])
             if args.compare:  # the device's logits along its own greedy tokens, for the CPU graphs' below
-                forced[n] = _forced(engine, prompt, tokens[n][1])
+                forced[n] = _forced(engine, prompt, tokens[n][1][:-1])
         results["decode_step"] = _profile(engine.runner, run)
         print(json.dumps(results["decode_step"]), flush=True)
     if ceiling:  # the disk again, after the runs: the higher of the two is the ceiling
@@ -284,19 +278,19 @@ def speed(args: argparse.Namespace) -> None:
                 same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
                 results[f"p{n}"]["cpu_tokens_equal"] = "all" if same is None else f"first {same}"
                 print(f"p{n}: {args.compare} greedy tokens, device vs CPU graphs: first unequal {same}")
-                row = _logit_gap(forced[n], _forced(engine, prompt, theirs), theirs, same)
+                row = _logit_gap(forced[n], _forced(engine, prompt, theirs[:-1]), theirs, same)
                 results[f"p{n}"].update(row)
                 print(f"p{n}: logits along the device's tokens, device vs CPU graphs: {json.dumps(row)}")
     print(json.dumps(results))
 
 
-def _forced(engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The logits that chose each of `tokens` after `prompt`, the tokens fed back (teacher-forced): the
-    prompt's prefill, then a step per token but the last; [len(tokens), V], a fresh KV cache."""
+def _forced(engine, prompt: list[int], fed: list[int]) -> torch.Tensor:
+    """Teacher-forced logits: the prompt's prefill, then a step per `fed` token; [1 + len(fed), V] f32,
+    a fresh KV cache. The logits that chose greedy `tokens` are those fed tokens[:-1]."""
     step = engine.runner
     logits, kv = step(prompt, None)
     out = [logits.float().clone()]
-    for token in tokens[:-1]:
+    for token in fed:
         logits, kv = step([token], kv)
         out.append(logits.float().clone())
     return torch.stack(out)
