@@ -68,18 +68,11 @@ class RepackedExperts:
         for kind, (type_id, cols, rows) in t.shapes(hidden).items():
             if kind not in a.address:
                 continue
-            leaf = net.tensor(type_id, [cols, rows])
-            size = net.lib.base.ggml_nbytes(leaf)
-            handle, base = self.repacker.alloc(experts * size)
-            extra = 0
-            for e in range(experts):
-                source = a.address[kind] + (first + e) * a.stride(kind)
-                extra = self.repacker.repack(leaf, handle, base + e * size, source)
-                if not extra:  # no repacked kernels for this type: the slots' blocks
-                    break
-            if not extra:
-                self.repacker.free(handle)
+            sources = [a.address[kind] + (first + e) * a.stride(kind) for e in range(experts)]
+            copied = self.repacker.copy(net.tensor(type_id, [cols, rows]), sources)
+            if copied is None:  # no repacked kernels for this type: the slots' blocks
                 continue
+            handle, base, size, extra = copied
             address[kind], strides[kind], marks[kind] = base - first * size, size, (handle, extra)
             self.kinds.add(kind)
             self.nbytes += experts * size
@@ -125,13 +118,10 @@ class RepackedTrunk:
         try:
             with self.repacker.quiet():
                 for address, m in todo.items():
-                    leaf = net.tensor(m.type_id, [m.cols, m.rows])
-                    size = lib.base.ggml_nbytes(leaf)
-                    handle, base = self.repacker.alloc(size)
-                    extra = self.repacker.repack(leaf, handle, base, address)
-                    if not extra:  # no repacked kernels for this type (or shape): read as stored
-                        self.repacker.free(handle)
+                    copied = self.repacker.copy(net.tensor(m.type_id, [m.cols, m.rows]), [address])
+                    if copied is None:  # no repacked kernels for this type (or shape): read as stored
                         continue
+                    handle, base, size, extra = copied
                     self.map[address] = (base, handle, extra)
                     self.nbytes += size
         except BaseException:

@@ -83,6 +83,22 @@ class Repacker:
         t.data, t.buffer, t.extra = None, None, None  # the leaf free for the next matrix
         return extra
 
+    def copy(self, leaf: int, sources: list[int]) -> tuple[int, int, int, int] | None:
+        """The matrices at `sources` (each of `leaf`'s type and shape, blocks as stored) repacked back to
+        back into one new buffer: (its handle, its base, one matrix's bytes, their kernels); None, and
+        nothing kept, where the type has no repacked kernels."""
+        size = self.lib.base.ggml_nbytes(leaf)
+        handle, base = self.alloc(len(sources) * size)
+        extra = 0
+        for i, source in enumerate(sources):
+            extra = self.repack(leaf, handle, base + i * size, source)
+            if not extra:
+                break
+        if not extra:
+            self.free(handle)
+            return None
+        return handle, base, size, extra
+
     def has_kernels(self, type_id: int) -> bool:
         """Whether ggml's CPU backend here has repacked kernels for matrices of `type_id` (a zero matrix of
         8 rows of 4096 columns, the shape every repacked layout takes, repacked into a buffer freed
