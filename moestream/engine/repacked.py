@@ -100,6 +100,13 @@ def trunk_matrices(obj: object) -> Iterator[Matrix]:
             yield from trunk_matrices(x)
 
 
+def block_matrices(matrices: Iterator[Matrix]) -> dict[int, Matrix]:
+    """The block-quantized ones (not float) of `matrices`, each once: address -> matrix (a tied head is
+    the embedding's)."""
+    floats = set(FLOAT_TYPES.values())
+    return {m.address: m for m in matrices if m.type_id not in floats}
+
+
 class RepackedTrunk:
     """Repacked copies of the trunk's block-quantized matrices whose type has repacked kernels (each
     matrix once, in a buffer of its own): `map` gives a matrix's address -> (its copy's address, the
@@ -112,8 +119,7 @@ class RepackedTrunk:
         self.repacker = Repacker(lib)
         self.map: dict[int, tuple[int, int, int]] = {}
         self.nbytes = 0
-        floats = set(FLOAT_TYPES.values())
-        todo = {m.address: m for m in matrices if m.type_id not in floats}
+        todo = block_matrices(matrices)
         net = Net(lib, nodes=len(todo) + 8)
         try:
             with self.repacker.quiet():
@@ -156,12 +162,7 @@ def copy_bytes(emap: ExpertMap, spec: object) -> int:
                 fmt = emap.formats.get((layer, kind))
                 if fmt is not None and has(fmt.name):
                     total += sum(p.nbytes for p in parts)
-        floats = set(FLOAT_TYPES.values())
-        seen: set[int] = set()
-        for m in trunk_matrices(spec):
-            if m.address in seen or m.type_id in floats:
-                continue
-            seen.add(m.address)
+        for m in block_matrices(trunk_matrices(spec)).values():
             if has(ggml.ggml_type(m.type_id).name):
                 total += m.ref.numel() * m.ref.element_size()
         return total
