@@ -155,3 +155,32 @@ def test_n_jobs_run_at_once_then_the_queue_then_503(tiny_dir):
             asyncio.run(scenario())
         finally:
             worker.stop()
+
+
+def test_jobs_for_idle_slots_are_not_counted_as_waiting(tiny_dir):
+    """A job an idle slot will take is admitted however late its thread wakes: with the slots' threads
+    not yet running (the widest such window), N slots and a queue of Q admit N + Q jobs, then 503; none
+    of the first N counts as waiting."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="1MiB", parallel=2) as engine:
+        worker = Worker(engine, queue_size=1)
+        assert worker.slots == 2
+
+        async def scenario() -> None:
+            loop = asyncio.get_running_loop()
+            jobs = [Job([5 + i, 6, 7], params, f"j{i}", loop) for i in range(4)]
+            for i, job in enumerate(jobs[:3]):
+                worker.submit(job)
+                assert worker.waiting == max(0, i + 1 - worker.slots)
+            with pytest.raises(Busy):
+                worker.submit(jobs[3])
+            worker.start()
+            for job in jobs[:3]:
+                while not isinstance(event := await asyncio.wait_for(job.events.get(), 30), Done):
+                    pass
+                assert len(event.gen.tokens) == 2
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            worker.stop()

@@ -84,7 +84,7 @@ async def submit(
     except Busy as exc:
         raise APIError(
             503,
-            f"the server is busy ({state.worker.jobs.maxsize} requests already waiting); "
+            f"the server is busy ({state.worker.queue_size} requests already waiting); "
             f"retry after {exc.retry_after} s",
             code="server_busy",
             headers={"Retry-After": str(exc.retry_after)},

@@ -41,7 +41,7 @@ class ServerState:
             engine.counters, lambda: self.worker.waiting, lambda: self.worker.busy, slots, batch
         )
         self.worker = Worker(engine, options.queue_size, on_done=self.metrics.generation)
-        self.prompts = Prompts(engine, room=lambda: self.worker.jobs.maxsize - self.worker.waiting)
+        self.prompts = Prompts(engine, room=lambda: self.worker.queue_size - self.worker.waiting)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def begin_shutdown(self) -> None:

@@ -114,7 +114,11 @@ class Worker:
             raise ValueError(f"queue size must be at least 1, got {queue_size}")
         self.engine = engine
         self.on_done = on_done  # sees every finished generation, cancelled ones too (metrics)
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        # the jobs for the slots' threads; `submit` bounds them: a job an idle slot is about to take is not
+        # waiting, however soon its thread wakes
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self._admitted = 0  # jobs submitted that no thread has taken yet
         batch = getattr(engine, "batch", None)
         self.slots = batch.slots if batch is not None else 1
         self.running: dict[int, Job] = {}  # id(job) -> job, one per busy thread
@@ -135,7 +139,9 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        return self.jobs.qsize()
+        """Jobs submitted that no idle slot is there to take."""
+        with self._lock:
+            return max(0, self._admitted - (self.slots - len(self.running)))
 
     @property
     def busy(self) -> int:
@@ -148,10 +154,11 @@ class Worker:
         (the caller answers 503)."""
         if self.closing:
             raise ShuttingDown("the server is shutting down")
-        try:
+        with self._lock:
+            if self._admitted + len(self.running) >= self.slots + self.queue_size:
+                raise Busy(self.retry_after())
+            self._admitted += 1
             self.jobs.put_nowait(job)
-        except queue.Full:
-            raise Busy(self.retry_after()) from None
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained by one job (`slots` end one each mean duration): at
@@ -168,6 +175,8 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
+                with self._lock:
+                    self._admitted -= 1
                 job.cancel()
                 job.emit(Failed(ShuttingDown("the server is shutting down")))
         with self._lock:
@@ -187,13 +196,16 @@ class Worker:
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
         while (job := self.jobs.get()) is not None:
+            with self._lock:  # taken: no longer admitted, running unless it is not to run
+                self._admitted -= 1
+                runs = not self.closing and not job.stop.is_set()
+                if runs:
+                    self.running[id(job)] = job
             if self.closing:
                 job.emit(Failed(ShuttingDown("the server is shutting down")))
                 continue
-            if job.stop.is_set():
+            if not runs:
                 continue  # its client left while it was queued
-            with self._lock:
-                self.running[id(job)] = job
             start = time.perf_counter()
             try:
                 self._generate(job)
