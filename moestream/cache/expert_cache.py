@@ -163,6 +163,24 @@ class ExpertCache(InPlaceSlots):
             if key in self._states:
                 self._states[key].cls.residents.touch(key)
 
+    def demote(self, keys: list[Key]) -> None:
+        """`keys` are held by a faster tier now (a GPU tier copied them in): those resident here are the
+        first this cache evicts, so that it holds other experts (`ResidentSet.demote`)."""
+        with self.lock:
+            for key in keys:
+                state = self._states.get(key)
+                if state is not None:
+                    state.cls.residents.demote(key)
+
+    def keep(self, keys: list[Key]) -> None:
+        """`keys` left a faster tier (a GPU tier evicted them): those still resident here are used now, as a
+        victim cache takes what the tier above lets go (no read, no pin, no hit counted)."""
+        with self.lock:
+            for key in keys:
+                state = self._states.get(key)
+                if state is not None:
+                    state.cls.residents.touch(key)
+
     def state_of(self, key: Key) -> SlotState:
         return self._states[key]
 

@@ -109,6 +109,12 @@ class ResidentSet:
         # 1 TiB costs no more than one that holds every expert.
         self._freed: list[int] = []
         self._fresh = 0  # slots below this have been handed out at least once
+        # keys a faster tier above holds (`demote`): the next victims, the oldest first, ahead of the
+        # policy's order, until used here again or removed
+        self._demoted: dict[Key, None] = {}
+        # where not None, each key an admission evicted is appended (a tier above gives them to the one
+        # below, `GpuTier.take_evicted`)
+        self.evicted: list[Key] | None = None
         self.policy.bind(capacity)
 
     def __contains__(self, key: Key) -> bool:
@@ -124,7 +130,17 @@ class ResidentSet:
     def touch(self, key: Key) -> int:
         """Record a hit on a resident key; returns its slot."""
         self.policy.on_hit(key)
+        if self._demoted:
+            self._demoted.pop(key, None)
         return self._slot_of[key]
+
+    def demote(self, key: Key) -> None:
+        """A resident `key` is held by a faster tier above this one (a GPU tier copied it): evict it before
+        any key the policy ranks, so that the two tiers hold different keys (exclusive caching) and add
+        up. It stays a victim until touched (the tier above evicted it, or it is used here again) or
+        removed. Policy-neutral: the policy's own order is kept for the other keys."""
+        if key in self._slot_of:
+            self._demoted[key] = None
 
     def next_victim(self, protected: Container[Key] = ()) -> Key | None:
         """The key that admitting a new one would evict, or None while a slot is free: the first key in
@@ -132,6 +148,9 @@ class ResidentSet:
         needs now), or the policy's own victim when every resident key is protected."""
         if self.has_free_slot():
             return None
+        for key in reversed(self._demoted):
+            if key not in protected:
+                return key
         if protected:
             for key in self.policy.ranked():
                 if key not in protected:
@@ -147,6 +166,8 @@ class ResidentSet:
         if not self.has_free_slot():
             evicted = self.next_victim(protected)
             self.remove(evicted)
+            if self.evicted is not None:
+                self.evicted.append(evicted)
         if self._freed:
             slot = self._freed.pop()
         else:
@@ -163,6 +184,8 @@ class ResidentSet:
         """Drop a resident key (evicted, or its bytes turned out bad) and free its slot."""
         slot = self._slot_of.pop(key)
         self.policy.on_evict(key)
+        if self._demoted:
+            self._demoted.pop(key, None)
         self._freed.append(slot)
 
     def keeps(self, key: Key) -> bool:
@@ -197,6 +220,9 @@ class ResidentSet:
             (hits if key in slot_of else misses).append(key)
         for key in hits:  # `touch`, without its slot
             policy.on_hit(key)
+        if self._demoted:
+            for key in hits:
+                self._demoted.pop(key, None)
         if not misses:
             return hits, misses
         group = set(keys)

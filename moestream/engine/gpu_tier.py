@@ -109,6 +109,7 @@ class _Class:
     pools: dict[str, Region]  # kind -> the device region of its `slots` matrices
     residents: ResidentSet
     gate: FrequencyGate  # each key's uses, for a gated admission (`place`)
+    spare: int = 0  # device slots after the residents' (from `residents.capacity` on), `lend`'s
 
 
 class GpuTier:
@@ -121,7 +122,12 @@ class GpuTier:
         host: dict[int, ExpertTypes],
         plans: list[ClassPlan],
         policy: Callable[[], EvictionPolicy],
+        spare: int = 0,
     ) -> None:
+        """`spare` (a host cache that does not hold every expert, so that the two tiers are exclusive): each
+        class keeps that many of its slots out of the residents', for misses copied in for one graph only
+        (`lend`; where the class has at least twice as many slots), and the keys its admissions evict for
+        `take_evicted` (the host cache takes them back, as the tier below an exclusive one)."""
         self.memory, self.host = memory, host
         self.counters = TierCounters()
         self._classes: list[_Class] = []
@@ -129,7 +135,10 @@ class GpuTier:
         self.types: dict[int, ExpertTypes] = {}
         try:
             for k, plan in enumerate(plans):
-                c = _Class(plan, {}, ResidentSet(plan.slots, policy()), FrequencyGate())
+                lent = spare if spare and plan.slots >= 2 * spare else 0
+                c = _Class(plan, {}, ResidentSet(plan.slots - lent, policy()), FrequencyGate(), lent)
+                if spare:
+                    c.residents.evicted = []
                 self._classes.append(c)
                 for kind, nbytes in plan.kinds:
                     c.pools[kind] = memory.alloc(plan.slots * nbytes, f"tier{k}.{kind}")
@@ -160,7 +169,7 @@ class GpuTier:
                 for e in row:
                     counted[e] += 1
             uses = list(counted.values())
-        if len(experts) > c.plan.slots:
+        if len(experts) > c.residents.capacity:
             return None
         keys = [(layer, e) for e in experts]
         # the simulator's protocol (`ResidentSet.access_group`): the policy hears of the group, hits are
@@ -185,6 +194,21 @@ class GpuTier:
         c = self._class_of[layer]
         protected = {(layer, e) for e in group}
         return {e: c.residents.admit((layer, e), protected)[0] for e in experts}
+
+    def lend(self, layer: int, experts: list[int]) -> dict[int, int] | None:
+        """Spare slots for `experts` (misses of `layer` a gated `place` kept out, to be copied in for the
+        next graph only: the next layer's misses take the same slots, after it on the stream): expert ->
+        slot; None where the class has fewer spare slots (the caller `admit`s them instead)."""
+        c = self._class_of[layer]
+        if len(experts) > c.spare:
+            return None
+        first = c.residents.capacity
+        self.counters.lent += len(experts)
+        return {e: first + j for j, e in enumerate(experts)}
+
+    def lends(self, layer: int) -> bool:
+        """Whether `layer`'s class has spare slots (`lend`)."""
+        return self._class_of[layer].spare > 0
 
     def upload(self, layer: int, slot: int, kinds: tuple[str, ...], source: int) -> None:
         """`kinds` of the expert in host slot `source` (of `layer`'s host size class) into device `slot`,
@@ -212,11 +236,23 @@ class GpuTier:
             if (layer, e) in residents:
                 residents.remove((layer, e))
 
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """The (layer, expert)s the tier's admissions evicted since the last call (none unless made
+        `exclusive`)."""
+        out: list[tuple[int, int]] = []
+        for c in self._classes:
+            if c.residents.evicted:
+                out += c.residents.evicted
+                c.residents.evicted.clear()
+        return out
+
     def describe(self) -> str:
         """The mode line's words: the slots of each class and their bytes."""
         total = sum(c.plan.slots * c.plan.slot_bytes for c in self._classes)
         slots = " + ".join(str(c.plan.slots) for c in self._classes)
-        return f"{slots} slots ({format_size(total)})"
+        spare = " + ".join(str(c.spare) for c in self._classes)
+        lent = f", {spare} of them for misses passing through" if any(c.spare for c in self._classes) else ""
+        return f"{slots} slots ({format_size(total)}{lent})"
 
     def close(self) -> None:
         for c in self._classes:

@@ -16,6 +16,8 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     bytes_uploaded: int = 0
+    # misses copied into spare slots for one graph only, not kept (exclusive tiers: `GpuTier.lend`)
+    lent: int = 0
     # the way of a miss now ("upload", "host", "split"; under MOESTREAM_TIER_MISSES=auto, its trial's
     # choice and times, or "auto: on trial"); not summed
     way: str = ""

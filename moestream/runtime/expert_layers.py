@@ -282,6 +282,15 @@ class ExpertLayers:
         cache (what the schedule just computed), without telling the policy or counting a hit; `unpin`."""
         return self._runtime.cache.pin_read(layer, experts)
 
+    def demote(self, layer: int, experts: list[int]) -> None:
+        """`experts` of `layer` were copied into a GPU tier: the host cache evicts them first (exclusive
+        tiers: together they hold more experts than either)."""
+        self._runtime.cache.demote([(layer, e) for e in experts])
+
+    def keep(self, keys: list[tuple[int, int]]) -> None:
+        """(layer, expert)s a GPU tier evicted: kept in the host cache as used now where still there."""
+        self._runtime.cache.keep(keys)
+
     # --- device slot tables (a GPU tier holding every expert) ------------------------------------
 
     def device_tables(self) -> ResidentExperts | None:
