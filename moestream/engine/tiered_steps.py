@@ -97,7 +97,7 @@ class TieredSteps:
         self.device_only = frozenset((*STEP_INPUTS, *kept))
         self._moe = [x.index for x in spec.layers if x.router is not None]
         self._moe_set = frozenset(self._moe)
-        self._first: dict[int, int] | None = None  # a step's `resident_slots` (the way "host")
+        self._first: dict[int, int] | None = None  # a step's `resident_slots`
         self._host_hits = [0, 0]  # a step's misses read in place: (hits, layers)
         types = experts.graph_types()
         if any(types.get(layer) is None or types[layer].arena is None for layer in self._moe):
@@ -197,8 +197,9 @@ class TieredSteps:
         order, slots, k, moe = b.order.numpy(), b.slots.numpy(), b.weights[0].shape[1], self._moe_set
         way, routing_heard = self.way(), self.experts.host_routing()
         # every expert in its host slot for good (expert e at first + e): the CPU's misses read them there
-        # unpinned, as the CPU path's whole-step graph does; their hits counted once a step
-        self._first, self._host_hits = self.experts.resident_slots() if self.mixed else None, [0, 0]
+        # and the copies copy them from there, unpinned, as the CPU path's whole-step graph reads them;
+        # their hits counted once a step
+        self._first, self._host_hits = self.experts.resident_slots(), [0, 0]
         try:
             for i, net in enumerate(graphs):
                 (fused[i] if ready else net).run()
@@ -291,6 +292,17 @@ class TieredSteps:
         if not misses:
             if during is not None:
                 during()
+            return
+        if self._first is not None:  # in their host slots for good: copied from there, nothing held
+            base, kinds = self._first[layer], tuple(tier.types[layer].arena.address)
+            for e in misses:
+                tier.upload(layer, slot[e], kinds, base + e)
+            self._host_hits[0] += len(misses)
+            self._host_hits[1] += 1
+            if during is not None:
+                during()
+            else:
+                ahead()  # nothing of these to read
             return
         uses = dict.fromkeys(misses, 0)
         for row in rows:
