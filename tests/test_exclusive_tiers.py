@@ -97,7 +97,7 @@ def _host_caches(path) -> tuple[int, int]:
         return (small + every) // 2, every - 3 * engine.cache.slot_bytes
 
 
-@pytest.mark.parametrize("misses", ["upload", "auto"])
+@pytest.mark.parametrize("misses", ["upload", "auto", "host"])
 @pytest.mark.parametrize("most", [False, True])
 def test_the_engines_tiers_are_exclusive_and_give_the_in_place_bits(most, misses, tiny_dir, monkeypatch):
     path = tiny_dir("qwen3_moe")
@@ -116,7 +116,8 @@ def test_the_engines_tiers_are_exclusive_and_give_the_in_place_bits(most, misses
         assert torch.equal(got, want)
         assert gen.tokens[:GREEDY] == want_tokens
         tier, _ = steps.tier()
-        assert tier.counters.lent > 0  # misses the gate kept out passed through spare slots
+        if misses != "host":  # (there the CPU computes the misses the gate keeps out)
+            assert tier.counters.lent > 0  # misses the gate kept out passed through spare slots
         cache = engine.cache
         in_tier = [(layer, e) for c in tier._classes for (layer, e) in c.residents._slot_of]
         in_host = cache.resident_keys()

@@ -109,8 +109,8 @@ class ResidentSet:
         # 1 TiB costs no more than one that holds every expert.
         self._freed: list[int] = []
         self._fresh = 0  # slots below this have been handed out at least once
-        # keys a faster tier above holds (`demote`): the next victims, the oldest first, ahead of the
-        # policy's order, until used here again or removed
+        # keys a faster tier above holds (`demote`): the next victims, the latest demoted first (the tier
+        # above keeps those longest), ahead of the policy's order, until used here again or removed
         self._demoted: dict[Key, None] = {}
         # where not None, each key an admission evicted is appended (a tier above gives them to the one
         # below, `GpuTier.take_evicted`)

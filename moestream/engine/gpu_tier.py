@@ -122,12 +122,13 @@ class GpuTier:
         host: dict[int, ExpertTypes],
         plans: list[ClassPlan],
         policy: Callable[[], EvictionPolicy],
+        exclusive: bool = False,
         spare: int = 0,
     ) -> None:
-        """`spare` (a host cache that does not hold every expert, so that the two tiers are exclusive): each
-        class keeps that many of its slots out of the residents', for misses copied in for one graph only
-        (`lend`; where the class has at least twice as many slots), and the keys its admissions evict for
-        `take_evicted` (the host cache takes them back, as the tier below an exclusive one)."""
+        """`exclusive` (a host cache that does not hold every expert): the keys the tier's admissions evict
+        are kept for `take_evicted` (the host cache takes them back, as the tier below an exclusive one).
+        `spare`: each class keeps that many of its slots out of the residents', for misses copied in for
+        one graph only (`lend`; where the class has at least twice as many slots)."""
         self.memory, self.host = memory, host
         self.counters = TierCounters()
         self._classes: list[_Class] = []
@@ -137,7 +138,7 @@ class GpuTier:
             for k, plan in enumerate(plans):
                 lent = spare if spare and plan.slots >= 2 * spare else 0
                 c = _Class(plan, {}, ResidentSet(plan.slots - lent, policy()), FrequencyGate(), lent)
-                if spare:
+                if exclusive:
                     c.residents.evicted = []
                 self._classes.append(c)
                 for kind, nbytes in plan.kinds:

@@ -160,7 +160,9 @@ class TieredSteps:
         self._exclusive = not self.experts.holds_all()
         # exclusive, a miss copied in is admitted as the gate allows, else lent a spare slot for its graph
         spare = self.spec.top_k if self._exclusive and self.misses in ("upload", "auto") else 0
-        tier = GpuTier(self.memory, self.experts.graph_types(), self.plans, self.policy, spare)
+        tier = GpuTier(
+            self.memory, self.experts.graph_types(), self.plans, self.policy, self._exclusive, spare
+        )
         self._tier = (key, tier)
         return tier, True
 
