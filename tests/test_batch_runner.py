@@ -175,13 +175,18 @@ def test_a_batch_on_a_ggml_backend_gives_each_sequence_its_logits_alone(arch, qu
         assert got_tokens == want_tokens and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("host", ["every", "half"])
 @pytest.mark.parametrize("misses", ["upload", "host", "split"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(arch, misses, tiny_dir, monkeypatch):
+def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(
+    arch, misses, host, tiny_dir, monkeypatch
+):
     """A GPU tier of the smallest size (a token's experts a class: a batch's union overflows it and runs on
-    the host, or fits and misses), on ggml's CPU backend, both ways of a miss: the same bits alone and
-    batched, each layer's union of the rows' experts placed once."""
+    the host, or fits and misses), on ggml's CPU backend, each way of a miss, over a host cache holding
+    every expert or about half (exclusive tiers: a batch's misses beyond the spare slots admitted): the
+    same bits alone and batched, each layer's union of the rows' experts placed once."""
     from test_gpu_tier import _sizes
+    from test_gpu_tier_streamed import _host_caches
 
     from moestream.engine.gpu_tier import GpuTier
 
@@ -192,12 +197,13 @@ def test_a_batch_over_a_gpu_tier_gives_each_sequence_its_logits_alone(arch, miss
         "place",
         lambda self, layer, rows, *a: rows_placed.append(len(rows)) or place(self, layer, rows, *a),
     )
+    path = tiny_dir(arch)
+    cache = "64MiB" if host == "every" else _host_caches(path)[1]  # (before the tier's variables)
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     monkeypatch.setenv("MOESTREAM_TIER_MISSES", misses)
-    path = tiny_dir(arch)
     least, middle, *_ = _sizes(path, monkeypatch)
     for size in (least, middle):
-        with moestream.load(str(path), cache="64MiB", trunk="ggml", parallel=3, gpu_tier=size) as engine:
+        with moestream.load(str(path), cache=cache, trunk="ggml", parallel=3, gpu_tier=size) as engine:
             runner = engine.runner
             assert runner.tiered is not None and engine.mode_line().endswith(", parallel 3")
             alone = [_alone(runner, p) for p in PROMPTS[:3]]
