@@ -16,9 +16,9 @@ import torch
 from test_gpu_tier import GREEDY, PROMPT, _run, _sizes
 
 import moestream
-from moestream.cache.admission import FrequencyGate
 from moestream.cache.policy import LRUPolicy, ResidentSet
 from moestream.cache.size_classes import budget_requirements
+from moestream.cache.tiers import TieredResidentSet
 
 
 def _full(n: int) -> ResidentSet:
@@ -55,27 +55,15 @@ def test_the_admissions_evictions_are_logged_where_asked():
 
 
 def _two_tiers(a: int, b: int, n: int, k: int, steps: int, exclusive: bool, seed: int = 0) -> float:
-    """The share of routed experts read from disk under uniform routing: a tier of `a` slots over a host
-    cache of `b`, driven as `TieredSteps` drives them (exclusive: the tier gated, each miss it admits
-    demoted below, each it evicts kept below; else every miss admitted), counted after a warm-up."""
+    """The share of routed experts read from disk under uniform routing through `TieredResidentSet` (the
+    simulator's replay of the engine's decisions): a tier of `a` slots (`k` lent) over a host cache of
+    `b`, exclusive or not (every miss admitted, the engine before the tiers were exclusive), counted after
+    a warm-up."""
     rng = random.Random(seed)
-    tier, host, gate = ResidentSet(a), ResidentSet(b), FrequencyGate()
-    tier.evicted = [] if exclusive else None
+    tiers = TieredResidentSet(b, a, LRUPolicy, spare=k, exclusive=exclusive)
     read = routed = 0
     for step in range(steps):
-        keys = [(0, e) for e in rng.sample(range(n), k)]
-        gate.count(keys, [1] * k)
-        _, misses = tier.access_group(keys, admits=gate.admits if exclusive else None)
-        if exclusive:
-            for key in tier.evicted:
-                if key in host:
-                    host.touch(key)
-            tier.evicted.clear()
-        _, from_disk = host.access_group(misses)
-        if exclusive:
-            for key in misses:
-                if key in tier:
-                    host.demote(key)
+        _, from_disk = tiers.access_group([(0, e) for e in rng.sample(range(n), k)])
         if step >= steps // 4:
             read, routed = read + len(from_disk), routed + k
     return read / routed
@@ -85,8 +73,32 @@ def test_under_uniform_routing_exclusive_tiers_add_up_and_inclusive_ones_do_not(
     a, b, n, k = 150, 370, 600, 8  # the H100's 2 GiB tier over a 5 GiB cache of 8.2 GiB, scaled down
     exclusive = _two_tiers(a, b, n, k, 6000, True)
     inclusive = _two_tiers(a, b, n, k, 6000, False)
-    assert exclusive == pytest.approx(1 - (a + b) / n, abs=0.02)  # 0.133: both tiers' experts
+    assert exclusive == pytest.approx(1 - (a + b - k) / n, abs=0.02)  # 0.147: both tiers' experts
     assert inclusive == pytest.approx(1 - b / n, abs=0.02)  # 0.383: the host cache's alone
+
+
+def test_simulate_with_a_gpu_tier_reads_what_neither_tier_holds():
+    """`simulate --gpu-tier` on a uniformly routed trace: the tier's hit rate its share of the experts, the
+    two tiers' together theirs (exclusive: the host cache cannot hold every expert), and a host cache
+    holding every expert reads nothing after the first use of each."""
+    from moestream.trace.simulator import simulate
+    from moestream.trace.synthetic import random_trace
+
+    n, k = 4 * 64, 4
+    trace = random_trace(4, 64, k, n_requests=8, prompt_len=4, decode_len=300, skew=0.0, stickiness=0.0)
+    budgets = [96 << 20, 256 << 20]  # 96 of 256 experts; all of them
+    records, _, _ = simulate(trace, ["lru"], budgets, gpu_tier=64 << 20)
+    decode = {r["budget_bytes"]: r for r in records if r["phase"] == "decode" and r["scope"] == "all"}
+    small = decode[96 << 20]
+    assert small["gpu_tier_bytes"] == 64 << 20
+    assert small["gpu_tier_hit_rate"] == pytest.approx((64 - k) / n, abs=0.03)  # 0.234 (4 slots lent)
+    assert small["hit_rate"] == pytest.approx((96 + 64 - k) / n, abs=0.03)  # 0.609: both tiers'
+    every = decode[256 << 20]
+    assert every["misses"] <= n  # each expert read once at most
+    with pytest.raises(Exception, match="--gpu-tier replays lru or lfu"):
+        simulate(trace, ["opt"], budgets, gpu_tier=64 << 20)
+    with pytest.raises(Exception, match="fewer than the 4 a token routes to"):
+        simulate(trace, ["lru"], budgets, gpu_tier=3 << 20)
 
 
 def _host_caches(path) -> tuple[int, int]:

@@ -61,6 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "of every running request, their experts' union read once, then one prompt forward (default: the "
         "steps as recorded; 1: one request at a time)",
     )
+    p.add_argument(
+        "--gpu-tier",
+        metavar="SIZE",
+        help="a GPU tier of SIZE in front of each budget's host cache, as the engine's --gpu-tier with "
+        "misses copied in (exclusive tiers where the host cache streams); lru and lfu only",
+    )
     p.add_argument("--plot", metavar="PNG", help="write MiB/token against budget to this PNG")
     p.add_argument("--json", action="store_true", help="print the records as a JSON list instead of a table")
     p.set_defaults(func=run)
@@ -119,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.plot, "plot")
         if Path(args.plot).suffix.lower() not in (".png", ".svg", ".pdf"):
             raise MoestreamError(f"--plot {args.plot} must end in .png, .svg or .pdf")
+    gpu_tier = None
+    if args.gpu_tier:
+        try:
+            gpu_tier = parse_size(args.gpu_tier)
+        except ValueError as exc:
+            raise MoestreamError(f"bad --gpu-tier {args.gpu_tier!r}: {exc}") from None
     if args.parallel is not None and args.parallel < 1:
         raise MoestreamError(f"--parallel must be at least 1, got {args.parallel}")
     trace = load_traces(args.trace)
@@ -136,13 +148,15 @@ def run(args: argparse.Namespace) -> int:
             f"--prefetch-top {args.prefetch_top} exceeds the {width} predicted experts per "
             "token the trace holds"
         )
+    if gpu_tier is not None and not args.policy:
+        args.policy = ["lru", "lfu"]  # the policies a replay with a GPU tier runs
     policies, notes = choose_policies(args.policy, trace.has_predictions)
     trace.notes.extend(notes)
     _warn_prefetch_options(args, policies)
     if args.prefetch_top is not None and args.prefetch_top < 1:
         raise MoestreamError(f"--prefetch-top must be at least 1, got {args.prefetch_top}")
     records, replay, sizes = simulate(
-        trace, policies, budgets, unit, args.prefetch_top, args.prefetch_min_score
+        trace, policies, budgets, unit, args.prefetch_top, args.prefetch_min_score, gpu_tier
     )
     if args.json:
         from moestream.trace.report import SYNTHETIC_NOTE

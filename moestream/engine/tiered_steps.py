@@ -250,6 +250,10 @@ class TieredSteps:
                         lent = tier.lend(i, refused) or {}
                         slot.update(lent or tier.admit(i, refused, list(group)))  # too many: admitted
                     slots[:n] = [row_slots(slot, row) for row in rows]
+                    if self._exclusive:  # what the tier evicted, kept by the host cache before its reads
+                        evicted = tier.take_evicted()
+                        if evicted:
+                            self.experts.keep(evicted)
                     # the CPU's share (none for "upload": the graph then picks every output the device's)
                     on_cpu = set(misses) - set(copied) if copied else set(misses)
                     if not copied and self.mixed:  # nothing to copy: the CPU's share alone
@@ -262,8 +266,8 @@ class TieredSteps:
                     if admitted:
                         self._defer(tier, i, slot, [e for e in admitted if e in on_cpu])
                     ahead()  # where none was read or computed (once per layer: the gate counts them)
-                    if self._exclusive:
-                        self._exchange(tier, i, [e for e in copied if e not in lent])
+                    if self._exclusive:  # what the tier now holds, the host cache's next victims
+                        self.experts.demote(i, [e for e in copied if e not in lent])
                 except BaseException:  # placed, never copied: they must miss again, not be read stale
                     tier.forget(i, misses)
                     raise
@@ -325,15 +329,6 @@ class TieredSteps:
             if during is not None:  # while the stream copies
                 during()
             sync()  # the host slots are given back: nothing may still copy out of them
-
-    def _exchange(self, tier: GpuTier, layer: int, copied: list[int]) -> None:
-        """Exclusive tiers: what the tier evicted kept by the host cache, what it copied in (`copied`, from
-        their host slots) evicted there first."""
-        evicted = tier.take_evicted()
-        if evicted:
-            self.experts.keep(evicted)
-        if copied:
-            self.experts.demote(layer, copied)
 
     def _defer(self, tier: GpuTier, layer: int, slot: dict[int, int], misses: list[int]) -> None:
         """`misses`, which the schedule just computed from the host cache, copied into their device slots

@@ -285,7 +285,8 @@ class ExpertLayers:
     def demote(self, layer: int, experts: list[int]) -> None:
         """`experts` of `layer` were copied into a GPU tier: the host cache evicts them first (exclusive
         tiers: together they hold more experts than either)."""
-        self._runtime.cache.demote([(layer, e) for e in experts])
+        if experts:
+            self._runtime.cache.demote([(layer, e) for e in experts])
 
     def keep(self, keys: list[tuple[int, int]]) -> None:
         """(layer, expert)s a GPU tier evicted: kept in the host cache as used now where still there."""

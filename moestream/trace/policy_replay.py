@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from moestream.cache.partitions import PartitionedResidentSet, PinnedResidentSet, split_evenly
 from moestream.cache.policy import BeladyPolicy, LFUPolicy, LRUPolicy, ResidentSet, prefetch
 from moestream.cache.predictive import PredictivePolicy, RoutingStats
+from moestream.cache.tiers import TieredResidentSet
 from moestream.trace.lru_stack import lru_counts
 from moestream.trace.replay import Key, Replay
 
-_COUNTERS = ("hits", "misses", "bytes_read", "prefetch_bytes", "prefetched", "prefetch_used")
+_COUNTERS = ("hits", "misses", "bytes_read", "prefetch_bytes", "prefetched", "prefetch_used", "tier_hits")
 LOCKSTEP = 64  # capacities of a predictive policy replayed together (bounds the memory of their sets)
 Uses = list[tuple[list[int], int]]
 
@@ -34,6 +35,7 @@ class Counters:
     prefetch_bytes: int = 0
     prefetched: int = 0
     prefetch_used: int = 0  # prefetched keys that the forward they were fetched for hit
+    tier_hits: int = 0  # of the hits, those a GPU tier in front held (`simulate --gpu-tier`)
 
     def __iadd__(self, other: Counters) -> Counters:
         for name in _COUNTERS:
@@ -48,6 +50,45 @@ def run_policy(replay: Replay, policy: str, capacity: int, unit: list[int]) -> l
         unit: bytes read per expert miss, indexed by layer.
     """
     return _replay(replay, policy, [capacity], unit)[0]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A GPU tier in front of every budget's host cache (`TieredResidentSet`): its slots, the spare ones
+    (top_k), and from which host capacity the host cache holds every expert (the tiers then inclusive)."""
+
+    slots: int
+    spare: int
+    every: int
+
+
+TIERED = ("lru", "lfu")  # the policies a replay with a GPU tier runs (both tiers with the same one)
+
+
+def run_tiered(
+    replay: Replay, policy: str, capacities: Iterable[int], unit: list[int], tier: Tier
+) -> dict[int, list[Counters]]:
+    """`run_capacities` with a GPU tier in front of each capacity's host cache (the way upload): a hit is
+    a key either tier held; `tier_hits` the tier's part."""
+    factories = {"lru": LRUPolicy, "lfu": LFUPolicy}
+    if policy not in factories:
+        raise ValueError(f"a replay with a GPU tier runs {' or '.join(TIERED)}, not {policy!r}")
+    out = {}
+    for capacity in sorted(set(capacities)):
+        tiers = TieredResidentSet(
+            capacity, tier.slots, factories[policy], spare=tier.spare, exclusive=capacity < tier.every
+        )
+        cells = [Counters() for _ in range(4)]
+        for i, forward in enumerate(replay.keys):
+            before = tiers.tier_hits
+            h, m = tiers.access_group(forward)
+            c = cells[replay.cell[i]]
+            c.hits += len(h)
+            c.tier_hits += tiers.tier_hits - before
+            c.misses += len(m)
+            c.bytes_read += len(m) * unit[replay.layer[i]]
+        out[capacity] = cells
+    return out
 
 
 def run_capacities(

@@ -27,7 +27,15 @@ from moestream.cache.partitions import split_evenly
 from moestream.cache.policy import slots_for_budget
 from moestream.errors import CacheBudgetError
 from moestream.trace.errors import TraceError
-from moestream.trace.policy_replay import Counters, rank_by_frequency, run_capacities, run_policy
+from moestream.trace.policy_replay import (
+    TIERED,
+    Counters,
+    Tier,
+    rank_by_frequency,
+    run_capacities,
+    run_policy,
+    run_tiered,
+)
 from moestream.trace.replay import Replay, build_replay
 from moestream.trace.schema import PHASES, TraceHeader
 from moestream.trace.table import Trace
@@ -137,6 +145,7 @@ def simulate(
     unit_bytes: int | None = None,
     prefetch_top: int | None = None,
     prefetch_min_score: float = 0.0,
+    gpu_tier: int | None = None,
 ) -> tuple[list[dict[str, Any]], Replay, Sizes]:
     """Replay `trace` under every (budget, policy). Returns (records, the replay, the sizes used).
 
@@ -144,8 +153,14 @@ def simulate(
     static pinning is evaluated on), tokens, hits, misses, hit_rate, bytes_read, mib_per_token (all
     reads, prefetches included), wait_mib_per_token (demand misses only), prefetch figures, synthetic.
     Prefetching policies read the top `prefetch_top` (default top_k) predicted experts of each token
-    whose stale-gate score is at least `prefetch_min_score`.
+    whose stale-gate score is at least `prefetch_min_score`. `gpu_tier` (bytes): a GPU tier in front of
+    each budget's host cache, as the engine's `--gpu-tier` with misses copied in (`cache/tiers.py`; lru
+    or lfu): a hit is then a key either held, and the records add gpu_tier_bytes and gpu_tier_hit_rate.
     """
+    if gpu_tier is not None:
+        other = [p for p in policies if p not in TIERED]
+        if other:
+            raise TraceError(f"--gpu-tier replays {' or '.join(TIERED)}, not {', '.join(other)}")
     prefetching = [p for p in policies if p in PREFETCHING]
     if prefetching and not trace.has_predictions:
         raise TraceError(
@@ -158,13 +173,24 @@ def simulate(
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
     limits = {policy: saturation(replay, policy) for policy in policies}
-    results = {
-        policy: run_capacities(
-            replay, policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
+    if gpu_tier is not None:  # every capacity replayed (the tiers are exclusive below `every`)
+        tier = _tier(trace.header, replay, gpu_tier, sizes.slot_bytes)
+        limits = {policy: max(capacities.values()) for policy in policies}
+        results = {p: run_tiered(replay, p, capacities.values(), sizes.unit, tier) for p in policies}
+        sizes.notes.append(
+            f"a GPU tier of {format_size(gpu_tier)} ({tier.slots} slots, {tier.spare} lent to the misses its "
+            "gate keeps out where the host cache streams) in front of each budget, misses copied in: a hit "
+            "is an expert either held (JSON: gpu_tier_hit_rate, the tier's part)"
         )
-        for policy in policies
-    }
-    sizes.notes += _saturation_notes(limits, max(capacities.values()), sizes.slot_bytes)
+    else:
+        results = {
+            policy: run_capacities(
+                replay, policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
+            )
+            for policy in policies
+        }
+    if gpu_tier is None:
+        sizes.notes += _saturation_notes(limits, max(capacities.values()), sizes.slot_bytes)
     records = []
     for budget in budgets:
         capacity = capacities[budget]
@@ -176,6 +202,8 @@ def simulate(
                 "capacity_slots": capacity,
                 "synthetic": trace.header.synthetic,
             }
+            if gpu_tier is not None:
+                base["gpu_tier_bytes"] = gpu_tier
             scopes = ("second-half",) if policy == "static" else ("all", "second-half")
             records += [
                 _record(base, scope, phase, cells, replay.tokens)
@@ -184,6 +212,18 @@ def simulate(
                 if _tokens(scope, phase, replay.tokens)
             ]
     return records, replay, sizes
+
+
+def _tier(header: TraceHeader, replay: Replay, nbytes: int, slot_bytes: int) -> Tier:
+    """The GPU tier `nbytes` buys (slots of the host cache's size), refused below one token's experts."""
+    slots = slots_for_budget(nbytes, slot_bytes)
+    top_k = header.top_k
+    if slots < top_k:
+        raise CacheBudgetError(
+            f"--gpu-tier {format_size(nbytes)} holds {slots} experts of {format_size(slot_bytes)}, fewer "
+            f"than the {top_k} a token routes to: give it at least {format_size(top_k * slot_bytes)}"
+        )
+    return Tier(slots, top_k, len(replay.layers) * replay.n_experts)
 
 
 def _saturation_notes(limits: dict[str, int], largest: int, slot_bytes: int) -> list[str]:
@@ -216,7 +256,13 @@ def _record(
         total += cells[phase]
     n_tok = _tokens(scope, phase, tokens)
     accesses = total.hits + total.misses
+    tier = (
+        {"gpu_tier_hit_rate": total.tier_hits / accesses if accesses else 0.0}
+        if "gpu_tier_bytes" in base
+        else {}
+    )
     return {
+        **tier,
         **base,
         "phase": PHASES[phase],
         "scope": scope,
