@@ -914,6 +914,9 @@ SIMULATE: dict[str, Callable[[Walk], None]] = {
         and assert_equal((w.tmp / "c.png").exists(), True)
     ),
     "--json": lambda w: assert_equal(isinstance(sim(w).json, list), True),
+    "--gpu-tier": lambda w: assert_equal(
+        {r.get("gpu_tier_bytes") for r in sim(w, "--gpu-tier", "100KiB").json}, {100 << 10}
+    ),
 }
 PREDICT_EVAL: dict[str, Callable[[Walk], None]] = {
     "trace": lambda w: assert_equal("recall" in ok(w.cli("predict-eval", w.m["trace"])).out, True),

@@ -82,6 +82,9 @@ def test_table_plot_and_upper_bound_label(
         (["simulate", "{syn}", "--budgets", "2 bananas"], "bad budget"),
         (["simulate", "{syn}", "--policy", "fifo"], "unknown policy 'fifo'"),
         (["simulate", "{syn}", "--budgets", "1KiB"], "holds no expert slot"),
+        (["simulate", "{syn}", "--gpu-tier", "lots"], "bad --gpu-tier"),
+        (["simulate", "{syn}", "--gpu-tier", "1MiB"], "fewer than the 2 a token routes to"),
+        (["simulate", "{syn}", "--gpu-tier", "8MiB", "--policy", "opt"], "--gpu-tier replays lru or lfu"),
         (["predict-eval", "/nonexistent/t.jsonl"], "does not exist"),
     ],
 )
