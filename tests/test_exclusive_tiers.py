@@ -150,3 +150,33 @@ def test_a_host_cache_holding_every_expert_keeps_the_tier_inclusive(tiny_dir, mo
         tier, _ = engine.runner.tiered.tier()
         assert "evicts first" not in engine.mode_line()
         assert tier.counters.lent == 0 and tier.counters.misses > 0  # every miss admitted, as before
+
+
+def test_the_replay_of_a_recorded_trace_counts_what_the_engine_counted(tiny_dir, tmp_path, monkeypatch):
+    """The engine's routing recorded under exclusive tiers, then replayed through `TieredResidentSet` at
+    the engine's capacities (what `simulate --gpu-tier` runs): the tier's hits, the misses lent spare
+    slots and the experts read from disk are the engine's, exactly."""
+    from moestream.trace.reader import load_traces
+    from moestream.trace.replay import build_replay
+
+    path = tiny_dir("qwen3_moe")
+    _, _, every, _ = _sizes(path, monkeypatch)
+    host = _host_caches(path)[0]
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "upload")
+    trace = tmp_path / "t.parquet"
+    with moestream.load(str(path), cache=host, trunk="ggml", gpu_tier=every // 2) as engine:
+        engine.start_trace(trace, predict=False)
+        engine.generate(PROMPT, max_tokens=5 * GREEDY, ignore_eos=True)
+        engine.stop_trace()
+        (plan,) = engine.runner.tiered.plans
+        (cls,) = engine.cache.classes
+        tier, _ = engine.runner.tiered.tier()
+        counted, stats, top_k = tier.counters, engine.cache.stats, engine.top_k
+    replay = build_replay(load_traces([str(trace)]), None, uses=True)
+    tiers = TieredResidentSet(cls.capacity, plan.slots, LRUPolicy, spare=top_k, exclusive=True)
+    read = 0
+    for forward, uses in zip(replay.keys, replay.uses):
+        read += len(tiers.access_group(forward, *uses)[1])
+    assert counted.lent > 0 and counted.hits > 0
+    assert (tiers.tier_hits, tiers.lent, read) == (counted.hits, counted.lent, stats.misses)

@@ -51,12 +51,12 @@ class TieredResidentSet:
     ) -> tuple[list[Key], list[Key]]:
         keys = list(keys)
         tier = self.tier
-        self.gate.count(keys, list(uses) if uses is not None else [1] * len(keys))
-        admits = self.gate.admits if self.exclusive and self.spare else None
         if len(keys) > tier.capacity:  # more than the tier holds (a prefill chunk's): the host computes
             hits, misses = self.host.access_group(keys, uses, tokens)
             self._demote_held(keys)
             return hits, misses
+        self.gate.count(keys, list(uses) if uses is not None else [1] * len(keys))
+        admits = self.gate.admits if self.exclusive and self.spare else None
         tier_hits, tier_misses = tier.access_group(keys, uses, tokens, admits)
         refused = [key for key in tier_misses if key not in tier]
         if refused:

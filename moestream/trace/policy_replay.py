@@ -69,10 +69,13 @@ def run_tiered(
     replay: Replay, policy: str, capacities: Iterable[int], unit: list[int], tier: Tier
 ) -> dict[int, list[Counters]]:
     """`run_capacities` with a GPU tier in front of each capacity's host cache (the way upload): a hit is
-    a key either tier held; `tier_hits` the tier's part."""
+    a key either tier held; `tier_hits` the tier's part. The replay must count uses (`uses=True`): the
+    tier's gate counts how many tokens each forward routed to each key, as the engine's does."""
     factories = {"lru": LRUPolicy, "lfu": LFUPolicy}
     if policy not in factories:
         raise ValueError(f"a replay with a GPU tier runs {' or '.join(TIERED)}, not {policy!r}")
+    if replay.uses is None:
+        raise ValueError("a replay with a GPU tier needs a replay built with uses=True")
     out = {}
     for capacity in sorted(set(capacities)):
         tiers = TieredResidentSet(
@@ -81,7 +84,7 @@ def run_tiered(
         cells = [Counters() for _ in range(4)]
         for i, forward in enumerate(replay.keys):
             before = tiers.tier_hits
-            h, m = tiers.access_group(forward)
+            h, m = tiers.access_group(forward, *replay.uses[i])
             c = cells[replay.cell[i]]
             c.hits += len(h)
             c.tier_hits += tiers.tier_hits - before

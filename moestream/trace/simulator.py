@@ -168,7 +168,7 @@ def simulate(
             f"{', '.join(prefetching)} need{'s' if len(prefetching) == 1 else ''}"
         )
     top = (prefetch_top or trace.header.top_k) if prefetching else None
-    uses = any(p in LEARNING for p in policies)
+    uses = any(p in LEARNING for p in policies) or gpu_tier is not None  # (the tier's gate counts uses)
     replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
