@@ -17,7 +17,7 @@ from moestream.trace.replay import build_replay
 def decode_read(replay, cache) -> float:
     read = routed = 0
     for i, forward in enumerate(replay.keys):
-        hits, misses = cache.access_group(forward)
+        hits, misses = cache.access_group(forward, *replay.uses[i])  # each key's uses: the tier's gate
         if replay.cell[i] % 2 == 1:  # decode
             read, routed = read + len(misses), routed + len(hits) + len(misses)
     return read / routed
@@ -25,7 +25,7 @@ def decode_read(replay, cache) -> float:
 
 def main() -> None:
     trace = load_traces(sys.argv[1:])
-    replay = build_replay(trace, None)
+    replay = build_replay(trace, None, uses=True)
     k, n = trace.header.top_k, len(replay.layers) * replay.n_experts
     print(f"{n} experts, top-{k}, {len(replay.keys)} layer forwards")
     print("host slots | tier slots | policy | exclusive | inclusive | one cache of both")
