@@ -157,12 +157,6 @@ class ExpertCache(InPlaceSlots):
         self._submit(admitted)
         return queued
 
-    def touch_if_resident(self, key: Key) -> None:
-        """Count a use of `key` in the eviction order without reading or pinning it (a faster tier hit)."""
-        with self.lock:
-            if key in self._states:
-                self._states[key].cls.residents.touch(key)
-
     def demote(self, keys: list[Key]) -> None:
         """`keys` are held by a faster tier now (a GPU tier copied them in): those resident here are the
         first this cache evicts, so that it holds other experts (`ResidentSet.demote`)."""
@@ -173,8 +167,9 @@ class ExpertCache(InPlaceSlots):
                     state.cls.residents.demote(key)
 
     def keep(self, keys: list[Key]) -> None:
-        """`keys` left a faster tier (a GPU tier evicted them): those still resident here are used now, as a
-        victim cache takes what the tier above lets go (no read, no pin, no hit counted)."""
+        """A use of each of `keys` still resident here, in the eviction order only (no read, no pin, no hit
+        counted): a faster tier's hits (the torch GPU tier keeps their host copies warm), or what a GPU tier
+        evicted (as a victim cache takes what the tier above lets go)."""
         with self.lock:
             for key in keys:
                 state = self._states.get(key)

@@ -20,6 +20,12 @@ from moestream.cache.admission import FrequencyGate
 from moestream.cache.policy import EvictionPolicy, Key, ResidentSet
 
 
+def lent_slots(slots: int, spare: int) -> int:
+    """How many of a tier class's `slots` are kept out of its residents for misses passing through (`spare`
+    asked): all of them where the class has at least twice as many slots, else none."""
+    return spare if spare and slots >= 2 * spare else 0
+
+
 class TieredResidentSet:
     """A host `ResidentSet` of `capacity` slots behind a GPU tier of `tier_slots` (`spare` of them lent
     to misses the gate keeps out, where the tier has at least twice as many), both with `policy()`.
@@ -36,7 +42,7 @@ class TieredResidentSet:
         exclusive: bool,
     ) -> None:
         self.capacity = capacity
-        self.spare = spare if exclusive and tier_slots >= 2 * spare else 0
+        self.spare = lent_slots(tier_slots, spare) if exclusive else 0
         self.exclusive = exclusive
         self.host = ResidentSet(capacity, policy())
         self.tier = ResidentSet(tier_slots - self.spare, policy())

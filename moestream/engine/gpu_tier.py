@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from moestream.cache.admission import FrequencyGate
 from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget
+from moestream.cache.tiers import lent_slots
 from moestream.engine.stats import TierCounters
 from moestream.errors import CacheBudgetError
 from moestream.ggml.backend import DeviceMemory, Region
@@ -136,7 +137,7 @@ class GpuTier:
         self.types: dict[int, ExpertTypes] = {}
         try:
             for k, plan in enumerate(plans):
-                lent = spare if spare and plan.slots >= 2 * spare else 0
+                lent = lent_slots(plan.slots, spare)
                 c = _Class(plan, {}, ResidentSet(plan.slots - lent, policy()), FrequencyGate(), lent)
                 if exclusive:
                     c.residents.evicted = []
@@ -246,14 +247,6 @@ class GpuTier:
                 out += c.residents.evicted
                 c.residents.evicted.clear()
         return out
-
-    def describe(self) -> str:
-        """The mode line's words: the slots of each class and their bytes."""
-        total = sum(c.plan.slots * c.plan.slot_bytes for c in self._classes)
-        slots = " + ".join(str(c.plan.slots) for c in self._classes)
-        spare = " + ".join(str(c.spare) for c in self._classes)
-        lent = f", {spare} of them for misses passing through" if any(c.spare for c in self._classes) else ""
-        return f"{slots} slots ({format_size(total)}{lent})"
 
     def close(self) -> None:
         for c in self._classes:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from moestream.cache.policy import EvictionPolicy, execution_order
+from moestream.cache.tiers import lent_slots
 from moestream.engine.gpu_tier import ClassPlan, GpuTier, WayTrial, plan_tier
 from moestream.engine.host_misses import HostMisses
 from moestream.engine.stats import TierCounters
@@ -129,10 +130,9 @@ class TieredSteps:
         exclusive = ""
         if not self.experts.holds_all():
             exclusive = "; the host cache evicts first what the tier holds"
-            if self.misses in ("upload", "auto"):
-                k = self.spec.top_k
-                spare = " + ".join(str(k if p.slots >= 2 * k else 0) for p in self.plans)
-                exclusive += f", {spare} slots lent to the misses the tier's gate keeps out"
+            if spare := self._spare(True):
+                lent = " + ".join(str(lent_slots(p.slots, spare)) for p in self.plans)
+                exclusive += f", {lent} slots lent to the misses the tier's gate keeps out"
         return (
             f"a graph a layer, the routed experts in a GPU tier of {slots} slots "
             f"({format_size(nbytes)}, {self.policy().name}) filled from the host cache, {misses}{exclusive}"
@@ -158,13 +158,17 @@ class TieredSteps:
             self.memory.forbid(base, nbytes, "the expert cache's slots")
             self.memory.pin_host(base, nbytes)
         self._exclusive = not self.experts.holds_all()
-        # exclusive, a miss copied in is admitted as the gate allows, else lent a spare slot for its graph
-        spare = self.spec.top_k if self._exclusive and self.misses in ("upload", "auto") else 0
+        spare = self._spare(self._exclusive)
         tier = GpuTier(
             self.memory, self.experts.graph_types(), self.plans, self.policy, self._exclusive, spare
         )
         self._tier = (key, tier)
         return tier, True
+
+    def _spare(self, exclusive: bool) -> int:
+        """The spare slots a class is asked for: top_k where the tiers are `exclusive` and misses are copied
+        in (a miss copied is admitted as the gate allows, else lent a spare slot for its graph), else 0."""
+        return self.spec.top_k if exclusive and self.misses in ("upload", "auto") else 0
 
     def way(self) -> str:
         """The next step's way of a miss: "upload", "host" or "split" (the trial's, under "auto")."""

@@ -152,10 +152,9 @@ class GpuSlotTier(_PinnedHost):
         for expert in ready:
             key = (layer, expert)
             self.residents.touch(key)
-            self.cache.touch_if_resident(
-                key
-            )  # keep the host copy warm, so a GPU eviction can fall back to it
             self.slots[key].pins += 1
+        # the host copies kept warm, so that a GPU eviction can fall back to them
+        self.cache.keep([(layer, e) for e in ready])
         self.stats.gpu_hits += len(ready)
         return ready, [e for e in order if (layer, e) not in self.residents]
 
