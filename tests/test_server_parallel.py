@@ -146,15 +146,9 @@ def test_n_jobs_run_at_once_then_the_queue_then_503(tiny_dir):
             with pytest.raises(Busy):  # the queue of one is full
                 worker.submit(jobs[3])
             hold.set()
-            for job in jobs[:3]:
-                while not isinstance(event := await asyncio.wait_for(job.events.get(), 30), Done):
-                    pass
-                assert len(event.gen.tokens) == 6
+            await _each_done(jobs[:3], 6)
 
-        try:
-            asyncio.run(scenario())
-        finally:
-            worker.stop()
+        _drive(worker, scenario)
 
 
 def test_jobs_for_idle_slots_are_not_counted_as_waiting(tiny_dir):
@@ -175,12 +169,22 @@ def test_jobs_for_idle_slots_are_not_counted_as_waiting(tiny_dir):
             with pytest.raises(Busy):
                 worker.submit(jobs[3])
             worker.start()
-            for job in jobs[:3]:
-                while not isinstance(event := await asyncio.wait_for(job.events.get(), 30), Done):
-                    pass
-                assert len(event.gen.tokens) == 2
+            await _each_done(jobs[:3], 2)
 
-        try:
-            asyncio.run(scenario())
-        finally:
-            worker.stop()
+        _drive(worker, scenario)
+
+
+async def _each_done(jobs: list[Job], tokens: int) -> None:
+    """Each job's events until its `Done`, which generated `tokens` tokens."""
+    for job in jobs:
+        while not isinstance(event := await asyncio.wait_for(job.events.get(), 30), Done):
+            pass
+        assert len(event.gen.tokens) == tokens
+
+
+def _drive(worker: Worker, scenario) -> None:
+    """`scenario()` run on an event loop of its own, the worker stopped after it however it ends."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.stop()
