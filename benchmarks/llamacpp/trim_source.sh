@@ -4,8 +4,9 @@
 #   bash benchmarks/llamacpp/trim_source.sh SDIST.tar.gz OUT.tar.xz           # 7 MB: what a CPU
 #       llama-server and ggml build from (no docs, vocab models, media, other backends):
 #       benchmarks/batch_native_lease.sh builds both engines from it
-#   bash benchmarks/llamacpp/trim_source.sh --ggml SDIST.tar.gz OUT.tar.xz    # 2.3 MB: what ggml's CPU
-#       library builds from (`python -m moestream.ggml.build --source`), NATIVE_CPU=1 in ggml_cuda_env.sh
+#   bash benchmarks/llamacpp/trim_source.sh --ggml SDIST.tar.gz OUT.tar.xz    # 1.9 MB: what ggml's CPU
+#       library builds from on x86 (`python -m moestream.ggml.build --source`), NATIVE_CPU=1 in
+#       ggml_cuda_env.sh (small enough to carry beside llama.cpp's CUDA build, both wheel folders and the tree)
 set -euo pipefail
 only_ggml=; [ "${1:-}" = --ggml ] && { only_ggml=1; shift; }
 sdist=$(realpath "$1"); out=$(realpath -m "$2")
@@ -16,6 +17,9 @@ cd "$src"
 if [ -n "$only_ggml" ]; then
   keep="CMakeLists.txt cmake ggml src include common vendor licenses LICENSE app"
   find . -mindepth 1 -maxdepth 1 $(for k in $keep; do printf -- '-not -name %s ' "$k"; done) -exec rm -rf {} +
+  # the CPU library alone, for x86: no CUDA, RPC or virtual-GPU backend, no other CPU's kernels
+  rm -rf ggml/src/ggml-{cuda,rpc,virtgpu} ggml/src/ggml-cpu/{spacemit,kleidiai}
+  for a in arm loongarch powerpc riscv s390 wasm; do rm -rf ggml/src/ggml-cpu/arch/$a; done
 else
   rm -rf docs models media benches pocs skills gguf-py/tests
 fi
