@@ -10,19 +10,22 @@
 # together: under 7GiB, llama.cpp's 18 layers on the CPU (6.2 GiB) stayed in its page cache and read
 # nothing after warm-up (2026-12-06 night), which is item 5's regime, not this one. Outputs under $OUT:
 # sbs.tgz (each run's JSON and server log), sbs.log, sbs-table.txt; BUDGET (420 s) is when no further
-# run starts; the every-expert-on-the-CPU runs (--n-cpu-moe 24, the slowest) last.
+# run starts; the every-expert-on-the-CPU runs (--n-cpu-moe 24, the slowest) last. A smaller file (MODEL,
+# LAYERS) takes its own TIER (2GiB), NCMOE (18: llama.cpp's layers of experts on the CPU, the rest in VRAM
+# about as much as TIER), LIMIT and HOST.
 set -uo pipefail
 . benchmarks/ggml_cuda_env.sh || exit 1
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
-LIMIT=${LIMIT:-5GiB} HOST=${HOST:-3GiB} T=${T:-8}
+LIMIT=${LIMIT:-5GiB} HOST=${HOST:-3GiB} T=${T:-8} TIER=${TIER:-2GiB}
+NCMOE=${NCMOE:-18} LAYERS=${LAYERS:-24}  # llama.cpp's layers of experts on the CPU beside a GPU share like TIER; all
 specs=()  # the runs in the order of what matters most, each written as it ends (a BUDGET cut keeps them)
-specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
 for ra in ${LLAMA_RA:-4096 128}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
-  specs+=("llama:ngl=99,ncmoe=18,t=$T,ra=$ra")
+  specs+=("llama:ngl=99,ncmoe=$NCMOE,t=$T,ra=$ra")
 done
-specs+=("moestream:device=cuda,gpu_cache=2GiB,host_cache=$HOST,threads=$T,ra=128")
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128")
 for ra in ${LLAMA_RA:-4096 128}; do
-  specs+=("llama:ngl=99,ncmoe=24,t=$T,ra=$ra")
+  specs+=("llama:ngl=99,ncmoe=$LAYERS,t=$T,ra=$ra")
 done
 for spec in "${specs[@]}"; do  # one process a run, so that the call's budget cuts between runs, not in one
   [ $SECONDS -lt ${BUDGET:-420} ] || { echo "budget: $spec not run"; continue; }
