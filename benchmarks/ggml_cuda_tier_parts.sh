@@ -4,12 +4,20 @@
 # (-ngl 99 --n-cpu-moe 24 -t $THREADS) against moestream's GPU tier, each run's decode step by part
 # (`decode_ms_per_step`: the graphs' runs, the backend's waits, issuing copies, the CPU's misses, the
 # step's Python). RUNS: tier:way (way: upload, host, split, auto), most important first; no run starts
-# after BUDGET seconds. Outputs under $OUT (tier-*.log). (At 62cfa63 it also took a repacked copy's and
+# after BUDGET seconds. OVERLAP: copies:cpu entries (e.g. "4:4 3:5"), each a run of benchmarks/tier_overlap.py
+# first (a layer's copies and CPU misses alone and together, as the way split runs them). Outputs under $OUT
+# (tier-*.log, overlap-*.log). (At 62cfa63 it also took a repacked copy's and
 # a compute thread's switches: both measured slower, both removed.)
 set -uo pipefail
 export NATIVE_CPU=${NATIVE_CPU-1}
 . benchmarks/ggml_cuda_env.sh || exit 1
 ncmoe_baseline
+for oc in ${OVERLAP:-}; do
+  IFS=: read -r copies cpu <<< "$oc"
+  timeout 120 python3 benchmarks/tier_overlap.py "$MODEL" --gpu-tier 2GiB --copies $copies --cpu $cpu \
+    --threads $THREADS > $OUT/overlap-$copies-$cpu.log 2>&1
+  echo "== overlap $oc (rc $?)"; tail -1 $OUT/overlap-$copies-$cpu.log | cut -c1-600
+done
 for run in ${RUNS:-2GiB:host 2GiB:upload 2GiB:auto 1GiB:auto}; do
   [ $SECONDS -gt ${BUDGET:-480} ] && { echo "== $run: not started (BUDGET)"; continue; }
   IFS=: read -r tier way <<< "$run"
