@@ -17,7 +17,8 @@ set -uo pipefail
 . benchmarks/ggml_cuda_env.sh || exit 1
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
 LIMIT=${LIMIT:-5GiB} HOST=${HOST:-3GiB} T=${T:-8} TIER=${TIER:-2GiB}
-NCMOE=${NCMOE:-18} LAYERS=${LAYERS:-24}  # llama.cpp's layers of experts on the CPU beside a GPU share like TIER; all
+# llama.cpp's layers of experts on the CPU beside about TIER of them in VRAM; then all the file's layers
+NCMOE=${NCMOE:-18} LAYERS=${LAYERS:-24}
 specs=()  # the runs in the order of what matters most, each written as it ends (a BUDGET cut keeps them)
 specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
 for ra in ${LLAMA_RA:-4096 128}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
