@@ -290,6 +290,57 @@ def test_a_rows_ids_stay_distinct_where_the_gate_kept_misses_out():
     assert row_slots({}, [4, 1]) == [0, 1]
 
 
+def test_the_way_split_copies_a_batch_steps_most_used_misses():
+    """The way split's copies: a decoded token's first misses in order; in a step of several rows the
+    misses with the most (token, expert) pairs, ties in their order, so the CPU keeps the fewest."""
+    from moestream.engine.tiered_steps import split_copied
+
+    assert split_copied([9, 4, 6], [[1, 9, 4, 6]], 0.5) == [9, 4]  # round(1.5) = 2, in order
+    rows = [[1, 2, 3], [1, 3, 5], [7, 3, 1], [8, 1, 2]]
+    rest = [2, 3, 5, 1]  # uses 2, 3, 1, 4
+    assert split_copied(rest, rows, 0.5) == [1, 3]
+    assert split_copied(rest, rows, 0.75) == [1, 3, 2]
+    assert split_copied(rest, rows, 1.0) == rest and split_copied(rest, rows, 0.0) == []
+    assert split_copied([5, 7, 8], rows, 0.5) == [5, 7]  # each used once: in order
+
+
+def test_a_batch_step_of_the_way_split_copies_its_most_used_misses(tiny_dir, monkeypatch):
+    """In the engine: every batch step over a tier, way split, copies in misses used at least as often as
+    each one the CPU keeps (the tier's admissions of the split's copies, seen as they happen)."""
+    from test_batch_runner import PROMPTS, _together
+
+    from moestream.engine import tiered_steps
+    from moestream.engine.gpu_tier import GpuTier
+
+    path = tiny_dir("qwen3_moe")
+    _, middle, *_ = _sizes(path, monkeypatch)
+    monkeypatch.setenv("MOESTREAM_TIER_MISSES", "split")
+    seen = []  # (rows, the misses left, copied)
+    choose = tiered_steps.split_copied
+
+    def spy(rest, rows, share):
+        copied = choose(rest, rows, share)
+        seen.append((rows, rest, copied))
+        return copied
+
+    monkeypatch.setattr(tiered_steps, "split_copied", spy)
+    admitted = []
+    admit = GpuTier.admit
+    monkeypatch.setattr(
+        GpuTier, "admit", lambda self, layer, e, g: admitted.append(list(e)) or admit(self, layer, e, g)
+    )
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", gpu_tier=middle, parallel=3) as engine:
+        _together(engine.runner, PROMPTS[:3])
+    batched = [
+        (rows, rest, copied) for rows, rest, copied in seen if len(rows) > 1 and 0 < len(copied) < len(rest)
+    ]
+    assert batched, "no batch step split its misses"
+    assert [copied for *_, copied in seen] == admitted  # what the tier admitted is what was chosen
+    for rows, rest, copied in batched:
+        uses = {e: sum(row.count(e) for row in rows) for e in rest}
+        assert min(uses[e] for e in copied) >= max(uses[e] for e in rest if e not in copied)
+
+
 def test_a_way_trial_chooses_the_faster_way_by_its_median_step():
     from moestream.engine.gpu_tier import WayTrial
 

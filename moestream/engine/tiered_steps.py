@@ -246,7 +246,7 @@ class TieredSteps:
                     copied = misses if way == "upload" else []
                     if way == "split":
                         rest = [e for e in misses if e not in slot]
-                        copied = rest[: round(self.split_share() * len(rest))]
+                        copied = split_copied(rest, rows, self.split_share())
                         slot.update(tier.admit(i, copied, list(group)))
                     lent: dict[int, int] = {}
                     if lending and len(slot) < len(group):  # the misses the gate kept out: lent slots
@@ -455,6 +455,22 @@ class TieredSteps:
         if self._host is not None:
             self._host[1].close()
             self._host = None
+
+
+def split_copied(rest: list[int], rows: list[list[int]], share: float) -> list[int]:
+    """The way "split": which of a layer's misses `rest` (those the gate kept out, in the order the tier
+    placed them) are copied in, `share` of them. A copy costs the same whatever the expert's tokens, the
+    CPU's product grows with them: in a step of several rows the most used are copied (ties in that
+    order), so that the CPU keeps the fewest (token, expert) pairs; a decoded token's the first ones."""
+    count = round(share * len(rest))
+    if len(rows) == 1 or count in (0, len(rest)):
+        return rest[:count]
+    uses = dict.fromkeys(rest, 0)
+    for row in rows:
+        for e in row:
+            if e in uses:
+                uses[e] += 1
+    return sorted(rest, key=lambda e: -uses[e])[:count]  # (a stable sort: ties keep their order)
 
 
 def row_slots(slot: dict[int, int], row: list[int]) -> list[int]:
