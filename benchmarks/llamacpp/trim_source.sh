@@ -7,7 +7,7 @@
 #   bash benchmarks/llamacpp/trim_source.sh --ggml SDIST.tar.gz OUT.tar.xz    # 1.9 MB: what ggml's CPU
 #       library builds from on x86 (`python -m moestream.ggml.build --source`), NATIVE_CPU=1 in
 #       ggml_cuda_env.sh (beside llama.cpp's CUDA build and .gpu/whl, not also .gpu/srvwhl: the device's
-#       64 MiB counts the disk blocks: 64.8 MiB with both and the tree)
+#       64 MiB refused both and the tree: 63.9 MiB in bytes, 64.8 in disk blocks, which it seems to count)
 set -euo pipefail
 only_ggml=; [ "${1:-}" = --ggml ] && { only_ggml=1; shift; }
 sdist=$(realpath "$1"); out=$(realpath -m "$2")
