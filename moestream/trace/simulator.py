@@ -172,7 +172,6 @@ def simulate(
     replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
-    limits = {policy: saturation(replay, policy) for policy in policies}
     if gpu_tier is not None:  # every capacity replayed (the tiers are exclusive below `every`)
         tier = _tier(trace.header, replay, gpu_tier, sizes.slot_bytes)
         limits = {policy: max(capacities.values()) for policy in policies}
@@ -183,13 +182,13 @@ def simulate(
             "is an expert either held (JSON: gpu_tier_hit_rate, the tier's part)"
         )
     else:
+        limits = {policy: saturation(replay, policy) for policy in policies}
         results = {
             policy: run_capacities(
                 replay, policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
             )
             for policy in policies
         }
-    if gpu_tier is None:
         sizes.notes += _saturation_notes(limits, max(capacities.values()), sizes.slot_bytes)
     records = []
     for budget in budgets:
