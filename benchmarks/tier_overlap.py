@@ -10,6 +10,10 @@ tokens to warm it, then, for one MoE layer, times three things the way the tier'
   cpu   the CPU graph of --cpu misses of one token (`HostMisses`: their slots read in place);
   both  the copies issued, the CPU's graph, then the wait: what one layer of the way "split" does.
 
+`issue` is the copies' issuing alone (before the wait): near `copy` where a copy returns only once its
+bytes have left (from pageable memory: `pinned` says how many of the host cache's slot regions the
+device page-locked).
+
 Each repeat takes other experts (round robin over the layer's), so that the CPU reads them from RAM, not
 from its caches. `overlap` is the share of the shorter of copy and cpu hidden in both:
 (copy + cpu - both) / min(copy, cpu): 1 where they run side by side, 0 where one waits for the other.
@@ -99,12 +103,13 @@ def main() -> None:
         def cpu(experts: list[int]) -> None:
             graphs.compute(layer, x, tokens, [base + e for e in experts], experts)
 
-        times: dict[str, list[float]] = {"copy": [], "cpu": [], "both": []}
+        times: dict[str, list[float]] = {"copy": [], "cpu": [], "both": [], "issue": []}
         with kern._lock, kern.hold():  # as a step on a backend holds the pool (its workers poll)
             for _ in range(args.repeats):
                 on, off = pick(args.copies), pick(args.cpu)
                 t0 = time.perf_counter()
                 copy(on)
+                ti = time.perf_counter()
                 sync()
                 t1 = time.perf_counter()
                 cpu(off)
@@ -118,8 +123,12 @@ def main() -> None:
                 times["copy"].append(t1 - t0)
                 times["cpu"].append(t2 - t1)
                 times["both"].append(t4 - t3)
+                times["issue"].append(ti - t0)
         ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
         shorter = min(ms["copy"], ms["cpu"])
+        # the host slots page-locked for the device (`pin_host`): else a copy from pageable memory may
+        # return only once its bytes are staged, and nothing after it in the step runs meanwhile
+        pinned = [(b, nb) in steps.memory._pinned for b, nb in steps.experts.slot_regions()]
         row = {
             "layer": layer,
             "copies": args.copies,
@@ -130,6 +139,7 @@ def main() -> None:
             "median_ms": ms,
             "serial_ms": round(ms["copy"] + ms["cpu"], 3),
             "overlap": round((ms["copy"] + ms["cpu"] - ms["both"]) / shorter, 3) if shorter > 0 else None,
+            "pinned": f"{sum(pinned)}/{len(pinned)}",
             "copy_gib_s": round(copied_bytes[0] / 2**30 / (ms["copy"] / 1e3), 2) if ms["copy"] else None,
             "cpu_us_per_miss": round(1e3 * ms["cpu"] / args.cpu, 1),
         }
