@@ -13,7 +13,8 @@ each woken once, when its forward is done (no polling; a request leaving wakes o
 
 Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
 a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
-it has alone, each token decoded beside others with the bits it gets alone (`tests/test_batch.py`).
+it has alone, each token decoded beside others with the bits it gets alone (`tests/test_batch.py`; from
+8 rows of a K-quant matrix, within ggml's tiled kernel's rounding: README, tests/test_batch_tiled.py).
 The slot's prompt cache is the slot's own (`PromptCache` per slot): a request takes the free slot whose
 held tokens share the longest prefix with its prompt.
 """

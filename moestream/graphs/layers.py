@@ -421,7 +421,9 @@ class LayerGraphs:
         rows through ggml_mul_mat_id over the one matrix: ggml_mul_mat takes llamafile's sgemm for
         two rows or more, which rounds otherwise than the vec_dot it takes for one, so a token decoded
         beside others would not get the bits it gets alone; mul_mat_id takes vec_dot for every row
-        (the weights still read once for all of them)."""
+        (the weights still read once for all of them) up to 7 rows of a matrix: from 8 on, a K-quant
+        matrix takes ggml's tiled kernel, which rounds otherwise too (`GGML_CPU_TILED_MM=0` turns it
+        off; tests/test_batch_tiled.py)."""
         if not self.batch:
             return net.mul_mat(self._weight(net, w, [cols, rows]), x)
         T = GgmlTensor.from_address(x).ne[1]
