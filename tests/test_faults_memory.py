@@ -346,3 +346,33 @@ def test_the_planned_trunk_is_the_trunk_held(tmp_path, tiny_dir, trunk_dtype):
             planned = dict(memory_need(engine.loaded.description, engine.options).parts)["the trunk"]
             held = engine.loaded.trunk.nbytes
         assert abs(planned - held) <= 0.02 * held, (path, planned, held)
+
+
+def test_the_kv_cache_on_ggmls_cuda_backend_takes_no_host_memory(tiny_dir, monkeypatch):
+    """On ggml's CUDA backend (--device cuda resolved to it: `ggml_device`) the graphs' KV cache lives on
+    the GPU alone: the memory check and the auto budgets count none of it in host memory (they did,
+    leaving a host cache 384 MiB smaller under a 2.75 GiB limit on the H100, 12-layer file, 8192
+    positions), and the runner's host tensors that name the device's copies are never written. On ggml's
+    CPU backend (the tests' stand-in) the device's copy is host memory: counted once, where it was."""
+    import dataclasses
+
+    import torch
+
+    from moestream.engine.auto_budget import _runner_parts
+    from moestream.engine.memory_plan import memory_need
+
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="4MiB", trunk="ggml", ctx_size=256) as engine:
+        description, options = engine.loaded.description, engine.options
+        runner = engine.runner
+        host = [t for pair in runner.kv for t in pair if t.numel()]
+        before = [t.view(torch.uint8).clone() for t in host]  # (unwritten: any bits, NaNs among them)
+        engine.generate([5, 17, 33, 2], max_tokens=4, ignore_eos=True)
+        assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip(host, before))  # the device took them
+    kv_name = "the KV cache at 256 tokens"
+    assert dict(memory_need(description, options).parts)[kv_name] > 0
+    on_gpu = dataclasses.replace(options, ggml_device="cuda")
+    assert dict(memory_need(description, on_gpu).parts)[kv_name] == 0
+    kv = (kv_name, description.kv_bytes)
+    assert _runner_parts(description, kv, options)[0][1] > 0
+    assert _runner_parts(description, kv, on_gpu)[0][1] == 0

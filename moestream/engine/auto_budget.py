@@ -178,7 +178,7 @@ def _size(model: ModelDescription, options: EngineOptions) -> tuple[EngineOption
         return dataclasses.replace(options, gpu_cache=options.cache, host_cache=0), []
     if one_tier:
         cache = largest_fit(
-            "cache", room, [*_runner_parts(model, kv), *libraries], host_every, host_minimum, fit
+            "cache", room, [*_runner_parts(model, kv, options), *libraries], host_every, host_minimum, fit
         )
     else:  # unified memory: the KV cache and the activations are in the same memory as the cache
         kept = [kv, activations, *libraries]
@@ -221,9 +221,12 @@ def _size_cuda(
     return sized, accounts
 
 
-def _runner_parts(model: ModelDescription, kv: tuple[str, int]) -> list[tuple[str, int]]:
+def _runner_parts(
+    model: ModelDescription, kv: tuple[str, int], options: EngineOptions | None = None
+) -> list[tuple[str, int]]:
     """What the CPU trunk takes after the cache: the KV cache and the ggml graphs' buffers, or, under
-    transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations."""
+    transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations.
+    On ggml's CUDA backend (`options.ggml_device`) the graphs' KV cache is the GPU's: none of it here."""
     if model.spec is None:
         return [kv, ("activations", activation_bytes(model.config, model.ctx_size))]
     from moestream.engine.ggml_runner import planned_bytes as runner_bytes
@@ -235,6 +238,8 @@ def _runner_parts(model: ModelDescription, kv: tuple[str, int]) -> list[tuple[st
     slots = model.parallel
     kv_bytes, graphs = runner_bytes(model.spec, model.ctx_size, experts, inter, model.threads, slots)
     each = f" in each of {slots} slots" if slots > 1 else ""
+    if options is not None and options.ggml_device is not None:
+        kv_bytes = 0  # (the runner's host tensors only name the device's copies: never written)
     parts = [
         (f"the F16 KV cache at {model.ctx_size} tokens{each}", kv_bytes),
         ("the ggml graphs' buffers", graphs),
@@ -403,7 +408,7 @@ def slot_plans(
     every = planned_bytes(emap, _EVERY, top_k) if options.cache == AUTO else None
     fit = lambda budget: planned_bytes(emap, budget, top_k)  # noqa: E731
     minimum = budget_requirements(emap, top_k)[0]
-    parts = {n: _runner_parts(dataclasses.replace(model, parallel=n), kv) for n in PARALLEL_CHOICES}
+    parts = {n: _runner_parts(dataclasses.replace(model, parallel=n), kv, options) for n in PARALLEL_CHOICES}
     host = 0
     if every is None:
         from moestream.runtime.streaming import host_cache_bytes

@@ -155,7 +155,13 @@ class GgmlRunner(ModelRunner):
                 f"--parallel {slots} is not possible for {spec.family}: its linear-attention layers keep "
                 "one recurrent state, not one per sequence (run it with --parallel 1)"
             )
-        self.kv = layer_caches(spec, self.ctx * slots)  # Gated DeltaNet layers: their two states
+        # Gated DeltaNet layers: their two states. On a backend the host tensors only name the device's
+        # copies (`DeviceMemory.register`, "device": never copied): left unwritten, they take no memory
+        if backend is None:
+            self.kv = layer_caches(spec, self.ctx * slots)
+        else:
+            shapes = layer_caches(spec, self.ctx * slots, "meta")
+            self.kv = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in pair) for pair in shapes]
         # on a backend (ggml's CUDA): the graphs compute there; the KV cache lives there alone, and every
         # routed expert in stacks of its own (`_on_device`), the step one graph
         if backend is not None:

@@ -65,7 +65,10 @@ def memory_need(
     host = host_cache_bytes(model.emap, config, model.top_k, model.device)
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
     on_host = model.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
-    kv = kv_cache_bytes(model.config, model.ctx_size, _element_bytes(tensors, dtype)) if on_host else 0
+    # so it is on ggml's CUDA backend (--device cuda resolved to it: torch's side of the run is the CPU,
+    # and the runner's host tensors only name the device's copies, never written)
+    kv_here = on_host and options.ggml_device is None
+    kv = kv_cache_bytes(model.config, model.ctx_size, _element_bytes(tensors, dtype)) if kv_here else 0
     kv *= model.parallel  # a KV cache per slot
     parts = [
         (CACHE if on_host else "the pinned staging slots", host),
