@@ -36,6 +36,17 @@ def execution_order(rows: Iterable[Iterable[int]]) -> list[int]:
     return list(seen)
 
 
+def uses_of(experts: Iterable[int], rows: Iterable[Iterable[int]]) -> dict[int, int]:
+    """How many tokens of `rows` (each token's routed experts) route to each of `experts`, in `experts`'
+    order (an expert of `rows` not among them is not counted)."""
+    uses = dict.fromkeys(experts, 0)
+    for row in rows:
+        for e in row:
+            if e in uses:
+                uses[e] += 1
+    return uses
+
+
 class EvictionPolicy(ABC):
     """Decides which resident key leaves when a new key needs a slot."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moestream.cache.admission import FrequencyGate
-from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget
+from moestream.cache.policy import EvictionPolicy, ResidentSet, execution_order, slots_for_budget, uses_of
 from moestream.cache.tiers import lent_slots
 from moestream.engine.stats import TierCounters
 from moestream.errors import CacheBudgetError
@@ -166,11 +166,7 @@ class GpuTier:
             experts, uses = rows[0], [1] * len(rows[0])
         else:
             experts = execution_order(rows)
-            counted = dict.fromkeys(experts, 0)
-            for row in rows:
-                for e in row:
-                    counted[e] += 1
-            uses = list(counted.values())
+            uses = list(uses_of(experts, rows).values())
         if len(experts) > c.residents.capacity:
             return None
         keys = [(layer, e) for e in experts]

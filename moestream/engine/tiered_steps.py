@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from moestream.cache.policy import EvictionPolicy, execution_order
+from moestream.cache.policy import EvictionPolicy, execution_order, uses_of
 from moestream.cache.tiers import lent_slots
 from moestream.engine.gpu_tier import ClassPlan, GpuTier, WayTrial, plan_tier
 from moestream.engine.host_misses import HostMisses
@@ -314,11 +314,7 @@ class TieredSteps:
             else:
                 ahead()  # nothing of these to read
             return
-        uses = dict.fromkeys(misses, 0)
-        for row in rows:
-            for e in row:
-                if e in uses:
-                    uses[e] += 1
+        uses = uses_of(misses, rows)
         sync = self.memory.backend.synchronize
         with self.experts.hold(layer, misses, list(uses.values()), len(rows)) as held:
             if during is None:
@@ -465,11 +461,7 @@ def split_copied(rest: list[int], rows: list[list[int]], share: float) -> list[i
     count = round(share * len(rest))
     if len(rows) == 1 or count in (0, len(rest)):
         return rest[:count]
-    uses = dict.fromkeys(rest, 0)
-    for row in rows:
-        for e in row:
-            if e in uses:
-                uses[e] += 1
+    uses = uses_of(rest, rows)
     return sorted(rest, key=lambda e: -uses[e])[:count]  # (a stable sort: ties keep their order)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream import ggml
-from moestream.cache.policy import execution_order
+from moestream.cache.policy import execution_order, uses_of
 from moestream.runtime.experts import ExpertRuntime, Routed
 from moestream.runtime.held_experts import HeldExperts
 from moestream.runtime.resident import ResidentExperts, unavailable
@@ -251,10 +251,7 @@ class ExpertLayers:
             return None
         rt = self._runtime
         experts = execution_order(rows)
-        uses = dict.fromkeys(experts, 0)
-        for row in rows:
-            for e in row:
-                uses[e] += 1
+        uses = uses_of(experts, rows)
         pinned = rt.cache.pin_all_hits(layer, experts, list(uses.values()), len(rows))
         if pinned is None:
             return None
