@@ -376,3 +376,45 @@ def test_the_kv_cache_on_ggmls_cuda_backend_takes_no_host_memory(tiny_dir, monke
     kv = (kv_name, description.kv_bytes)
     assert _runner_parts(description, kv, options)[0][1] > 0
     assert _runner_parts(description, kv, on_gpu)[0][1] == 0
+
+
+def test_the_trunk_on_ggmls_cuda_backend_takes_no_host_memory_but_the_routers(tiny_dir, monkeypatch):
+    """On ggml's CUDA backend (`ggml_device`) the trunk is copied to the GPU at load and its host copy
+    given back before the cache is taken, but the routers' (engine/trunk_release.py): the memory check
+    counts only the routers beside the cache, and the load's own need (the whole trunk, before the cache)
+    apart; the auto budgets, measured after the trunk went, no longer keep the routers' float32 copies.
+    On ggml's CPU backend (the tests' stand-in) the device's copy is host memory: counted whole."""
+    import dataclasses
+
+    from moestream.engine.auto_budget import _runner_parts
+    from moestream.engine.memory import WORKING_BYTES
+    from moestream.engine.memory_plan import CACHE, load_need, memory_need, plan_memory
+
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(tiny_dir("qwen3_moe")), cache="4MiB", trunk="ggml", ctx_size=256) as engine:
+        description, options = engine.loaded.description, engine.options
+        on = engine.loaded.trunk_device
+    on_gpu = dataclasses.replace(options, ggml_device="cuda")
+    need = dict(memory_need(description, options).parts)
+    trunk = need["the trunk"]
+    routers = dict(memory_need(description, on_gpu).parts)["the trunk"]
+    assert routers == on.kept == 2 * 8 * 64 * 4  # two MoE layers' routers of 8 experts, float32
+    assert trunk > 50 * routers
+    assert load_need(description, options) is None
+    loading = load_need(description, on_gpu)
+    assert loading is not None and loading.total == trunk + WORKING_BYTES
+    # a room the cache and the routers fit, not the cache and the whole trunk; the trunk alone fits it
+    room = need[CACHE] + routers + WORKING_BYTES
+    monkeypatch.setattr("moestream.engine.memory_plan.memory_rooms", lambda: [Room(room, "a test limit")])
+    with pytest.raises(MemoryBudgetError, match="the trunk"):
+        plan_memory(description, options)
+    plan_memory(description, on_gpu)  # fits
+    tight = [Room(trunk + WORKING_BYTES - 1, "a test limit")]
+    monkeypatch.setattr("moestream.engine.memory_plan.memory_rooms", lambda: tight)
+    with pytest.raises(MemoryBudgetError, match="the trunk, read before it is copied to the GPU"):
+        plan_memory(description, dataclasses.replace(on_gpu, cache=1))
+    spec = dataclasses.replace(description.spec, copied_bytes=12345)  # routers kept in 16 bits
+    copied = dataclasses.replace(description, spec=spec)
+    kv = ("the KV cache", description.kv_bytes)
+    assert dict(_runner_parts(copied, kv, options))["the routers in float32"] == 12345
+    assert "the routers in float32" not in dict(_runner_parts(copied, kv, on_gpu))

@@ -152,6 +152,39 @@ def test_the_expert_cache_slots_are_never_taken_for_weights(memory):
     del kern
 
 
+def test_weights_copied_at_once_compute_after_their_host_pages_are_given_back(memory):
+    """`upload_weights` copies weights before any graph reads them (a view inside one is found in its
+    region): once their host pages are given back (they read as zeros), a graph computes the bits it
+    computed over the host copy; a graph that reads a given-back range outside what was copied raises
+    (lazily copied, it would have computed over zeros)."""
+    from moestream.io.memory import drop_pages
+
+    w, norm = _experts(6)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, E, (T, K), generator=torch.Generator().manual_seed(8), dtype=torch.int32)
+    (want,) = _compute(None, x.clone(), ids, w, norm)
+    memory.register(x, "io", "x")
+    memory.register(ids, "io", "ids")
+    placed = memory.upload_weights([("w", w), ("norm", norm), ("w[1]", w[1])])
+    assert placed == w.nbytes + norm.nbytes
+    assert sorted(r.name for r in memory.regions.values() if r.role == "weight") == ["norm", "w"]
+    given = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (w, norm)]
+    assert sum(drop_pages(start, end - start) for start, end in given) > 0
+    memory.release_host(given, [])
+    assert torch.count_nonzero(w) < w.numel()  # whole pages of it read as zeros now
+    (got,) = _compute_registered(memory, x, ids, w, norm, runs=1)
+    assert torch.equal(got, want)
+    other = torch.rand(H, generator=torch.Generator().manual_seed(9)) + 0.5  # never copied
+    memory.release_host([(other.data_ptr(), other.data_ptr() + other.nbytes)], [])
+    net = Net(ggml.library(), memory=memory)
+    try:
+        y = net.mul(net.rms_norm(net.tensor(F32, [H, T], x.data_ptr()), 1e-6), net.weight(other, [H]))
+        with pytest.raises(RuntimeError, match="given back at load, that were not copied to the device"):
+            net.finish([y], 1, ggml.kernels(1).pool)
+    finally:
+        net.close()
+
+
 def test_without_a_cuda_library_the_error_says_what_to_do():
     """This machine's ggml has no libggml-cuda (and there is no GPU): one sentence with the remedy."""
     with pytest.raises(ggml.GgmlUnavailableError) as err:

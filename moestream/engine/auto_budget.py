@@ -1,6 +1,7 @@
 """`auto` budgets: the expert cache sized from the machine's memory at load, every expert when all fit.
 
-An auto budget is sized after the trunk is read (on a GPU, moved there) and before the cache is
+An auto budget is sized after the trunk is read (on a GPU, moved there; on a ggml backend, copied there
+and its host copy given back but the routers', `engine/trunk_release.py`) and before the cache is
 allocated, so the room (`memory_rooms`: every memory cgroup's limit less its unreclaimable usage, and
 MemAvailable) is measured with the trunk already in it. What the room must still keep besides the cache:
 
@@ -226,7 +227,9 @@ def _runner_parts(
 ) -> list[tuple[str, int]]:
     """What the CPU trunk takes after the cache: the KV cache and the ggml graphs' buffers, or, under
     transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations.
-    On ggml's CUDA backend (`options.ggml_device`) the graphs' KV cache is the GPU's: none of it here."""
+    On ggml's CUDA backend (`options.ggml_device`) the graphs' KV cache is the GPU's: none of it here; nor
+    the routers' float32 copies, given back with the trunk's host copy (`engine/trunk_release.py`; the
+    room is measured after that, the trunk's bytes in it)."""
     if model.spec is None:
         return [kv, ("activations", activation_bytes(model.config, model.ctx_size))]
     from moestream.engine.ggml_runner import planned_bytes as runner_bytes
@@ -238,13 +241,14 @@ def _runner_parts(
     slots = model.parallel
     kv_bytes, graphs = runner_bytes(model.spec, model.ctx_size, experts, inter, model.threads, slots)
     each = f" in each of {slots} slots" if slots > 1 else ""
-    if options is not None and options.ggml_device is not None:
+    on_gpu = options is not None and options.ggml_device is not None
+    if on_gpu:
         kv_bytes = 0  # (the runner's host tensors only name the device's copies: never written)
     parts = [
         (f"the F16 KV cache at {model.ctx_size} tokens{each}", kv_bytes),
         ("the ggml graphs' buffers", graphs),
     ]
-    if model.spec.copied_bytes:
+    if model.spec.copied_bytes and not on_gpu:
         parts.append(("the routers in float32", model.spec.copied_bytes))
     from moestream.ggml.repack import REPACK_ENV, repack_wanted
 

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from moestream.engine.memory import storage_ranges
-from moestream.model.quantized import block_bytes
 from moestream.runtime.formats import describe_formats
 from moestream.units import format_size
 
@@ -48,15 +47,23 @@ def _threads_part(loaded: Any) -> str:
 
 
 def _trunk_part(loaded: Any) -> str:
-    """The trunk in host memory (read into memory the process owns, not mapped), and on a GPU what
-    moestream holds in GPU memory: the trunk, the GPU tier, the KV cache when full."""
-    blocks = block_bytes(loaded.model)
+    """The trunk in host memory (read into memory the process owns, not mapped; on a ggml backend copied
+    there at load and its host copy given back but the routers'), and on a GPU what moestream holds in
+    GPU memory: the trunk, the GPU tier, the KV cache when full."""
+    blocks = loaded.trunk_blocks
     kept = f", {format_size(blocks)} of it in GGUF block types" if blocks else ""
     text = ""
     if loaded.trunk.nbytes:
         lock = "locked" if loaded.trunk.locked else "unlocked"
         where = kept if loaded.device.type == "cpu" else ""
-        text = f"trunk {format_size(loaded.trunk.nbytes)} ({lock}{where}) | "
+        text = f"trunk {format_size(loaded.trunk.nbytes)} ({lock}{where})"
+        on = loaded.trunk_device
+        if on is not None:
+            text += (
+                f" on ggml's {on.kind} backend, {format_size(on.released)} of its host copy given back "
+                f"(the routers' {format_size(on.kept)} kept)"
+            )
+        text += " | "
     if loaded.device.type != "cuda":
         return text
     trunk = sum(storage_ranges(loaded.model, "cuda").values())

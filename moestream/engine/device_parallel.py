@@ -30,7 +30,7 @@ from moestream.units import format_size
 
 
 def device_parallel(
-    backend: Any,
+    memory: Any,
     spec: Any,
     experts: ExpertLayers,
     ctx_size: int,
@@ -39,11 +39,13 @@ def device_parallel(
     gpu_tier: int | str | None,
     most: int,
 ) -> tuple[int, str]:
-    """--parallel auto for the ggml runner of `spec` on `backend` (the streaming built: `experts`; the
-    trunk `trunk_bytes`; `gpu_tier` as the runner gets it), at most `most` slots (the host's choice):
-    (slots, the mode line's words why). 1 where the backend does not say its free memory."""
+    """--parallel auto for the ggml runner of `spec` on `memory`'s backend (a `DeviceMemory`: its free
+    memory before the trunk was copied there, `before`; the streaming built: `experts`; the trunk
+    `trunk_bytes`; `gpu_tier` as the runner gets it), at most `most` slots (the host's choice): (slots,
+    the mode line's words why). 1 where the backend does not say its free memory."""
+    backend = memory.backend
     where = "the GPU" if backend.kind == "cuda" else f"ggml's {backend.kind} backend"
-    free, total = backend.memory()
+    free, total = memory.before
     if not total:
         return 1, f"ggml's {backend.kind} backend does not say its free memory (give -np N)"
     needs = {}

@@ -136,11 +136,13 @@ class GgmlRunner(ModelRunner):
         policy: Callable[[], EvictionPolicy] = LRUPolicy,
         slots: int = 1,
         trunk_bytes: int = 0,
+        memory: DeviceMemory | None = None,
     ) -> None:
         """`gpu_tier`: bytes of device slots for the routed experts on `backend` (`engine/gpu_tier.py`;
         None: every expert on the device; "auto": sized from the device's free memory, `auto_tier`),
         filled by `policy` from the host cache (which reads from disk what it lacks). `slots`: KV-cache
         slots, one per sequence decoded together (`--parallel`). `trunk_bytes`: the trunk's weights.
+        `memory`: `backend`'s, the trunk copied there at load (`engine/trunk_release.py`); else made here.
 
         Raises:
             MoestreamError: several slots for a model with linear-attention layers.
@@ -166,9 +168,11 @@ class GgmlRunner(ModelRunner):
         # routed expert in stacks of its own (`_on_device`), the step one graph
         if backend is not None:
             Net.check_query_mode()
-        self.memory = DeviceMemory(backend) if backend is not None else None
-        # the device's memory before this runner takes any (its KV cache is counted in what it keeps)
-        measured = backend.memory() if backend is not None and gpu_tier == AUTO else (0, 0)
+        if memory is None and backend is not None:
+            memory = DeviceMemory(backend)
+        self.memory = memory
+        # the device's memory before the trunk and this runner took any (both counted in what it keeps)
+        measured = memory.before if memory is not None and gpu_tier == AUTO else (0, 0)
         self._device: tuple[tuple, dict[int, ExpertTypes], Whole] | None = None  # (key, types, slots)
         self._stacks: list[Region] = []  # the experts' stacks on the device
         if self.memory is not None:

@@ -32,13 +32,16 @@ from moestream.engine.prompts import context_size
 from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import Counters
 from moestream.engine.trunk import ggml_spec, make_runner, runner_backend
+from moestream.engine.trunk_release import TrunkOnDevice, upload_trunk
 from moestream.engine.unused import refuse_unused
 from moestream.errors import MoestreamError
+from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.graphs import set_threads as ggml_threads
 from moestream.ggml.host import default_threads
 from moestream.io.reader import CheckpointFiles, Reader
 from moestream.model.arch import arch_for, num_experts, text_config, top_k
 from moestream.model.loader import build_model, router_modules, streaming_modules, trunk_tensors
+from moestream.model.quantized import block_bytes
 from moestream.runtime.checks import check_experts
 from moestream.runtime.expert_layers import ExpertLayers
 from moestream.runtime.experts import ExpertRuntime
@@ -94,6 +97,18 @@ class LoadedModel:
             # the ggml graphs' view of the model, when they run it (before the experts' formats are chosen)
             self.spec, self.no_graph = ggml_spec(self.model, options.trunk, self.device, options.ggml_device)
             self.trunk = TrunkLock(self.model)  # the trunk is anonymous memory (read, not mapped): lockable
+            self.trunk_blocks = block_bytes(self.model)  # (read before a backend takes the trunk)
+            # the ggml backend the graphs compute on (None: the CPU in place), the runner's once it is built;
+            # there the trunk is copied to the device and its host copy given back (but the routers') before
+            # it is locked and the cache sized and taken (`engine/trunk_release.py`)
+            self.trunk_device: TrunkOnDevice | None = None
+            memory = None
+            backend = runner_backend(self.spec, self.threads, self.options.ggml_device)
+            if backend is not None:
+                stack.callback(backend.close)
+                memory = DeviceMemory(backend)
+                stack.callback(memory.close)  # (before the backend's)
+                self.trunk_device = upload_trunk(self.model, self.spec, memory, self.trunk)
             if self.options.lock_memory:
                 self.trunk.lock()
             stack.callback(self.trunk.unlock)
@@ -115,12 +130,8 @@ class LoadedModel:
             self.streaming = self._build_streaming()
             stack.callback(lambda: self.streaming.close())  # the one in use then (a restream replaces it)
             self.experts = ExpertLayers(self.streaming, self.top_k)
-            # the ggml backend the graphs compute on (None: the CPU in place), the runner's once it is built
-            backend = runner_backend(self.spec, self.threads, self.options.ggml_device)
-            if backend is not None:
-                stack.callback(backend.close)
-                if self.parallel_auto is not None and self.options.parallel > 1:
-                    self._device_parallel(backend)
+            if memory is not None and self.parallel_auto is not None and self.options.parallel > 1:
+                self._device_parallel(memory)
             # what computes the steps, chosen once: it owns the static cache, graphs, ggml KV cache
             self.runner: ModelRunner = make_runner(
                 self.model,
@@ -137,6 +148,7 @@ class LoadedModel:
                 self.options.parallel,
                 self.trunk.nbytes,
                 backend,
+                memory,
             )
             stack.callback(self.runner.close)  # its graphs and static cache: before the slots they read
             self._trunk_base = self.runner.describe()
@@ -195,7 +207,7 @@ class LoadedModel:
         if self.device.type == "cuda":
             self.model.to(self.device)  # every non-expert weight; StreamingExperts has none
 
-    def _device_parallel(self, backend: Any) -> None:
+    def _device_parallel(self, memory: Any) -> None:
         """--parallel auto on a ggml backend: of the slots the host's plan allowed, the most the device's
         memory holds beside the trunk and the experts (`device_parallel`), said with the host's words
         where the host allowed fewer than the most."""
@@ -203,7 +215,7 @@ class LoadedModel:
 
         host, host_words = self.options.parallel, self.parallel_auto
         slots, words = device_parallel(
-            backend,
+            memory,
             self.spec,
             self.experts,
             self.ctx_size,

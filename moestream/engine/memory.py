@@ -245,3 +245,12 @@ class TrunkLock:
             for address, nbytes in self.ranges:
                 unlock_range(address, nbytes)
             self.locked = False
+
+    def keep_only(self, ranges: list[tuple[int, int]]) -> None:
+        """Hold only the host ranges [start, end) (the rest given back, `engine/trunk_release.py`): all
+        unlocked, those locked again where the trunk was (`nbytes` stays the trunk's)."""
+        was = self.locked
+        self.unlock()
+        self.ranges = [(start, end - start) for start, end in ranges]
+        if was:
+            self.lock()

@@ -21,7 +21,7 @@ from moestream.engine.memory import (
 )
 from moestream.engine.model_description import ModelDescription
 from moestream.engine.options import AUTO, EngineOptions
-from moestream.model.loader import trunk_tensors
+from moestream.model.loader import is_router_tensor, trunk_tensors
 from moestream.runtime.streaming import host_cache_bytes
 from moestream.store.tensors import LazyTensor, QuantizedTensor
 
@@ -55,7 +55,10 @@ def memory_need(
     model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
 ) -> MemoryNeed:
     """The run's expert cache (or pinned staging slots), trunk, KV cache and working memory
-    (`tensors`: the trunk as `trunk_tensors` gives it for these options, looked up when None)."""
+    (`tensors`: the trunk as `trunk_tensors` gives it for these options, looked up when None). On ggml's
+    CUDA backend (`options.ggml_device`) the trunk's host copy is given back at load but the routers'
+    (`engine/trunk_release.py`, before the cache is taken): only those are counted (the load's own need,
+    the whole trunk, is `load_need`'s)."""
     name = options.trunk_dtype or options.dtype
     dtype = None if name == "auto" else getattr(torch, name)
     keep = options.trunk_dtype is None
@@ -64,6 +67,9 @@ def memory_need(
     config = options.stream_config()
     host = host_cache_bytes(model.emap, config, model.top_k, model.device)
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
+    if options.ggml_device is not None:  # given back at load but the routers' (`engine/trunk_release.py`)
+        routers = {k: t for k, t in tensors.items() if is_router_tensor(k)}
+        trunk = trunk_bytes(routers, dtype, keep_blocks=keep)
     on_host = model.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
     # so it is on ggml's CUDA backend (--device cuda resolved to it: torch's side of the run is the CPU,
     # and the runner's host tensors only name the device's copies, never written)
@@ -79,12 +85,35 @@ def memory_need(
     return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
 
 
+def load_need(
+    model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
+) -> MemoryNeed | None:
+    """On ggml's CUDA backend (`options.ggml_device`), what the load holds before the trunk's host copy is
+    given back (`engine/trunk_release.py`; the expert cache is taken after): the whole trunk and working
+    memory; None elsewhere (`memory_need` counts the trunk). `tensors`: as for `memory_need`."""
+    if options.ggml_device is None:
+        return None
+    name = options.trunk_dtype or options.dtype
+    dtype = None if name == "auto" else getattr(torch, name)
+    keep = options.trunk_dtype is None
+    if tensors is None:
+        tensors = trunk_tensors(model.source, model.config, model.arch, model.emap, keep)
+    trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
+    return MemoryNeed(
+        [("the trunk, read before it is copied to the GPU", trunk), ("working memory", WORKING_BYTES)]
+    )
+
+
 def plan_memory(
     model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
 ) -> EngineOptions:
     """Refuse a run that cannot fit (MemoryBudgetError); the options to run with (unlocked where
     RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`. An auto budget is checked at its
-    smallest here, before anything is read, and sized once the trunk is in (`auto_budget.size_auto`)."""
+    smallest here, before anything is read, and sized once the trunk is in (`auto_budget.size_auto`).
+    On ggml's CUDA backend the load's own need (`load_need`) is checked too."""
+    loading = load_need(model, options, tensors)
+    if loading is not None:
+        check_memory(loading, memory_rooms())
     part = CACHE if model.device.type != "cuda" else "the pinned staging slots"
     if options.auto:
         minimum = budget_requirements(model.emap, model.top_k)[0]

@@ -73,13 +73,15 @@ def make_runner(
     parallel: int = 1,
     trunk_bytes: int = 0,
     backend: Any = None,
+    memory: Any = None,
 ) -> ModelRunner:
     """The runner `mode` asks for (its `describe()`: the mode line's trunk words), reaching the routed
     experts through `experts`. `spec`, `no_graph`: what `ggml_spec` said. `gpu_tier`: bytes of device
     expert slots for the ggml graphs on a backend, filled by `policy` (`engine/gpu_tier.py`). `parallel`:
     the ggml runner's KV-cache slots (sequences decoded together). `trunk_bytes`: the trunk's weights, for
     a GPU tier sized from the device's free memory (`--gpu-tier auto`). `backend`: the ggml backend the
-    graphs compute on (`runner_backend`; None: the CPU in place), which the runner then owns.
+    graphs compute on (`runner_backend`; None: the CPU in place), which the runner then owns, with
+    `memory`, its `DeviceMemory` where the trunk was copied there at load (`engine/trunk_release.py`).
 
     Raises:
         MoestreamError: `--trunk graphs` (or static, layer-graphs) was asked for and this model's step
@@ -92,7 +94,7 @@ def make_runner(
         from moestream.engine.ggml_runner import GgmlRunner
 
         args = (spec, experts, ctx_size, threads, backend, gpu_tier, policy)
-        return GgmlRunner(*args, slots=parallel, trunk_bytes=trunk_bytes)
+        return GgmlRunner(*args, slots=parallel, trunk_bytes=trunk_bytes, memory=memory)
     if gpu_tier is not None:
         raise MoestreamError(
             "--gpu-tier sizes the expert slots of the ggml graphs on ggml's CUDA backend (--device cuda), "

@@ -8,7 +8,10 @@ regions in a buffer of the device and hands the graphs the device's address inst
 - a region registered as `io` (the step's inputs and outputs) is copied to the device before each
   compute where the graph reads it, and back after it where the graph writes it (`Net.run`);
 - `device` regions exist on the device alone (the KV cache; expert stacks, `alloc`);
-- any other host address the builders hand over is a weight: copied once, when first seen.
+- any other host address the builders hand over is a weight: copied once, when first seen, or all
+  at once by `upload_weights` (the trunk at load, whose host copy is then given back, `release_host`:
+  a graph that reads a given-back range outside what was copied raises instead of copying pages that
+  read as zeros).
   Host ranges that must never be taken for weights (the expert cache's slots, whose contents change)
   are `forbid`den: translating one raises.
 
@@ -218,6 +221,14 @@ class DeviceMemory:
     _next: int = 0
     _forbidden: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, what)
     _pinned: list[tuple[int, int]] = field(default_factory=list)  # host ranges `pin_host` registered
+    _released: list[tuple[int, int]] = field(default_factory=list)  # (start, end), sorted: `release_host`
+    # what keeps the host addresses of weights and released ranges allocated (no new tensor takes them)
+    _held: list[object] = field(default_factory=list)
+    # (free, total) bytes of the device when this was made, before anything was placed (`Backend.memory`)
+    before: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.before = self.backend.memory()
 
     @property
     def lib(self) -> Library:
@@ -240,6 +251,49 @@ class DeviceMemory:
         """Host bytes that must never be taken for a weight (they change): translating them raises."""
         if (start, start + nbytes, what) not in self._forbidden:
             self._forbidden.append((start, start + nbytes, what))
+
+    def upload_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy the host tensors (name, tensor) to the device now, as weights: one region per run of
+        overlapping ranges (a view inside another tensor is found in its region). Their storages are
+        held until `close`. Returns the bytes placed.
+
+        Raises:
+            ValueError: a tensor off the host, or a range that overlaps a region placed before.
+        """
+        ranges = []
+        for name, t in tensors:
+            if t.device.type != "cpu":
+                raise ValueError(f"{name}: a weight to copy must be a host tensor")
+            if t.numel():
+                ranges.append((t.data_ptr(), t.data_ptr() + t.nbytes, name))
+                self._held.append(t.untyped_storage())
+        merged: list[list] = []
+        for start, end, name in sorted(ranges):
+            if merged and start < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end, name])
+        for start, end, name in merged:
+            if self._overlaps(start, end):
+                raise ValueError(f"{name}: its host range overlaps one already on the device")
+            self._add(start, end - start, "weight", name)
+        return sum(end - start for start, end, _ in merged)
+
+    def release_host(self, ranges: list[tuple[int, int]], holders: list[object]) -> None:
+        """Host bytes [start, end) given back (`io.memory.drop_pages`; ranges apart from each other): a
+        graph that reads them outside the regions placed before raises. `holders` keep them allocated
+        until `close`."""
+        for r in ranges:
+            bisect.insort(self._released, r)
+        self._held.extend(holders)
+
+    def _overlaps(self, start: int, end: int) -> bool:
+        """Whether host bytes [start, end) meet a region's (the last one starting before `end`)."""
+        k = bisect.bisect_left(self._by_host, (end, -1))
+        if k == 0:
+            return False
+        region = self.regions[self._by_host[k - 1][1]]
+        return region.host + max(1, region.nbytes) > start
 
     def _add(self, host: int, nbytes: int, role: str, name: str) -> Region:
         if host and self._find(self._by_host, host, lambda r: r.host) is not None:
@@ -299,6 +353,13 @@ class DeviceMemory:
                 for start, end, what in self._forbidden:
                     if start <= address < end:
                         raise RuntimeError(f"a graph on the {self.backend.kind} reads {what} on the host")
+                k = bisect.bisect_right(self._released, (address, 1 << 64)) - 1
+                if k >= 0 and self._released[k][0] <= address < self._released[k][1]:
+                    raise RuntimeError(
+                        f"a graph on the {self.backend.kind} reads {nbytes} bytes at {address:#x} of the "
+                        "trunk's host copy, given back at load, that were not copied to the device "
+                        "(`upload_weights`): not a weight of the model's spec"
+                    )
                 region = self._add(address, nbytes, "weight", "")
                 offset = 0
         if offset + nbytes > region.nbytes:
@@ -381,6 +442,8 @@ class DeviceMemory:
         self.regions.clear()
         self._by_host.clear()
         self._by_device.clear()
+        self._released.clear()
+        self._held.clear()
 
 
 def place_tensor(t: int, address: int, buffer: int) -> None:

@@ -10,6 +10,7 @@ line says so).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -178,6 +179,28 @@ def graph_spec(model: nn.Module, config: Any) -> ModelSpec:
         rope_attn=rope.attn,
         copied_bytes=_router_copies(model, layers),
     )
+
+
+def spec_tensors(spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor the spec holds (name, tensor): the weights its graphs read (a `Matrix`'s `ref`, norms,
+    biases, the rope's frequencies), found through its dataclasses, lists, tuples and dicts."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{name}.{f.name}" if name else f.name)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{name}[{i}]")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{name}[{key!r}]")
+
+    walk(spec, "")
+    return found
 
 
 def _router_copies(model: nn.Module, layers: list[Layer]) -> int:

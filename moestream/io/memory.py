@@ -12,6 +12,7 @@ import warnings
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.munlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 # memmove through ctypes releases the GIL, so mmap-mode readers copy in parallel with compute
 memmove = ctypes.memmove
 
@@ -87,6 +88,24 @@ def lock_range(address: int, nbytes: int) -> bool:
 
 def unlock_range(address: int, nbytes: int) -> None:
     _libc.munlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes))
+
+
+def drop_pages(address: int, nbytes: int) -> int:
+    """Give back the pages wholly inside `nbytes` at `address` (anonymous memory the process keeps
+    allocated: they read as zeros afterwards; the partial pages at either end, which other allocations
+    may share, are left). The range must not be locked. Returns the bytes given back.
+
+    Raises:
+        OSError: the kernel refused (a locked page, a range not mapped).
+    """
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
+        return 0
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) of {end - start} bytes: {os.strerror(err)}")
+    return end - start
 
 
 def copy_mapped(dest: int, source: int, nbytes: int) -> int:

@@ -187,6 +187,11 @@ def streaming_modules(model: torch.nn.Module) -> list[tuple[int, StreamingExpert
     return sorted(found, key=lambda item: item[0])
 
 
+def is_router_tensor(name: str) -> bool:
+    """Whether the model parameter `name` is a router module's (`router_modules`)."""
+    return _ROUTER.search(name.rpartition(".")[0]) is not None
+
+
 def router_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """layer index -> the router module of that MoE layer (`mlp.gate`, or `mlp.router` for gpt-oss)."""
     found = {}
