@@ -108,12 +108,12 @@ class Phases:
             setattr(owner, name, self._timed(getattr(owner, name), key))
         call = GgmlRunner.__call__
 
-        def step(runner, ids, cache):
+        def step(runner, ids, cache, greedy=False):
             if len(ids) != 1:  # a prompt's chunk (or a batch's): not counted
-                return call(runner, ids, cache)
+                return call(runner, ids, cache, greedy)
             self.on, self.steps = True, self.steps + 1
             try:
-                return self._timed(call, "step")(runner, ids, cache)
+                return self._timed(call, "step")(runner, ids, cache, greedy)
             finally:
                 self.on = False
 
@@ -342,8 +342,9 @@ def _ceiling(args: argparse.Namespace) -> list[float]:
 
 def _profile(runner, run, n: int = 100) -> dict:
     """Where a decoded token's time goes: the decode step's one graph (the last one used) run `n` times
-    with its copies (`Net.run`), its compute alone (the graph replayed, no copies) and its copies alone;
-    its node count and how many copies of how many bytes go each way."""
+    with its copies (`Net.run`; `_greedy`: with the logits' argmax copied back in their place), its
+    compute alone (the graph replayed, no copies) and its copies alone; its node count and how many
+    copies of how many bytes go each way."""
     nets = [gs.whole[1] for (t, *_), gs in runner._sets.items() if t == 1 and gs.whole is not None]
     if not nets:
         return {}
@@ -364,20 +365,26 @@ def _profile(runner, run, n: int = 100) -> dict:
         backend.compute_async(net.gf)
         backend.synchronize()
 
-    def copies() -> None:
+    # what a step copies back: with its logits, or (a plainly greedy request's) their argmax instead
+    fetched, greedy = net._outputs + net._later, net._outputs + net._instead
+
+    def copies(downloads) -> None:
         for region, offset, nbytes in net._inputs:
             memory.upload(region, offset, nbytes)
-        for region, offset, nbytes in net._outputs:
+        for region, offset, nbytes in downloads:
             memory.download(region, offset, nbytes)
         backend.synchronize()
 
     return {
         "nodes": lib.base.ggml_graph_n_nodes(net.gf),
         "uploads": [len(net._inputs), sum(x[2] for x in net._inputs)],
-        "downloads": [len(net._outputs), sum(x[2] for x in net._outputs)],
+        "downloads": [len(fetched), sum(x[2] for x in fetched)],
+        "downloads_greedy": [len(greedy), sum(x[2] for x in greedy)],
         "run_ms": per_call(lambda: run(net)),
+        "run_greedy_ms": per_call(lambda: run(net, False)),
         "compute_ms": per_call(compute),
-        "copies_ms": per_call(copies),
+        "copies_ms": per_call(lambda: copies(fetched)),
+        "copies_greedy_ms": per_call(lambda: copies(greedy)),
     }
 
 

@@ -94,9 +94,9 @@ def _recorded(engine) -> list[tuple[str, int]]:
         log.append(("decode", len(seqs)))
         return decode(seqs)
 
-    def logged_forward(ids, cache):
+    def logged_forward(ids, cache, greedy=False):
         log.append(("prefill" if len(ids) > 1 else "one", len(ids)))
-        return forward(ids, cache)
+        return forward(ids, cache, greedy)
 
     runner.decode, runner.forward = logged_decode, logged_forward
     return log

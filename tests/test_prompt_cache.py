@@ -124,11 +124,11 @@ def test_a_failed_forward_drops_the_cache_and_the_engine_stays_usable(tiny_dir, 
         # the runner's forward wrapped (the runner stays: the engine asks it for more than its steps)
         step, calls = engine.runner.forward, []
 
-        def failing(ids, cache):
+        def failing(ids, cache, greedy=False):
             calls.append(len(ids))
             if len(calls) == 3:  # the third forward of the next request raises, half-way through the run
                 raise RuntimeError("read error")
-            return step(ids, cache)
+            return step(ids, cache, greedy)
 
         monkeypatch.setattr(engine.runner, "forward", failing)
         with pytest.raises(RuntimeError):

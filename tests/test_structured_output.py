@@ -132,8 +132,8 @@ def _captured_logits(engine):
     """Wrap the runner's forward: every forward's last-position logits, in order."""
     seen, runner = [], engine.runner.forward
 
-    def step(ids, cache):
-        logits, cache = runner(ids, cache)
+    def step(ids, cache, greedy=False):
+        logits, cache = runner(ids, cache, greedy)
         seen.append(logits.detach().double().clone())
         return logits, cache
 

@@ -32,7 +32,7 @@ import torch
 from moestream.engine.prompt_cache import PromptCache, common_prefix
 from moestream.errors import MoestreamError
 
-Step = Callable[[list[int], Any], tuple[torch.Tensor, Any]]
+Step = Callable[..., tuple[torch.Tensor, Any]]
 T = TypeVar("T")
 
 
@@ -111,11 +111,12 @@ class Batcher:
 
     def step(self, slot: int, request: str = "") -> Step:
         """The forward of the request in `slot` (named `request` in traces): (ids, its cache or None) ->
-        (logits [V], its cache); its first forward is its prompt's."""
+        (logits [V], its cache); its first forward is its prompt's. `greedy` changes nothing: a round
+        hands each request its logits as a tensor (a batch's decode step copies back [B, V])."""
         kv = self.runner.seqs[slot]
         phase = ["prefill"]
 
-        def forward(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        def forward(ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor, Any]:
             if cache is None:  # a request from scratch in this slot
                 kv.tokens = 0
             elif cache is not kv:

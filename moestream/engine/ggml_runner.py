@@ -46,6 +46,7 @@ import torch
 from moestream import ggml
 from moestream.cache.policy import EvictionPolicy, LRUPolicy
 from moestream.engine.gpu_tier import auto_tier, expert_bytes, minimum_budget
+from moestream.engine.logits import DeviceLogits
 from moestream.engine.options import AUTO
 from moestream.engine.repacked import REPACK_ROWS, RepackedExperts, RepackedTrunk, trunk_matrices
 from moestream.engine.runners import ModelRunner
@@ -191,6 +192,7 @@ class GgmlRunner(ModelRunner):
         self._token_hits = len(self._moe_layers) * spec.top_k if self._moe_layers else 0
         self._generation = 0  # the expert streaming (`ExpertLayers.generation`) the graph sets read
         self._sets: OrderedDict[tuple, GraphSet] = OrderedDict()
+        self._steps = 0  # steps run and sets closed: whether a step's `DeviceLogits` still hold
         self.tiered: TieredSteps | None = None  # the steps over a GPU tier, when asked for one
         self.auto_words = ""  # --gpu-tier auto: what it chose and why (the mode line)
         # MOESTREAM_GGML_REPACK=1: short steps on repacked copies of the experts (`engine/repacked.py`),
@@ -287,18 +289,23 @@ class GgmlRunner(ModelRunner):
         """Prefill tokens a step feeds at most."""
         return CHUNK if self.memory is None else DEVICE_CHUNK
 
-    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, GgmlKV]:
+    def forward(
+        self, ids: list[int], cache: Any, greedy: bool = False
+    ) -> tuple[torch.Tensor | DeviceLogits, GgmlKV]:
         """`ids` after what `cache` holds (None: a request from scratch in slot 0; else one of `seqs`,
-        which may hold 0 tokens: a request from scratch in that slot), in chunks of `chunk` tokens."""
+        which may hold 0 tokens: a request from scratch in that slot), in chunks of `chunk` tokens.
+        On a backend, a step of one graph leaves the logits there when `greedy` (`DeviceLogits`: its
+        argmax read back alone), and a chunk before the last always (no one reads them)."""
         kv = self._own(cache)
         logits = None
         for start in range(0, len(ids), self.chunk):
             chunk = ids[start : start + self.chunk]
             if kv.tokens + len(chunk) > self.ctx:
                 raise ValueError(f"{kv.tokens + len(chunk)} positions exceed the KV cache's {self.ctx}")
-            logits = self._step(chunk, list(range(kv.tokens, kv.tokens + len(chunk))), (kv.slot,))
+            left = greedy or start + self.chunk < len(ids)
+            logits = self._step(chunk, list(range(kv.tokens, kv.tokens + len(chunk))), (kv.slot,), left)
             kv.tokens += len(chunk)
-        return logits.clone(), kv
+        return (logits.clone() if isinstance(logits, torch.Tensor) else logits), kv
 
     def decode(self, seqs: list[tuple[GgmlKV, int]]) -> torch.Tensor:
         """One token after each sequence's cache (one of `seqs` each, distinct) as one step of B rows:
@@ -367,9 +374,13 @@ class GgmlRunner(ModelRunner):
             gs.rebase(tuple(slot * self.ctx for slot in slots))
         return gs
 
-    def _step(self, ids: list[int], positions: list[int], slots: tuple[int, ...]) -> torch.Tensor:
+    def _step(
+        self, ids: list[int], positions: list[int], slots: tuple[int, ...], left: bool = False
+    ) -> torch.Tensor | DeviceLogits:
         """One step: one sequence's `ids` at `positions` in slot slots[0], or one token of each of
-        len(slots) sequences (a batch); the logits of its last position [V] (a batch: [B, V])."""
+        len(slots) sequences (a batch); the logits of its last position [V] (a batch: [B, V]). `left`
+        (one sequence): a backend's graph of the whole step leaves them there (`_left`)."""
+        self._steps += 1  # the logits a step before left on the device are overwritten now
         T = len(ids)
         batch = len(slots) > 1
         last = not batch and not self.experts.every_position()
@@ -391,8 +402,10 @@ class GgmlRunner(ModelRunner):
             with kern._lock, contextlib.nullcontext() if cpu else kern.hold():
                 self.tiered.step(gs, lambda layer, n: self._place(self._experts(layer, b, n), b))
             return b.logits
+        net = None
         if self.memory is not None:  # the device: the step one graph over its expert stacks
-            gs.whole_graph(self._on_device()[2]).run()
+            net = gs.whole_graph(self._on_device()[2])
+            net.run(fetch=not left)
             first = {}
         else:
             first = self.experts.resident_slots()
@@ -411,7 +424,7 @@ class GgmlRunner(ModelRunner):
                 rows = [gs.rows(layer) for layer in self._moe_layers]
                 hits = sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(b.routed, rows))
             self.experts.count_resident(hits)
-            return b.logits
+            return self._left(gs, net) if net is not None and left else b.logits
         pinned: tuple[int, list[int]] | None = None  # (layer, experts) to unpin
         with kern._lock, kern.hold():
             try:
@@ -431,6 +444,24 @@ class GgmlRunner(ModelRunner):
                 if pinned is not None:
                     self.experts.unpin(*pinned)
         return b.logits
+
+    def _left(self, gs: GraphSet, net: Net) -> torch.Tensor | DeviceLogits:
+        """The logits a backend's step left there: its argmax as their greedy token, the logits copied
+        back on demand until the next step; where the argmax may not be numpy's (tied maxima, a NaN:
+        `LayerGraphs.greedy`), copied back now."""
+        token = gs.buf.greedy_token()
+        if token is None:
+            net.fetch()
+            return gs.buf.logits
+        step = self._steps
+
+        def fetch() -> torch.Tensor:
+            if self._steps != step:
+                raise RuntimeError("a step's logits left on the device are overwritten by the next step")
+            net.fetch()
+            return gs.buf.logits.clone()
+
+        return DeviceLogits(token, fetch)
 
     def _device_types(self) -> dict[int, ExpertTypes]:
         """Each MoE layer's experts as the device's graphs see them: its GPU tier's slots, or the stacks
@@ -578,6 +609,7 @@ class GgmlRunner(ModelRunner):
             self._repacked = None
 
     def close_sets(self) -> None:
+        self._steps += 1  # logits left on a set's device buffers go with it
         for gs in self._sets.values():
             gs.close()
         self._sets.clear()

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from moestream.engine.detokenize import TextStream
-from moestream.engine.loop import ContinuationError, token_stream
+from moestream.engine.logits import DeviceLogits
+from moestream.engine.loop import ContinuationError, Step, token_stream
 from moestream.engine.prompt_cache import KVState
 from moestream.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from moestream.engine.stats import GenerationStats, PhaseStats
@@ -79,9 +80,7 @@ def run_request(
             engine.floor.end()
 
 
-def _stepper(
-    engine: Any, request_id: str, position: int, slot: int | None = None
-) -> Callable[[list[int], Any], tuple[torch.Tensor, Any]]:
+def _stepper(engine: Any, request_id: str, position: int, slot: int | None = None) -> Step:
     """The forward step, its checkpoint files checked after it (in `slot`: handed to the batch's rounds,
     which check them once a round), telling the trace recorder and the routing replay (if any) what each
     forward covers."""
@@ -93,12 +92,12 @@ def _stepper(
         return forward
     phase = "prefill"
 
-    def step(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+    def step(ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor | DeviceLogits, Any]:
         nonlocal position, phase
         for listener in listeners:
             listener.forward(request_id, phase, position)
         position, phase = position + len(ids), "decode"
-        return forward(ids, cache)
+        return forward(ids, cache, greedy=greedy)
 
     return step
 
@@ -108,7 +107,7 @@ def _tokens(
     ids: list[int],
     params: SamplingParams,
     cancelled: Callable[[], bool],
-    step: Callable[[list[int], Any], tuple[torch.Tensor, Any]],
+    step: Step,
     state: KVState,
     tools: ToolSession | None = None,
 ) -> Iterator[Generation]:
@@ -125,7 +124,7 @@ def _tokens(
     grammar = params.output_grammar
     constraint = engine.grammars.constraint(grammar) if grammar is not None else None
     sampler = Sampler(params, len(ids), constraint)
-    for token, _ in token_stream(step, ids[cached:], sampler, params.max_tokens, state):
+    for token, _ in token_stream(step, ids[cached:], sampler, params.max_tokens, state, sampler.plain):
         now = time.perf_counter()
         if not tokens:
             prefill_end, after_prefill = now, engine.counters()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moestream.engine.logits import DeviceLogits
 from moestream.engine.stats import TierCounters
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.runtime.expert_layers import ExpertLayers
@@ -38,15 +39,22 @@ class ModelRunner(ABC):
     # to one thread, so that two pools never compete for the cores
     owns_compute_pool = False
 
-    def __call__(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-        """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32 on the host, cache)."""
+    def __call__(
+        self, ids: list[int], cache: Any, greedy: bool = False
+    ) -> tuple[torch.Tensor | DeviceLogits, Any]:
+        """Feed `ids` after what `cache` holds; returns (last-position logits [V] fp32 on the host, cache).
+        `greedy`: the caller takes the logits' argmax alone (`Sampler.plain`); a runner that computes it
+        where the logits are (ggml's on a backend) may then return a `DeviceLogits` in their place, the
+        others return the tensor."""
         # torch's inference mode, entered as `torch.inference_mode` enters it (its guard), without the
         # decorator's per-call context object and clone (a third of the cost, once a decoded token)
         with torch._C._InferenceMode(True):
-            return self.forward(ids, cache)
+            return self.forward(ids, cache, greedy)
 
     @abstractmethod
-    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+    def forward(
+        self, ids: list[int], cache: Any, greedy: bool = False
+    ) -> tuple[torch.Tensor | DeviceLogits, Any]:
         """`__call__`'s step, run under torch's inference mode."""
 
     @abstractmethod
@@ -94,7 +102,7 @@ class TransformersRunner(ModelRunner):
             new_cache = out.past_key_values
         return out.logits[0, -1].float(), new_cache
 
-    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor, Any]:
         logits, new_cache = self.logits(torch.tensor([ids], device=self.device), cache)
         return logits.cpu(), new_cache  # sampling runs on the host
 
@@ -150,7 +158,7 @@ class StaticRunner(TransformersRunner):
     def describe(self) -> str:
         return f"trunk static KV cache of {self.ctx_size} tokens, eager ops"
 
-    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor, Any]:
         return super().forward(ids, self._request_cache(cache))
 
     def _request_cache(self, cache: Any) -> Any:
@@ -194,7 +202,7 @@ class CudaGraphRunner(StaticRunner):
     def describe(self) -> str:
         return f"{self.graphs.describe()} over a static KV cache of {self.ctx_size} tokens"
 
-    def forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor, Any]:
         cache = self._request_cache(cache)
         if len(ids) == 1:
             return self.graphs.step(ids[0]), cache

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from moestream.engine.logits import DeviceLogits
+
 # the settings a model's generation_config.json may give as defaults (vLLM's `--generation-config auto`)
 MODEL_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # OpenAI's ranges
@@ -187,7 +189,11 @@ class Sampler:
             # global generators, CUDA's included: 0.6 ms a request, and a side effect on the caller's RNG)
             self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, context: list[int] | None = None) -> int:
+    def __call__(self, logits: torch.Tensor | DeviceLogits, context: list[int] | None = None) -> int:
+        if isinstance(logits, DeviceLogits):  # left on the device beside their argmax (numpy's)
+            if self.plain:
+                return logits.token
+            logits = logits.tensor()
         if self.plain and logits.dtype is torch.float32 and logits.is_cpu:  # the same argmax, fewer steps
             return int(logits.numpy().argmax())
         if self.constraint is None:

@@ -179,6 +179,9 @@ _BASE_API = {  # name: (restype, argtypes)
     "ggml_sub": (_P, [_P, _P, _P]),
     "ggml_neg": (_P, [_P, _P]),
     "ggml_step": (_P, [_P, _P]),
+    # the greedy token on a backend, and the check that it is numpy's (graphs/layers.py, `greedy`)
+    "ggml_argmax": (_P, [_P, _P]),
+    "ggml_sgn_inplace": (_P, [_P, _P]),
 }
 # Qwen3-Next / Qwen3.5's Gated DeltaNet layers: declared where the library has them (an older ggml
 # loads without them; those families then run transformers' forward, and the mode line says why)

@@ -15,7 +15,9 @@ On a backend (`memory`: a `ggml.backend.DeviceMemory`, e.g. ggml's CUDA), the sa
 the same host addresses: each fixed tensor is placed at the device copy of its host region (`translate`),
 the scratch in a device buffer, and `run` copies the `io` regions' bytes the graph reads to the device
 before computing and the bytes it writes back after (the step's inputs and outputs; weights and the KV
-cache stay on the device).
+cache stay on the device). A result marked `on_demand` (the logits) may be left on the device by
+`run(fetch=False)`, which copies back its stand-ins instead (their argmax), and `fetch` copies it when
+asked.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Net:
         self.memory = memory
         self._inputs: list[tuple[Region, int, int]] = []  # io bytes the graph reads: (region, offset, n)
         self._outputs: list[tuple[Region, int, int]] = []  # ... and writes
+        self._later: list[tuple[Region, int, int]] = []  # ... and writes, copied back on demand
+        self._instead: list[tuple[Region, int, int]] = []  # ... and writes, copied back in their place
+        self._on_demand: dict[int, bool] = {}  # fixed results `run` copies back as `fetch` says: stand-in?
         b = lib.base
         mem = 4 * nodes * b.ggml_tensor_overhead() + b.ggml_graph_overhead_custom(nodes, False)
         self.ctx = b.ggml_init(InitParams(mem, None, True))
@@ -111,6 +116,15 @@ class Net:
         else:  # placed in `finish`, once its strides are final (a builder may set nb after making it)
             self._host[t] = address
         self.fixed.add(t)
+        return t
+
+    def on_demand(self, t: int, stand_in: bool = False) -> int:
+        """Mark the fixed result t as one that `run(fetch=False)` leaves on the device (a backend's) and
+        `fetch` copies back; `stand_in`: one copied back by that run alone (the argmax of logits left
+        there), the others making it needless."""
+        if t not in self.fixed:
+            raise ValueError("only a fixed result is copied back on demand")
+        self._on_demand[t] = stand_in
         return t
 
     def _translate(self) -> None:
@@ -204,8 +218,15 @@ class Net:
                 raise GgmlUnavailableError(f"ggml's {backend.kind} backend cannot compute {op} here")
         for t, region, offset, nbytes in self._io:
             written = GgmlTensor.from_address(t).op != 0  # a result, not a leaf (GGML_OP_NONE)
-            (self._outputs if written else self._inputs).append((region, offset, nbytes))
+            if not written:
+                copies = self._inputs
+            elif t in self._on_demand:
+                copies = self._instead if self._on_demand[t] else self._later
+            else:
+                copies = self._outputs
+            copies.append((region, offset, nbytes))
         self._inputs, self._outputs = _coalesce(self._inputs), _coalesce(self._outputs)
+        self._later, self._instead = _coalesce(self._later), _coalesce(self._instead)
 
     def place(self, scratch: int, work: int, buffer: int = 0) -> None:
         """Put the scratch tensors at `scratch` (scratch_bytes long) and the plan's work buffer at `work`
@@ -221,8 +242,10 @@ class Net:
             self._plan.work_data = work
             self._plan_ref = C.byref(self._plan)
 
-    def run(self) -> None:
-        """Compute (the caller holds the pool's lock); on a backend, with the io bytes copied around it."""
+    def run(self, fetch: bool = True) -> None:
+        """Compute (the caller holds the pool's lock); on a backend, with the io bytes copied around it:
+        the `on_demand` results' where `fetch`, else their stand-ins' (`fetch()` copies them later, before
+        the next run)."""
         if self.memory is None:
             compute_graph(self.lib, self.gf, self._plan_ref)
             return
@@ -232,7 +255,18 @@ class Net:
         memory.backend.compute_async(self.gf)
         for region, offset, nbytes in self._outputs:
             memory.download(region, offset, nbytes)
+        for region, offset, nbytes in self._later if fetch else self._instead:
+            memory.download(region, offset, nbytes)
         memory.backend.synchronize()
+
+    def fetch(self) -> None:
+        """Copy back the `on_demand` results the last `run(fetch=False)` left on the device (on the CPU
+        every result is in place: nothing to do)."""
+        if self.memory is None:
+            return
+        for region, offset, nbytes in self._later:
+            self.memory.download(region, offset, nbytes)
+        self.memory.backend.synchronize()
 
     def close(self) -> None:
         self.ctx = free_context(self.lib, self.ctx)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream import ggml
-from moestream.ggml.backend import DeviceMemory
+from moestream.ggml.backend import LEAD, DeviceMemory
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import Arena, Net
 from moestream.graphs.layers import LayerGraphs, StepBuffers
@@ -58,7 +58,9 @@ class GraphSet:
 
             self.buf.gather(alloc)
             for name, t in self.buf.tensors():
-                memory.register(t, "device" if name in device_only else "io", name)
+                # the logits with a lead: the argmax's check reads the float before them on a -1
+                lead = LEAD if name == "logits" else 0
+                memory.register(t, "device" if name in device_only else "io", name, lead)
         self.pool = pool
         self.segments = segments
         # a batch's KV views (`LayerGraphs.kv_views`): each built over `segments`' rows, pointed at the
@@ -202,7 +204,8 @@ def set_bytes(
     """Bytes of one graph set of `tokens` x `span`, laid out as `GraphSet` lays it out over meta tensors
     (nothing is allocated): the largest graph's scratch and work, the step's buffers, and what a fused
     graph adds for the routed experts (`inter`: their intermediate size; gate, up and SwiGLU [I, K, T],
-    down [H, K, T], f32; the whole step's graph, its scratch shared by liveness, stays within these)."""
+    down [H, K, T], f32; the whole step's graph, its scratch shared by liveness, stays within these, but
+    for the argmax's check on a backend: [V] f32, `LayerGraphs.greedy`)."""
     with torch.device("meta"):
         buf = StepBuffers.make(spec, tokens, span, experts)
     build = LayerGraphs(spec, kv, buf)
@@ -218,4 +221,5 @@ def set_bytes(
             net.close()
     moe = any(layer.router is not None for layer in spec.layers)
     fused = 4 * spec.top_k * tokens * (3 * inter + spec.hidden) if moe else 0
-    return scratch + work + fused + sum(t.nbytes for _, t in buf.tensors())
+    check = 4 * spec.vocab
+    return scratch + work + fused + check + sum(t.nbytes for _, t in buf.tensors())

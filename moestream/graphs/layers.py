@@ -73,6 +73,9 @@ class StepBuffers:
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
     weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
     logits: torch.Tensor  # f32 [V], or [B, V] for a batch of B sequences (one token each)
+    # i32 [2] of one sequence (a batch's: empty): on a backend, the logits' argmax and its check's f32
+    # bits (`LayerGraphs.greedy`)
+    argmax: torch.Tensor
     slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
     outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
     # i32 [T, K]: a `mixed` graph's choice of each (token, k) output: t*K + k, the device's from its slot,
@@ -80,8 +83,10 @@ class StepBuffers:
     pick: torch.Tensor
     routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
     zeros: torch.Tensor  # i32 [T] of a batch (else empty): every row's matrix in `LayerGraphs.product`
-    # not a field: numpy views of the inputs and the masks' rows as written (`set_inputs`), made on first use
+    # not fields: numpy views of the inputs and the masks' rows as written (`set_inputs`), and of the
+    # argmax and its check (`greedy_token`), made on first use
     _host = None
+    _argmax = None
 
     @classmethod
     def make(cls, spec: ModelSpec, tokens: int, span: int, experts: int, seqs: int = 1) -> StepBuffers:
@@ -98,6 +103,7 @@ class StepBuffers:
             order=torch.zeros(tokens, experts, dtype=torch.int32),
             weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
             logits=torch.zeros(*((seqs,) if seqs > 1 else ()), spec.vocab, **f32),
+            argmax=torch.zeros(2 if seqs == 1 else 0, dtype=torch.int32),
             slots=torch.zeros(tokens, k, dtype=torch.int32),
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
             pick=torch.zeros(tokens, k, dtype=torch.int32),
@@ -124,7 +130,7 @@ class StepBuffers:
                 setattr(self, name, tuple(moved.get(id(t), t) for t in value))
             else:
                 setattr(self, name, moved.get(id(value), value))
-        self._host = None  # its views were of the tensors before
+        self._host = self._argmax = None  # their views were of the tensors before
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every buffer (of a pair, each), named, non-empty: what a backend mirrors."""
@@ -167,6 +173,15 @@ class StepBuffers:
             wruns = host.window_runs
             for i, p in enumerate(positions):
                 wruns[i] = _zero_run(host.window[i], max(0, p - window + 1), p, wruns[i])
+
+    def greedy_token(self) -> int | None:
+        """The argmax the step's graph wrote (`LayerGraphs.greedy`) where it is numpy's (the only maximum,
+        no NaN), else None: numpy's argmax of the logits decides."""
+        if self._argmax is None:
+            both = self.argmax.numpy()
+            self._argmax = (both[:1], both[1:].view(np.float32))
+        token, check = int(self._argmax[0][0]), float(self._argmax[1][0])
+        return token if token >= 0 and check == 1 - self.logits.shape[-1] else None
 
     def _views(self) -> _HostViews:
         self._host = _HostViews(self)
@@ -335,7 +350,10 @@ class LayerGraphs:
                 if self.tokens > 1:  # the routing, for the cache's counts (one token: K experts a layer)
                     outputs.append(net.fix(net.cont(carry.top), self.buf.routed[moe].data_ptr()))
                 moe += 1
-        return [*outputs, *self.head(net, carry=carry)]
+        head = self.head(net, carry=carry)
+        if net.memory is not None and not self.batch:  # the greedy token, read back without the logits
+            head += self.greedy(net, head[0])
+        return [*outputs, *head]
 
     def _layer(self, net: Net, layer: Layer, x: int) -> Carry:
         """One decoder layer on the residual stream x [H, T]: its nodes the next layer or the caller
@@ -368,6 +386,30 @@ class LayerGraphs:
         if self.batch:  # [V, B] out of a reshape: a view, and a fixed result must be a node of its own
             logits = net.cont(logits)
         return [net.fix(logits, self.buf.logits.data_ptr())]
+
+    def greedy(self, net: Net, logits: int) -> list[int]:
+        """The argmax of the fixed logits [V] (the greedy token) and its check, into `buf.argmax`: a run
+        copies back either these 8 bytes or the logits (`Net.on_demand`). On a backend: the CPU path takes
+        numpy's argmax of its logits in place (ggml's CPU argmax is a scalar loop).
+
+        numpy's argmax is the first maximum, or the first NaN; ggml's (llama-cpp-python 0.3.36's) is not,
+        where the maximum is tied or a logit is NaN. The CPU's (ggml-cpu/vec.h, ggml_vec_argmax_f32:
+        `max = MAX(max, x[i]); if (max == x[i]) { idx = i; }` from idx 0) is the last maximum, and a NaN
+        restarts its running maximum at the logit after it. CUDA's (ggml-cuda/argmax.cu, argmax_f32: each
+        thread keeps `val > maxval` over its strided columns from -FLT_MAX and -1, then its warp and the
+        block reduce by `val > maxval` through xor shuffles) is one of the tied maxima by lane, not the
+        first (maxima at columns 1 and 2: 2), skips NaN, and is -1 where no logit exceeds -FLT_MAX. Both
+        are numpy's exactly where one logit is above every other and none is NaN, which the check tells:
+        sum(sgn(logits - logits[argmax])) is 1 - V then and only then (-1 a logit below, 0 equal or NaN,
+        1 above: integers below 2^24, exact in any order of summing). Elsewhere the runner copies the
+        logits back and numpy decides. A -1 reads the float before the logits: the zeroed lead of their
+        region (`DeviceMemory.register`)."""
+        V, at = self.spec.vocab, self.buf.argmax.data_ptr()
+        net.on_demand(logits)
+        token = net.on_demand(net.fix(net.argmax(logits), at), stand_in=True)  # i32 [1]
+        best = net.get_rows(net.reshape_2d(logits, 1, V), token)  # [1, 1]: logits[token]
+        terms = net.sgn_inplace(net.sub(logits, best))  # [V]
+        return [token, net.on_demand(net.fix(net.sum_rows(terms), at + 4), stand_in=True)]
 
     # --- the pieces every mixer and FFN builds with ---------------------------------------------
 

@@ -34,7 +34,7 @@ POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
     "predictive": PredictivePolicy,
 }
 ReaderFactory = Callable[[str, int], Reader]  # (io_mode, io_threads) -> Reader
-Step = Callable[[list[int], Any], tuple[torch.Tensor, Any]]  # (ids, KV cache) -> (logits, KV cache)
+Step = Callable[..., tuple[Any, Any]]  # (ids, KV cache, greedy=) -> (logits, KV cache)
 _PREFETCH_LINE = {
     "off": "",
     "on": ", next-layer prefetch (confident guesses)",
@@ -189,11 +189,11 @@ class ExpertStreaming:
         being rewritten raises before its logits can be sampled, so no token computed from changed bytes
         is ever presented. A write moves the file's mtime before it changes any byte a read can see, so
         a check after the forward covers every read the forward waited for (fstat + stat per shard:
-        BENCHMARKS.md, "A checkpoint changed during a request")."""
+        BENCHMARKS.md, "A checkpoint changed during a request"). Keywords go to `step` (`greedy`)."""
 
-        def run(ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
+        def run(ids: list[int], cache: Any, **kwargs: Any) -> tuple[Any, Any]:
             try:
-                out = step(ids, cache)
+                out = step(ids, cache, **kwargs)
             except CheckpointChangedError:  # a read that failed because the file changed under it
                 self.suspect = True
                 raise
