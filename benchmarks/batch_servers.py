@@ -18,9 +18,10 @@ and one warm-up round of N requests, each run sends S distinct code prompts at o
 over --reps: the aggregate decode rate (the sum of each request's `timings.predicted_per_second`: they
 decode side by side), the wall rate (every generated token over the time from the first send to the last
 answer, prefill included), each server's aggregate at S over its aggregate at one stream, and the
-moestream/llama-server ratios at each S. moestream's expert bytes read per generated token come from
-its /metrics. Without --llama-server only moestream runs. Server logs go next to --out (else a temporary
-directory); the servers are stopped on every exit path. llama-server must not see a GPU
+moestream/llama-server ratios at each S. moestream's expert bytes read per generated token, and its
+batch's decode steps and their mean rows (how many requests a step carried), come from its /metrics.
+Without --llama-server only moestream runs. Server logs go next to --out (else a temporary directory);
+the servers are stopped on every exit path. llama-server must not see a GPU
 (`CUDA_VISIBLE_DEVICES=`) for a CPU-only comparison: `-ngl 0` alone still lets a CUDA build offload
 large prompt batches.
 """
@@ -104,21 +105,28 @@ def complete(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
     }
 
 
-def expert_bytes(client: httpx.Client, url: str) -> float | None:
-    """moestream's moestream_expert_bytes_read counter from /metrics (None for servers without it)."""
+COUNTERS = ("expert_bytes_read", "decode_steps", "decode_rows")  # moestream's, from /metrics
+
+
+def counters(client: httpx.Client, url: str) -> dict[str, float]:
+    """moestream's COUNTERS from /metrics (those it has; none for servers without them)."""
     try:
         res = client.get(f"{url}/metrics")
     except httpx.HTTPError:
-        return None
+        return {}
     if res.status_code != 200:
-        return None
-    match = re.search(r"^moestream_expert_bytes_read(?:_total)? (\S+)$", res.text, re.M)
-    return float(match.group(1)) if match else None
+        return {}
+    found = {}
+    for name in COUNTERS:
+        match = re.search(rf"^moestream_{name}(?:_total)? (\S+)$", res.text, re.M)
+        if match:
+            found[name] = float(match.group(1))
+    return found
 
 
 def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
     """S distinct prompts at once, one thread each: the figures of one run."""
-    before = expert_bytes(client, url)
+    before = counters(client, url)
     results: list[dict | BaseException | None] = [None] * streams
     barrier = threading.Barrier(streams)
 
@@ -138,7 +146,8 @@ def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
         if isinstance(r, BaseException):
             raise r
     reqs: list[dict] = results  # type: ignore[assignment]
-    after = expert_bytes(client, url)
+    after = counters(client, url)
+    grew = {k: after[k] - before[k] for k in after if k in before}
     made = sum(r["predicted_n"] for r in reqs)
     wall = max(r["answered"] for r in reqs) - min(r["sent"] for r in reqs)
     short = [r["predicted_n"] for r in reqs if r["predicted_n"] != tokens]
@@ -149,7 +158,10 @@ def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
         "wall": made / wall,
         "wall_s": wall,
         "tokens": made,
-        "mib_per_token": (after - before) / made / MiB if before is not None and after is not None else None,
+        "mib_per_token": grew["expert_bytes_read"] / made / MiB if "expert_bytes_read" in grew else None,
+        # the batch's decode steps in the run and their mean rows (how many requests each step carried)
+        "decode_steps": grew.get("decode_steps"),
+        "rows_per_step": grew["decode_rows"] / grew["decode_steps"] if grew.get("decode_steps") else None,
         "requests": [{k: v for k, v in r.items() if k not in ("sent", "answered")} for r in reqs],
     }
 
@@ -176,9 +188,11 @@ def measure(
                     if server.proc.poll() is not None:
                         raise MoestreamError(f"exited with status {server.proc.returncode}")
                     reps.append(run(client, server.url, s, args.tokens))
+                    rows = reps[-1]["rows_per_step"]
                     print(
                         f"  {s} stream(s): aggregate {reps[-1]['aggregate']:.2f} tok/s, "
-                        f"wall {reps[-1]['wall']:.2f} tok/s",
+                        f"wall {reps[-1]['wall']:.2f} tok/s"
+                        + (f", {rows:.2f} rows a decode step" if rows is not None else ""),
                         flush=True,
                     )
                 entry["runs"][s] = {
