@@ -95,7 +95,9 @@ class GraphSet:
             try:
                 for i in range(len(self.spec.layers) + 1):
                     for with_experts in (False, True) if build.can_fuse(i) else (False,):
-                        net = Net(ggml.library(), memory=self.memory)
+                        net = Net(
+                            ggml.library(), nodes=max(1024, 2 * self._layer_nodes()), memory=self.memory
+                        )
                         if with_experts:
                             fused[i] = net
                         else:
@@ -120,7 +122,7 @@ class GraphSet:
         slots move)."""
         if self.whole is None or self.whole[0] != whole:
             self.drop_whole()
-            nodes = max(1024, 128 * (len(self.spec.layers) + 1))
+            nodes = max(1024, self._layer_nodes() * (len(self.spec.layers) + 1))
             start = len(self.kv_views)  # its views from here on (dropped with it)
             net = Net(ggml.library(), nodes=nodes, memory=self.memory)
             try:
@@ -146,6 +148,11 @@ class GraphSet:
             self.whole, self._whole_views = (whole, net), (start, len(self.kv_views))
             self._place()
         return self.whole[1]
+
+    def _layer_nodes(self) -> int:
+        """Nodes a layer's graph may take: a batch's attention has a few for each sequence (its flash
+        attention, its views: 6 a layer seen)."""
+        return 128 + 10 * (len(self.segments) - 1)
 
     def _place(self) -> None:
         """One scratch and work region for every graph built (they run one at a time)."""
