@@ -422,7 +422,7 @@ class GgmlRunner(ModelRunner):
                     if i + 1 in fused:
                         pinned = self._cached(i, b, gs.rows(i))
                     if pinned is None:
-                        self._place(self._experts(i, b, gs.rows(i)), b)
+                        self._place(self._experts(i, b, gs.rows(i), batch), b)
             finally:
                 if pinned is not None:
                     self.experts.unpin(*pinned)
@@ -523,11 +523,11 @@ class GgmlRunner(ModelRunner):
         b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
         return layer, list(slot)
 
-    def _experts(self, layer: int, b: StepBuffers, n: int) -> Routed:
-        """The schedule on the first `n` tokens' rows."""
+    def _experts(self, layer: int, b: StepBuffers, n: int, apart: bool = False) -> Routed:
+        """The schedule on the first `n` tokens' rows (`apart`: a batch of sequences, one token each)."""
         weights = b.weights[layer % 2][:n]
         k = weights.shape[1]
-        routed = self.experts.compute(layer, b.moe_in[:n], b.order[:n, :k], weights)
+        routed = self.experts.compute(layer, b.moe_in[:n], b.order[:n, :k], weights, apart=apart)
         if routed.weights is not weights:  # a routing replay gives the trace's weights
             weights.copy_(routed.weights)
         return routed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream import ggml
+from moestream.ggml import tiled
 from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import Arena, Net
@@ -151,8 +152,11 @@ class GraphSet:
 
     def _layer_nodes(self) -> int:
         """Nodes a layer's graph may take: a batch's attention has a few for each sequence (its flash
-        attention, its views: 6 a layer seen)."""
-        return 128 + 10 * (len(self.segments) - 1)
+        attention, its views; 6 a layer seen), and its routed experts in groups (`LayerGraphs.routed`)
+        each group's products and sum (2 K + 13 seen)."""
+        batch = len(self.segments)
+        groups = len(tiled.row_groups(self.buf.tokens.numel())) if batch > 1 else 1
+        return 128 + 10 * (batch - 1) + (groups - 1) * (2 * self.spec.top_k + 16)
 
     def _place(self) -> None:
         """One scratch and work region for every graph built (they run one at a time)."""
