@@ -126,7 +126,7 @@ def test_eight_sequences_get_their_logits_alone_with_the_tiled_kernel_on(q4k, wa
 
 
 def test_sixteen_sequences_in_three_groups_get_their_logits_alone(q4k):
-    prompts = [[5 + i, 17 + 3 * i, 33] for i in range(16)]  # 16 rows: groups of 6, 5 and 5
+    prompts = [[5 + i, 17 + 3 * i, 33] for i in range(16)]  # 16 rows: groups of 7, 7 and 2
     got = _run(q4k, prompts, PATHS["one graph a step"], GGML_CPU_TILED_MM="1")
     assert all(got["equal"]), got
 
