@@ -3,8 +3,8 @@ token of each decoded as one step of B rows.
 
 Oracle: the same runner with each sequence run alone (prefill, then a step a token, in slot 0): every
 logit of every step bit for bit (the batched step's products take ggml's vec_dot for every row, as a
-one-row step does, below 8 rows of a K-quant matrix: tests/test_batch_tiled.py; attention runs per
-sequence over its own slot), at every budget (every expert
+one-row step does; from 8 rows, a K-quant matrix's in groups of at most 7: tests/test_batch_tiled.py;
+attention runs per sequence over its own slot), at every budget (every expert
 cached: one graph a step; a few slots: experts streamed between the layers' graphs).
 """
 

@@ -25,7 +25,8 @@ Several sequences at once (`--parallel N`, `engine/batch.py` schedules them): th
 each `ctx` rows of every layer's cache (`GgmlKV.slot`); a prefill chunk or a token decoded alone runs in
 its sequence's slot as above, and `decode` runs one token of each of B sequences as one step of B rows
 (each attends over its own slot's rows, `LayerGraphs.attend`; every other op is row by row, so each
-MoE layer computes each routed expert once over all the rows routed to it). A slot per sequence rather
+MoE layer computes each routed expert once over all the rows routed to it; from 8 rows, a K-quant
+expert once for each group of at most 7 rows that routes to it, `ggml/tiled.py`). A slot per sequence rather
 than llama.cpp's unified cells: a token's attention then spans only its own sequence's positions (a
 unified cache masks the others' cells, which a decode step still walks), a slot is cropped or reset alone
 (the prompt cache per slot), and no cell allocator is needed; the cost is memory reserved for N full
