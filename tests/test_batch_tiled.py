@@ -192,3 +192,11 @@ def test_a_batch_step_hands_no_k_quant_matrix_eight_rows_in_a_node(q4k, monkeypa
                         assert x.ne[2] <= tiled.ROWS, list(x.ne)
                         seen["mul_mat_id, experts"] += 1
     assert all(seen.values()), seen  # both kinds were there to check
+
+
+def test_the_switch_says_1_or_0(q4k, monkeypatch):
+    import moestream
+
+    monkeypatch.setenv("MOESTREAM_GGML_BATCH_GROUPS", "yes")
+    with pytest.raises(Exception, match="MOESTREAM_GGML_BATCH_GROUPS='yes': say 1"):
+        moestream.load(str(q4k), cache="256MiB", trunk="ggml", threads=2)

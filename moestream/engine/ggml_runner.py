@@ -53,6 +53,7 @@ from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.errors import MoestreamError
+from moestream.ggml import tiled
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.ggml.net import Net
@@ -193,6 +194,7 @@ class GgmlRunner(ModelRunner):
         # MOESTREAM_GGML_REPACK=1: short steps on repacked copies of the experts (`engine/repacked.py`),
         # made once every expert is in its slot for good
         self._repack = repack_wanted()
+        tiled.groups_wanted()  # another value than 0 or 1 refused at load, not at the first batch step
         self._repacked: RepackedExperts | None = None
         self._trunk_copy: RepackedTrunk | None = None  # the trunk's, for the same steps (`_host_trunk`)
         try:
