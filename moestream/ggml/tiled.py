@@ -56,9 +56,13 @@ def groups_wanted() -> bool:
 
 @cache
 def tiled_kernel() -> bool:
-    """Whether the loaded ggml takes its tiled kernel from `TILED_ROWS` rows on: it has one, and neither
+    """Whether the loaded ggml takes its tiled kernel from `TILED_ROWS` rows on: it has one, built with
+    AVX (without, ggml_tiled_supported says no to every matrix: an ARM build), and neither
     GGML_CPU_TILED_MM=0 (off) nor GGML_CPU_TILED_MM_FORCE=1 (at any rows) is set, as ggml reads them."""
-    if not hasattr(library().cpu, "ggml_compute_forward_mul_mat_tiled"):
+    cpu = library().cpu
+    if not hasattr(cpu, "ggml_compute_forward_mul_mat_tiled"):
+        return False
+    if not any(getattr(cpu, f"ggml_cpu_has_{isa}", lambda: 0)() for isa in ("avx", "avx2", "avx512")):
         return False
     enabled = _atoi(os.environ.get("GGML_CPU_TILED_MM", "1")) != 0
     forced = _atoi(os.environ.get("GGML_CPU_TILED_MM_FORCE", "0")) == 1
