@@ -3,8 +3,8 @@ token of each decoded as one step of B rows.
 
 Oracle: the same runner with each sequence run alone (prefill, then a step a token, in slot 0): every
 logit of every step bit for bit (the batched step's products take ggml's vec_dot for every row, as a
-one-row step does, below 8 rows of a K-quant matrix: tests/test_batch_tiled.py; attention runs per
-sequence over its own slot), at every budget (every expert
+one-row step does; from 8 rows, a K-quant matrix's in groups of at most 7: tests/test_batch_tiled.py;
+attention runs per sequence over its own slot), at every budget (every expert
 cached: one graph a step; a few slots: experts streamed between the layers' graphs).
 """
 
@@ -234,3 +234,34 @@ def test_requests_joining_and_leaving_reuse_the_decode_sets(tiny_dir):
     first = len(pattern)  # steps of the first pass, each row count and lone slot seen
     assert all(later <= built[first - 1] for later in built[first:]), "a set was built again"
     _as_alone(alone, tokens, seen)
+
+
+CAPACITY = """
+import sys, torch, moestream
+with moestream.load(sys.argv[1], cache="64MiB", trunk="ggml", parallel=40, ctx_size=16) as engine:
+    runner = engine.runner
+    prompts = [[5 + i, 17 + i] for i in range(40)]
+    alone = [runner([3], runner(p, None)[1])[0] for p in prompts]
+    for kv, p in zip(runner.seqs, prompts):
+        kv.tokens = 0
+        runner(p, kv)
+    rows = runner.decode([(kv, 3) for kv in runner.seqs])
+    assert all(torch.equal(row, a) for row, a in zip(rows, alone))
+    print("ok")
+"""
+
+
+def test_a_whole_step_of_forty_sequences_fits_its_graph(tmp_path):
+    """A batch's attention takes a few nodes a sequence in every layer: a step of 40 sequences over 6
+    layers, every expert cached (the whole step one graph), overflowed the 1024 nodes the graph had
+    (ggml aborts: run in a process of its own); each row still gets its logits alone."""
+    import subprocess
+    import sys
+
+    from tiny_models import write_tiny
+
+    path = write_tiny("qwen3_moe", tmp_path / "hf", num_hidden_layers=6)
+    done = subprocess.run(
+        [sys.executable, "-c", CAPACITY, str(path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -7,14 +7,15 @@ whose forward completed the set runs a round for all, while the others sleep on 
 each woken once, when its forward is done (no polling; a request leaving wakes one waiter to lead):
 
 - the single tokens (decoding) as one step of B rows (`GgmlRunner.decode`): each MoE layer acquires the
-  union of their experts and computes each expert once over the rows routed to it;
+  union of their experts and computes each expert once over the rows routed to it (from 8 rows, a
+  K-quant expert once for each group of at most 7 rows that routes to it, `ggml/tiled.py`);
 - then one prefill chunk (at most the runner's chunk) of the request that has waited longest, so a new
   prompt never stalls the running streams for more than one chunk's forward a token.
 
 Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
 a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
 it has alone, each token decoded beside others with the bits it gets alone (`tests/test_batch.py`; from
-8 rows of a K-quant matrix, within ggml's tiled kernel's rounding: README, tests/test_batch_tiled.py).
+8 rows, a K-quant matrix's products in groups of at most 7: `ggml/tiled.py`, tests/test_batch_tiled.py).
 The slot's prompt cache is the slot's own (`PromptCache` per slot): a request takes the free slot whose
 held tokens share the longest prefix with its prompt.
 """

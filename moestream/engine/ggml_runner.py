@@ -25,7 +25,8 @@ Several sequences at once (`--parallel N`, `engine/batch.py` schedules them): th
 each `ctx` rows of every layer's cache (`GgmlKV.slot`); a prefill chunk or a token decoded alone runs in
 its sequence's slot as above, and `decode` runs one token of each of B sequences as one step of B rows
 (each attends over its own slot's rows, `LayerGraphs.attend`; every other op is row by row, so each
-MoE layer computes each routed expert once over all the rows routed to it). A slot per sequence rather
+MoE layer computes each routed expert once over all the rows routed to it; from 8 rows, a K-quant
+expert once for each group of at most 7 rows that routes to it, `ggml/tiled.py`). A slot per sequence rather
 than llama.cpp's unified cells: a token's attention then spans only its own sequence's positions (a
 unified cache masks the others' cells, which a decode step still walks), a slot is cropped or reset alone
 (the prompt cache per slot), and no cell allocator is needed; the cost is memory reserved for N full
@@ -53,6 +54,7 @@ from moestream.engine.runners import ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.errors import MoestreamError
+from moestream.ggml import tiled
 from moestream.ggml.backend import Backend, DeviceMemory, Region
 from moestream.ggml.lib import GgmlUnavailableError
 from moestream.ggml.net import Net
@@ -198,6 +200,7 @@ class GgmlRunner(ModelRunner):
         # MOESTREAM_GGML_REPACK=1: short steps on repacked copies of the experts (`engine/repacked.py`),
         # made once every expert is in its slot for good
         self._repack = repack_wanted()
+        tiled.groups_wanted()  # another value than 0 or 1 refused at load, not at the first batch step
         self._repacked: RepackedExperts | None = None
         self._trunk_copy: RepackedTrunk | None = None  # the trunk's, for the same steps (`_host_trunk`)
         try:
@@ -439,7 +442,7 @@ class GgmlRunner(ModelRunner):
                     if i + 1 in fused:
                         pinned = self._cached(i, b, gs.rows(i))
                     if pinned is None:
-                        self._place(self._experts(i, b, gs.rows(i)), b)
+                        self._place(self._experts(i, b, gs.rows(i), batch), b)
             finally:
                 if pinned is not None:
                     self.experts.unpin(*pinned)
@@ -558,11 +561,11 @@ class GgmlRunner(ModelRunner):
         b.slots[:n].copy_(torch.tensor([[slot[e] for e in row] for row in rows], dtype=torch.int32))
         return layer, list(slot)
 
-    def _experts(self, layer: int, b: StepBuffers, n: int) -> Routed:
-        """The schedule on the first `n` tokens' rows."""
+    def _experts(self, layer: int, b: StepBuffers, n: int, apart: bool = False) -> Routed:
+        """The schedule on the first `n` tokens' rows (`apart`: a batch of sequences, one token each)."""
         weights = b.weights[layer % 2][:n]
         k = weights.shape[1]
-        routed = self.experts.compute(layer, b.moe_in[:n], b.order[:n, :k], weights)
+        routed = self.experts.compute(layer, b.moe_in[:n], b.order[:n, :k], weights, apart=apart)
         if routed.weights is not weights:  # a routing replay gives the trace's weights
             weights.copy_(routed.weights)
         return routed

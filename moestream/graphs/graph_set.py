@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream import ggml
+from moestream.ggml import tiled
 from moestream.ggml.backend import LEAD, DeviceMemory
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import Arena, Net
@@ -97,7 +98,9 @@ class GraphSet:
             try:
                 for i in range(len(self.spec.layers) + 1):
                     for with_experts in (False, True) if build.can_fuse(i) else (False,):
-                        net = Net(ggml.library(), memory=self.memory)
+                        net = Net(
+                            ggml.library(), nodes=max(1024, 2 * self._layer_nodes()), memory=self.memory
+                        )
                         if with_experts:
                             fused[i] = net
                         else:
@@ -122,7 +125,7 @@ class GraphSet:
         slots move)."""
         if self.whole is None or self.whole[0] != whole:
             self.drop_whole()
-            nodes = max(1024, 128 * (len(self.spec.layers) + 1))
+            nodes = max(1024, self._layer_nodes() * (len(self.spec.layers) + 1))
             start = len(self.kv_views)  # its views from here on (dropped with it)
             net = Net(ggml.library(), nodes=nodes, memory=self.memory)
             try:
@@ -148,6 +151,14 @@ class GraphSet:
             self.whole, self._whole_views = (whole, net), (start, len(self.kv_views))
             self._place()
         return self.whole[1]
+
+    def _layer_nodes(self) -> int:
+        """Nodes a layer's graph may take: a batch's attention has a few for each sequence (its flash
+        attention, its views; 6 a layer seen), and its routed experts in groups (`LayerGraphs.routed`)
+        each group's products and sum (2 K + 13 seen)."""
+        batch = len(self.segments)
+        groups = len(tiled.row_groups(self.buf.tokens.numel())) if batch > 1 else 1
+        return 128 + 10 * (batch - 1) + (groups - 1) * (2 * self.spec.top_k + 16)
 
     def _place(self) -> None:
         """One scratch and work region for every graph built (they run one at a time)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moestream.ggml import tiled
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import F16, F32, I32, Net
 from moestream.ggml.repack import Repacker
@@ -83,6 +84,9 @@ class StepBuffers:
     pick: torch.Tensor
     routed: torch.Tensor  # i32 [MoE layers, T, K]: the whole-step graph's routing, each MoE layer's
     zeros: torch.Tensor  # i32 [T] of a batch (else empty): every row's matrix in `LayerGraphs.product`
+    # i32 [T] of a batch of 8 rows or more (else empty): each row's group (`ggml.tiled.row_groups`), its
+    # matrix in `LayerGraphs.product` where the rows go in groups
+    groups: torch.Tensor
     # not fields: numpy views of the inputs and the masks' rows as written (`set_inputs`), and of the
     # argmax and its check (`greedy_token`), made on first use
     _host = None
@@ -109,6 +113,7 @@ class StepBuffers:
             pick=torch.zeros(tokens, k, dtype=torch.int32),
             routed=torch.zeros(sum(x.router is not None for x in spec.layers), tokens, k, dtype=torch.int32),
             zeros=torch.zeros(tokens if seqs > 1 else 0, dtype=torch.int32),
+            groups=_group_ids(tokens if seqs > 1 and tokens >= tiled.TILED_ROWS else 0),
         )
 
     def gather(self, alloc: Callable[[int], torch.Tensor]) -> None:
@@ -294,28 +299,51 @@ class LayerGraphs:
         if prev.router is None:
             return x
         K = prev.router.top_k
+        p = self.experts.get(prev.index)
         if carry is not None:
             first = self.whole.first[prev.index] if self.whole is not None else 0
             moe_in = net.reshape_3d(carry.moe_in, H, 1, T)
-            y = cached_experts(net, self.experts[prev.index], H, moe_in, carry.top, first, carry.top)
-            w = carry.weights3
+            return net.add(x, self.routed(net, p, moe_in, carry.top, first, carry.top, carry.weights3))
+        w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
+        if fused:
+            moe_in = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
+            ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
+            E = self.buf.order.shape[1]  # the expert ids (bias rows): the router's first K
+            order = net.tensor(I32, [E, T], self.buf.order.data_ptr())
+            experts = net.view_2d(order, K, T, 4 * E, 0)
+            if not self.mixed:
+                return net.add(x, self.routed(net, p, moe_in, ids, 0, experts, w))
+            # each output the device's or the host's: rows of [device | host], copied
+            y = cached_experts(net, p, H, moe_in, ids, 0, experts)  # [H, K, T]
+            host = net.tensor(F32, [H, K * T], self.buf.outputs.data_ptr())
+            both = net.concat(net.reshape_2d(y, H, K * T), host, 1)  # [H, 2KT]
+            pick = net.tensor(I32, [K * T], self.buf.pick.data_ptr())
+            y = net.reshape_3d(net.get_rows(both, pick), H, K, T)
         else:
-            if fused:
-                moe_in = net.tensor(F32, [H, 1, T], self.buf.moe_in.data_ptr())
-                ids = net.tensor(I32, [K, T], self.buf.slots.data_ptr())
-                E = self.buf.order.shape[1]  # the expert ids (bias rows): the router's first K
-                order = net.tensor(I32, [E, T], self.buf.order.data_ptr())
-                experts = net.view_2d(order, K, T, 4 * E, 0)
-                y = cached_experts(net, self.experts[prev.index], H, moe_in, ids, 0, experts)  # [H, K, T]
-                if self.mixed:  # each output the device's or the host's: rows of [device | host], copied
-                    host = net.tensor(F32, [H, K * T], self.buf.outputs.data_ptr())
-                    both = net.concat(net.reshape_2d(y, H, K * T), host, 1)  # [H, 2KT]
-                    pick = net.tensor(I32, [K * T], self.buf.pick.data_ptr())
-                    y = net.reshape_3d(net.get_rows(both, pick), H, K, T)
-            else:
-                y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
-            w = net.tensor(F32, [1, K, T], self.buf.weights[(layer - 1) % 2].data_ptr())
+            y = net.tensor(F32, [H, K, T], self.buf.outputs.data_ptr())  # the runtime's outputs
         return net.add(x, moe_sum(net, y, w, H, K, T))
+
+    def routed(self, net: Net, p: ExpertTypes, x: int, ids: int, first: int, experts: int, w: int) -> int:
+        """The routed experts' weighted sum [H, T] from the cache's slots (`cached_experts` on the FFN
+        norm's output x [H, 1, T], slots `first + ids` [K, T], expert ids `experts` [K, T], weights w
+        [1, K, T]). A batch of 8 rows or more on the CPU, over K-quant experts: in groups of at most 7
+        rows (`ggml.tiled`), each group's products nodes of their own (an expert then has at most 7
+        rows in a node: vec_dot, each row's bits alone), the groups' sums concatenated [H, T]."""
+        H, T = self.spec.hidden, GgmlTensor.from_address(x).ne[2]
+        K = GgmlTensor.from_address(ids).ne[0]
+        if not self.batch or net.memory is not None or not tiled.split(p.stored_types(), T):
+            return moe_sum(net, cached_experts(net, p, H, x, ids, first, experts), w, H, K, T)
+        out = None
+        for start, n in tiled.row_groups(T):
+            part = (
+                _tokens(net, x, 2, start, n),
+                _tokens(net, ids, 1, start, n),
+                _tokens(net, experts, 1, start, n),
+            )
+            y = cached_experts(net, p, H, part[0], part[1], first, part[2])
+            s = moe_sum(net, y, _tokens(net, w, 2, start, n), H, K, n)
+            out = s if out is None else net.concat(out, s, 1)
+        return out
 
     def can_fuse(self, layer: int) -> bool:
         """Whether the graph of `layer` (len(layers): the head) has a `fused` variant."""
@@ -463,15 +491,31 @@ class LayerGraphs:
         rows through ggml_mul_mat_id over the one matrix: ggml_mul_mat takes llamafile's sgemm for
         two rows or more, which rounds otherwise than the vec_dot it takes for one, so a token decoded
         beside others would not get the bits it gets alone; mul_mat_id takes vec_dot for every row
-        (the weights still read once for all of them) up to 7 rows of a matrix: from 8 on, a K-quant
-        matrix takes ggml's tiled kernel, which rounds otherwise too (`GGML_CPU_TILED_MM=0` turns it
-        off; tests/test_batch_tiled.py)."""
+        (the weights still read once for all of them) up to 7 rows of a matrix. From 8 on, ggml takes
+        its tiled kernel for a K-quant matrix (chosen per matrix of a mul_mat_id: its rows there), which
+        rounds otherwise too: there, on the CPU, the matrix is given as G matrices at the same address
+        (a stride of 0 between them), row t to its group's (`ggml.tiled.row_groups`, at most 7 rows
+        each; `groups`): one node, its output in the rows' order, the matrix read once a group."""
         if not self.batch:
             return net.mul_mat(self._weight(net, w, [cols, rows]), x)
         T = GgmlTensor.from_address(x).ne[1]
         x3 = net.reshape_3d(x if _contiguous(x) else net.cont(x), cols, 1, T)
-        ids = net.tensor(I32, [1, T], self.buf.zeros.data_ptr())
-        return net.reshape_2d(net.mul_mat_id(self._weight(net, w, [cols, rows, 1]), x3, ids), rows, T)
+        if self._split(net, w, T):
+            weight = net.weight(w, [cols, rows, len(tiled.row_groups(T))])
+            GgmlTensor.from_address(weight).nb[2] = 0  # every group's matrix the one matrix
+            ids = net.tensor(I32, [1, T], self.buf.groups.data_ptr())
+        else:
+            weight = self._weight(net, w, [cols, rows, 1])
+            ids = net.tensor(I32, [1, T], self.buf.zeros.data_ptr())
+        return net.reshape_2d(net.mul_mat_id(weight, x3, ids), rows, T)
+
+    def _split(self, net: Net, w: torch.Tensor | tuple[int, int], rows: int) -> bool:
+        """Whether a batch's product of `rows` rows over the stored matrix `w` goes in groups of at most
+        7 rows (`ggml.tiled`): on the CPU (ggml's CUDA backend has no tiled kernel), not over a repacked
+        copy (its own kernels, which ggml's tiled kernel leaves alone)."""
+        if net.memory is not None or not isinstance(w, tuple) or w[0] in self.trunk:
+            return False
+        return tiled.split(w[1], rows)
 
     def _weight(self, net: Net, w: torch.Tensor | tuple[int, int], ne: list[int]) -> int:
         """A product's weight leaf: over its repacked copy where `trunk` has one (marked with its
@@ -489,10 +533,27 @@ class LayerGraphs:
         return self.linear(net, net.swiglu_split(g, u), mlp.down)
 
 
+def _group_ids(rows: int) -> torch.Tensor:
+    """i32 [rows]: each row's group of `ggml.tiled.row_groups` (empty for none)."""
+    ids = torch.zeros(rows, dtype=torch.int32)
+    for g, (first, n) in enumerate(tiled.row_groups(rows) if rows else ()):
+        ids[first : first + n] = g
+    return ids
+
+
 def _contiguous(t: int) -> bool:
     """Whether the f32 2-D tensor t is laid out row after row with no gap."""
     g = GgmlTensor.from_address(t)
     return g.nb[0] == 4 and g.nb[1] == 4 * g.ne[0]
+
+
+def _tokens(net: Net, t: int, dim: int, start: int, n: int) -> int:
+    """A view of tokens [start, start + n) of t, a 2-D or 3-D tensor whose dimension `dim` (1 or 2) is
+    the tokens'."""
+    g = GgmlTensor.from_address(t)
+    if dim == 1:
+        return net.view_2d(t, g.ne[0], n, g.nb[1], start * g.nb[1])
+    return net.view_3d(t, g.ne[0], g.ne[1], n, g.nb[1], g.nb[2], start * g.nb[2])
 
 
 def _last_column(net: Net, t: int, tokens: int) -> int:

@@ -65,6 +65,12 @@ class ExpertTypes:
             "down": (self.down, self.inter, hidden),
         }
 
+    def stored_types(self) -> tuple[int, ...]:
+        """The ggml types of the kinds computed from the blocks as stored (not from a repacked copy)."""
+        repacked = self.arena.repacked or {} if self.arena is not None else {}
+        kinds = (("gate", self.gate), ("up", self.up), ("down", self.down))
+        return tuple(t for kind, t in kinds if kind not in repacked)
+
     def matrix_bytes(self, hidden: int) -> tuple[tuple[str, int], ...]:
         """(kind, bytes of one expert's matrix of that kind) for gate, up and down, as ggml lays them
         out (a whole number of blocks a row)."""
@@ -129,11 +135,13 @@ class ExpertLayers:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         queued: Callable[[], None] | None = None,
+        apart: bool = False,
     ) -> Routed:
         """Every routed expert's output of `layer` (hidden [T, H], the routing [T, K]), not summed: hits
         at once, each miss as its bytes land (`ExpertRuntime.experts`; a replay's routing where one runs).
-        `queued`: the layer's routing was `heard` already; run once the reads are queued (a read-ahead)."""
-        return self._runtime.experts(layer, hidden, top_k_index, top_k_weights, queued)
+        `queued`: the layer's routing was `heard` already; run once the reads are queued (a read-ahead).
+        `apart`: the rows are a batch of sequences, each to get the bits it gets alone (`ggml.tiled`)."""
+        return self._runtime.experts(layer, hidden, top_k_index, top_k_weights, queued, apart)
 
     def heard(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

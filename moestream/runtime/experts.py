@@ -133,6 +133,7 @@ class ExpertRuntime:
         self.prefetch: PrefetchGate | None = None  # reads the next layer's guesses ahead, when it allows
         self._ahead: dict[int, tuple[int, torch.nn.Module]] = {}  # layer -> (next MoE layer, its router)
         self.replay: Any = None  # a `RoutingReplay`: routing and stale-gate guesses from a recorded trace
+        self._apart = False  # the forward's rows are a batch of sequences (`experts`)
 
     def _plan(self, ggml_floats: bool) -> None:
         """Choose the formats of every (layer, kind) and each layer's `SwitchLayer` over them, once."""
@@ -198,18 +199,25 @@ class ExpertRuntime:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
         queued: Callable[[], None] | None = None,
+        apart: bool = False,
     ) -> Routed:
         """Every routed expert's output, not yet summed (a caller that sums them itself: the ggml graphs).
         With a routing replay, the routing and weights are the trace's (`Routed.rows`, `.weights`).
         `queued`: the caller heard this layer's routing itself (`heard`; these may be some of its pairs):
         it is not heard again, and `queued` runs once the reads of the layer are queued, instead of the
-        read-ahead of `read_ahead`."""
-        if queued is not None:
-            return self._route(layer, hidden, top_k_index.tolist(), top_k_weights, queued)
-        if self.replay is not None:
-            return self._replayed(layer, hidden, top_k_index, top_k_weights)
-        rows, predicted = self._hear(layer, hidden, top_k_index, top_k_weights)
-        return self._route(layer, hidden, rows, top_k_weights, functools.partial(self.read_ahead, predicted))
+        read-ahead of `read_ahead`. `apart`: the rows are a batch of sequences, each to get its bits
+        alone (`SwitchLayer.stage`)."""
+        self._apart = apart
+        try:
+            if queued is not None:
+                return self._route(layer, hidden, top_k_index.tolist(), top_k_weights, queued)
+            if self.replay is not None:
+                return self._replayed(layer, hidden, top_k_index, top_k_weights)
+            rows, predicted = self._hear(layer, hidden, top_k_index, top_k_weights)
+            read_ahead = functools.partial(self.read_ahead, predicted)
+            return self._route(layer, hidden, rows, top_k_weights, read_ahead)
+        finally:
+            self._apart = False
 
     def heard(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -453,7 +461,7 @@ class ExpertRuntime:
     ) -> torch.Tensor:
         batch = None if carry is None else carry.unsqueeze(0)  # [t, .] -> a batch of one [1, t, .]
         views = self._views(layer, [expert], job)
-        return self.plans[layer].stage(kinds, route.rows(hidden), batch, views, [expert])[0]
+        return self.plans[layer].stage(kinds, route.rows(hidden), batch, views, [expert], self._apart)[0]
 
     def _views(self, layer: int, experts: list[int], job: LayerJob | None) -> Callable[[str], list[Any]]:
         """kind (a fusion name where the tier fuses) -> each of `experts`' weight of that kind, zero-copy

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moestream.ggml import tiled
 from moestream.runtime.families import ExpertFamily, Experts
 from moestream.runtime.formats.base import SlotTable, WeightFormat
 
@@ -67,12 +68,14 @@ class SwitchLayer:
         expert sees the same rows) and more than one expert."""
         return self.batched and tokens == 1 and experts > 1
 
-    def _linear(self, views: Views) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    def _linear(self, views: Views, apart: bool) -> Callable[[str, torch.Tensor], torch.Tensor]:
         def linear(kind: str, x: torch.Tensor) -> torch.Tensor:  # x [t, in] | [E, t, in] -> [E, t, out]
             fmt, weights = self.formats[kind], views(kind)
-            if isinstance(weights, list) and len(weights) == 1:  # one expert: the format's own product
-                return fmt.linear(x if x.dim() == 2 else x[0], weights[0]).unsqueeze(0)
-            return fmt.linear_experts(x, weights)
+            t = x.shape[-2]
+            if apart and t >= tiled.TILED_ROWS and fmt.batch_groups():  # a product of each group's rows
+                groups = tiled.row_groups(t)
+                return torch.cat([_product(fmt, weights, x[..., a : a + n, :]) for a, n in groups], dim=-2)
+            return _product(fmt, weights, x)
 
         return linear
 
@@ -83,9 +86,12 @@ class SwitchLayer:
         carry: torch.Tensor | None,
         views: Views,
         experts: Experts,
+        apart: bool = False,
     ) -> torch.Tensor:
-        """One stage of the batch `experts` (one expert as its bytes land): x [t, H], carry [E, t, .]."""
-        return self.family.stage(kinds, x, carry, self._linear(views), self.layer, experts)
+        """One stage of the batch `experts` (one expert as its bytes land): x [t, H], carry [E, t, .].
+        `apart`: the rows are a batch of sequences, each to get the bits it gets alone (a format whose
+        products round otherwise from 8 rows takes them in groups, `WeightFormat.batch_groups`)."""
+        return self.family.stage(kinds, x, carry, self._linear(views, apart), self.layer, experts)
 
     def experts(self, x: torch.Tensor, views: Views, experts: Experts) -> torch.Tensor:
         """Every stage of the batch `experts` on the same rows x [t, H] -> [E, t, H]."""
@@ -93,3 +99,10 @@ class SwitchLayer:
         for kinds in self.stages:
             carry = self.stage(kinds, x, carry, views, experts)
         return carry
+
+
+def _product(fmt: WeightFormat, weights: list[Any] | SlotTable, x: torch.Tensor) -> torch.Tensor:
+    """x [t, in] | [E, t, in] by each expert's weight -> [E, t, out]."""
+    if isinstance(weights, list) and len(weights) == 1:  # one expert: the format's own product
+        return fmt.linear(x if x.dim() == 2 else x[0], weights[0]).unsqueeze(0)
+    return fmt.linear_experts(x, weights)

@@ -86,6 +86,11 @@ class WeightFormat(ABC):
         """Rows `ids` [n] of the matrix stored in `raw`, dequantized: [n, cols] (embedding lookups)."""
         raise NotImplementedError(f"{self.describe()} matrices cannot be looked up by row")
 
+    def batch_groups(self) -> bool:
+        """Whether a batch of sequences' rows go to this format's products in groups of at most 7
+        (`ggml.tiled.row_groups`), so that each row gets the bits it gets alone. Here: no."""
+        return False
+
     def kernels(self) -> str | None:
         """What computes this format when it is not plain torch (for the mode line)."""
         return None

@@ -87,6 +87,12 @@ class Ggml(WeightFormat):
         y = product(x.float().contiguous(), weight, self.type, self.rows)  # [t,out] f32
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def batch_groups(self) -> bool:
+        # under the graphs (`by_id`): ggml's tiled kernel takes a K-quant matrix from 8 rows (`ggml.tiled`)
+        from moestream.ggml import tiled
+
+        return self.by_id and tiled.split(self.type.id, tiled.TILED_ROWS)
+
     def linear_experts(self, x: torch.Tensor, weights: list[Any] | SlotTable) -> torch.Tensor:
         # one ggml compute for every expert where `linear` would run ggml's mul_mat (its node, per expert);
         # rows that dequantize, and ggml_mul_mat_id under the graphs (`by_id`), go one `linear` each
