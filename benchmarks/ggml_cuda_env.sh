@@ -43,8 +43,9 @@ ncmoe_baseline() {
 }
 
 # synth_model: the 24 x 128 (LAYERS x 128) Q4_K_M synthetic of Qwen3-30B-A3B's shape at $MODEL, unless
-# there (3 minutes on that machine; its output in $OUT/synth.log)
+# there (3 minutes on that machine; its output in $OUT/synth.log); VOCAB=151936: Qwen3's vocabulary size
+# (the LM head a real model's; else the synthetic tokenizer's, whose logits are 4 KiB)
 synth_model() {
   [ -f "$MODEL" ] || { time python3 -m moestream synth "$MODEL" --preset qwen3-30b-a3b --layers ${LAYERS:-24} \
-    --experts 128 --quant Q4_K_M --threads 12; } > $OUT/synth.log 2>&1
+    --experts 128 --quant Q4_K_M --threads 12 ${VOCAB:+--vocab-size $VOCAB}; } > $OUT/synth.log 2>&1
 }
