@@ -22,8 +22,8 @@ LIMIT=${LIMIT:-5GiB} HOST=${HOST:-3GiB} T=${T:-8} TIER=${TIER:-2GiB}
 NCMOE=${NCMOE:-18} LAYERS=${LAYERS:-24}
 specs=()  # the runs in the order of what matters most, each written as it ends (a BUDGET cut keeps them)
 # moestream's host cache as large as the limit leaves (auto: the memory check's largest fit), as llama.cpp's
-# page cache takes what the limit leaves; then HOST given
-specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=auto,threads=$T,ra=128")
+# page cache takes what the limit leaves (IO: its I/O threads, else the default 4); then HOST given
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=auto,threads=$T,ra=128${IO:+,io_threads=$IO}")
 for ra in ${LLAMA_RA:-128 4096}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
   specs+=("llama:ngl=99,ncmoe=$NCMOE,t=$T,ra=$ra")
 done
