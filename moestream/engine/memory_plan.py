@@ -59,17 +59,13 @@ def memory_need(
     CUDA backend (`options.ggml_device`) the trunk's host copy is given back at load but the routers'
     (`engine/trunk_release.py`, before the cache is taken): only those are counted (the load's own need,
     the whole trunk, is `load_need`'s)."""
-    name = options.trunk_dtype or options.dtype
-    dtype = None if name == "auto" else getattr(torch, name)
-    keep = options.trunk_dtype is None
-    if tensors is None:
-        tensors = trunk_tensors(model.source, model.config, model.arch, model.emap, keep)
+    tensors, dtype, keep = _trunk(model, options, tensors)
     config = options.stream_config()
     host = host_cache_bytes(model.emap, config, model.top_k, model.device)
-    trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
+    kept = tensors
     if options.ggml_device is not None:  # given back at load but the routers' (`engine/trunk_release.py`)
-        routers = {k: t for k, t in tensors.items() if is_router_tensor(k)}
-        trunk = trunk_bytes(routers, dtype, keep_blocks=keep)
+        kept = {k: t for k, t in tensors.items() if is_router_tensor(k)}
+    trunk = trunk_bytes(kept, dtype, keep_blocks=keep)
     on_host = model.device.type != "cuda"  # on a GPU, the KV cache is the GPU's
     # so it is on ggml's CUDA backend (--device cuda resolved to it: torch's side of the run is the CPU,
     # and the runner's host tensors only name the device's copies, never written)
@@ -85,6 +81,19 @@ def memory_need(
     return MemoryNeed(parts, locked=(host + (trunk if on_host else 0)) if options.lock_memory else 0)
 
 
+def _trunk(
+    model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None
+) -> tuple[dict[str, Any], torch.dtype | None, bool]:
+    """The trunk's tensors for these options (`tensors`, looked up when None), the dtype it is computed
+    in (None: as stored) and whether GGUF blocks are kept as they are."""
+    name = options.trunk_dtype or options.dtype
+    dtype = None if name == "auto" else getattr(torch, name)
+    keep = options.trunk_dtype is None
+    if tensors is None:
+        tensors = trunk_tensors(model.source, model.config, model.arch, model.emap, keep)
+    return tensors, dtype, keep
+
+
 def load_need(
     model: ModelDescription, options: EngineOptions, tensors: dict[str, Any] | None = None
 ) -> MemoryNeed | None:
@@ -93,11 +102,7 @@ def load_need(
     memory; None elsewhere (`memory_need` counts the trunk). `tensors`: as for `memory_need`."""
     if options.ggml_device is None:
         return None
-    name = options.trunk_dtype or options.dtype
-    dtype = None if name == "auto" else getattr(torch, name)
-    keep = options.trunk_dtype is None
-    if tensors is None:
-        tensors = trunk_tensors(model.source, model.config, model.arch, model.emap, keep)
+    tensors, dtype, keep = _trunk(model, options, tensors)
     trunk = trunk_bytes(tensors, dtype, keep_blocks=keep)
     return MemoryNeed(
         [("the trunk, read before it is copied to the GPU", trunk), ("working memory", WORKING_BYTES)]
@@ -111,6 +116,7 @@ def plan_memory(
     RLIMIT_MEMLOCK forbids locking). `tensors`: as for `memory_need`. An auto budget is checked at its
     smallest here, before anything is read, and sized once the trunk is in (`auto_budget.size_auto`).
     On ggml's CUDA backend the load's own need (`load_need`) is checked too."""
+    tensors = _trunk(model, options, tensors)[0]  # looked up once for the checks below
     loading = load_need(model, options, tensors)
     if loading is not None:
         check_memory(loading, memory_rooms())

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from moestream.engine.memory import TrunkLock
-from moestream.ggml.backend import DeviceMemory
+from moestream.ggml.backend import DeviceMemory, merged_ranges
 from moestream.graphs.spec import ModelSpec, spec_tensors
 from moestream.io.memory import drop_pages
 from moestream.model.loader import router_modules
@@ -73,11 +73,11 @@ def upload_trunk(
     doc): the routers' tensors stay. `lock` (the trunk's) then locks only those."""
     placed = memory.upload_weights([(f"spec.{name}", t) for name, t in spec_tensors(spec)])
     routers = [t for m in router_modules(model).values() for t in (*m.parameters(), *m.buffers())]
-    kept = _merged([_storage(t) for t in routers if t.device.type == "cpu" and t.numel()])
+    kept = merged_ranges([_storage(t) for t in routers if t.device.type == "cpu" and t.numel()])
     host = [(t.data_ptr(), t.data_ptr() + t.nbytes) for _, t in spec_tensors(spec) if t.numel()]
     owned = [t for t in _tensors(model) if t.device.type == "cpu" and t.untyped_storage().nbytes()]
     host += [_storage(t) for t in owned]
-    given = [r for r in _merged(host) if not any(_meet(r, k) for k in kept)]
+    given = [r for r in merged_ranges(host) if not any(_meet(r, k) for k in kept)]
     lock.keep_only(kept)
     holders = [t.untyped_storage() for t in owned if any(_meet(_storage(t), r) for r in given)]
     dropped = sum(drop_pages(start, end - start) for start, end in given)
@@ -99,17 +99,6 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def _meet(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[start, end) ranges, the overlapping ones merged, sorted."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and start < out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def _replace(model: torch.nn.Module, given: list[tuple[int, int]]) -> None:

@@ -264,24 +264,19 @@ class DeviceMemory:
         Raises:
             ValueError: a tensor off the host, or a range that overlaps a region placed before.
         """
-        ranges = []
-        for name, t in tensors:
+        names: dict[int, str] = {}  # a range's start -> the first tensor's name there (the region's)
+        for name, t in reversed(tensors):
             if t.device.type != "cpu":
                 raise ValueError(f"{name}: a weight to copy must be a host tensor")
             if t.numel():
-                ranges.append((t.data_ptr(), t.data_ptr() + t.nbytes, name))
+                names[t.data_ptr()] = name
                 self._held.append(t.untyped_storage())
-        merged: list[list] = []
-        for start, end, name in sorted(ranges):
-            if merged and start < merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end, name])
-        for start, end, name in merged:
+        ranges = merged_ranges([(t.data_ptr(), t.data_ptr() + t.nbytes) for _, t in tensors if t.numel()])
+        for start, end in ranges:
             if self._overlaps(start, end):
-                raise ValueError(f"{name}: its host range overlaps one already on the device")
-            self._add(start, end - start, "weight", name)
-        return sum(end - start for start, end, _ in merged)
+                raise ValueError(f"{names[start]}: its host range overlaps one already on the device")
+            self._add(start, end - start, "weight", names[start])
+        return sum(end - start for start, end in ranges)
 
     def release_host(self, ranges: list[tuple[int, int]], holders: list[object]) -> None:
         """Host bytes [start, end) given back (`io.memory.drop_pages`; ranges apart from each other): a
@@ -448,6 +443,17 @@ class DeviceMemory:
         self._by_device.clear()
         self._released.clear()
         self._held.clear()
+
+
+def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) ranges, the overlapping ones merged, sorted."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def place_tensor(t: int, address: int, buffer: int) -> None:
