@@ -7,7 +7,6 @@ argmax may not be numpy's (tied maxima, a NaN), the check sends the step back to
 
 from __future__ import annotations
 
-import ctypes as C
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +17,10 @@ from moestream import ggml
 from moestream.engine import ggml_runner
 from moestream.engine.logits import DeviceLogits
 from moestream.engine.sampling import Sampler, SamplingParams
-from moestream.ggml.backend import LEAD, DeviceMemory, cpu_backend
+from moestream.ggml.backend import DeviceMemory, cpu_backend
 from moestream.ggml.net import F32, Arena, Net
 from moestream.graphs import layers
-from moestream.graphs.layers import LayerGraphs, StepBuffers
+from moestream.graphs.layers import LayerGraphs, StepBuffers, argmax_chunk
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
 STEPS = 40  # decoded tokens: five attention spans of 8 positions
@@ -75,10 +74,10 @@ def test_the_graphs_argmax_gives_numpys_tokens_and_the_logits_on_demand(arch, ti
 
 
 def test_a_greedy_step_copies_back_its_token_alone(tiny_dir, monkeypatch):
-    """A decoded token's step copies 8 bytes back (the token and its check) when the caller takes the
-    argmax alone, the logits alone (4 V) otherwise; the host's logits buffer is not written until they
-    are asked for, and once a later step has run, asking raises (the engine runs on). A plainly greedy
-    request's steps are asked so by the engine."""
+    """A decoded token's step copies 12 bytes a chunk of its logits back (each chunk's argmax, maximum
+    and check) when the caller takes the argmax alone, the logits alone (4 V) otherwise; the host's
+    logits buffer is not written until they are asked for, and once a later step has run, asking
+    raises (the engine runs on). A plainly greedy request's steps are asked so by the engine."""
     monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
     with moestream.load(str(tiny_dir("qwen3_moe")), cache="64MiB", trunk="ggml") as engine:
         runner = engine.runner
@@ -90,6 +89,8 @@ def test_a_greedy_step_copies_back_its_token_alone(tiny_dir, monkeypatch):
         _, kv = runner([7], kv)  # the decode set built
         (host,) = [gs.buf.logits for (t, *_), gs in runner._sets.items() if t == 1]
         vocab = runner.spec.vocab
+        chunks = vocab // argmax_chunk(vocab)
+        assert chunks > 1  # the tiny model's vocabulary is in chunks, as a real one's
         per_step = {}
         for greedy in (False, True, False, True):
             with torch.inference_mode():
@@ -101,10 +102,10 @@ def test_a_greedy_step_copies_back_its_token_alone(tiny_dir, monkeypatch):
             if greedy:
                 logits = out.tensor()
                 assert not torch.isnan(logits).any() and out.token == int(logits.numpy().argmax())
-                assert sum(copied) == 8 + 4 * vocab  # fetched on demand: the logits now
+                assert sum(copied) == 12 * chunks + 4 * vocab  # fetched on demand: the logits now
             else:
                 assert not torch.isnan(out).any()
-        assert per_step == {False: 4 * vocab, True: 8}
+        assert per_step == {False: 4 * vocab, True: 12 * chunks}
         left, kv = runner([7], kv, True)
         runner([8], kv)
         with pytest.raises(RuntimeError, match="overwritten by the next step"):
@@ -127,12 +128,13 @@ def test_a_step_whose_argmax_may_not_be_numpys_returns_its_logits(tiny_dir, monk
         assert isinstance(got, torch.Tensor) and torch.equal(got, want)
 
 
-def _greedy_graph(values: torch.Tensor) -> tuple[int, int | None, bytes]:
+def _greedy_graph(values: torch.Tensor) -> tuple[list[int], int | None]:
     """`LayerGraphs.greedy` over logits `values` [V] on ggml's CPU backend (the logits a fixed result, as
-    the LM head's): (ggml's argmax, the token it gives or None, the logits' region's lead bytes)."""
+    the LM head's): (ggml's argmax of each chunk, the token the step gives or None)."""
     V = values.numel()
     buf = StepBuffers.__new__(StepBuffers)
-    buf.logits, buf.argmax = torch.zeros(V), torch.full((2,), -7, dtype=torch.int32)
+    buf.logits = torch.zeros(V)
+    buf.argmax = torch.full((3, V // argmax_chunk(V)), -7, dtype=torch.int32)
     x = values.clone()
     build = LayerGraphs.__new__(LayerGraphs)
     build.spec, build.buf = SimpleNamespace(vocab=V), buf
@@ -142,15 +144,14 @@ def _greedy_graph(values: torch.Tensor) -> tuple[int, int | None, bytes]:
     net = Net(ggml.library(), memory=memory)
     try:
         memory.register(x, "io", "x")
-        region = memory.register(buf.logits, "io", "logits", LEAD)
+        memory.register(buf.logits, "io", "logits")
         memory.register(buf.argmax, "io", "argmax")
         logits = net.fix(net.scale(net.tensor(F32, [V, 1], x.data_ptr()), 1.0), buf.logits.data_ptr())
         net.finish([logits, *build.greedy(net, logits)], 1, kern.pool)
         arena = Arena([net], memory)
         net.run(fetch=False)
-        lead = bytes((C.c_uint8 * LEAD).from_address(region.buffer.base))
         arena.close()
-        return int(buf.argmax[0]), buf.greedy_token(), lead
+        return buf.argmax[0].tolist(), buf.greedy_token()
     finally:
         net.close()
         memory.close()
@@ -167,29 +168,37 @@ def _cpu_argmax(values: torch.Tensor) -> int:
     return idx
 
 
-def test_the_graphs_argmax_is_taken_only_where_it_is_numpys():
+@pytest.mark.parametrize("V", [5000, 5003])
+def test_the_graphs_argmax_is_taken_only_where_it_is_numpys(V):
     """ggml's CPU argmax picks the last of tied maxima (numpy the first) and, past a NaN, a logit after
     it (numpy the NaN): the check gives the token only for a unique maximum and no NaN (an infinite one
-    too, ties below it), and the sampler then takes numpy's argmax of the logits."""
-    V = 5000
+    too, ties below it), and the sampler then takes numpy's argmax of the logits. 5000 logits go in 40
+    chunks of 125, a prime 5003 in one; a tie at the top of a chunk that does not hold the maximum also
+    sends the step to numpy (the check is each chunk's)."""
+    C = argmax_chunk(V)
+    want = (40, 125) if V == 5000 else (1, V)
+    assert want == (V // C, C)
     g = torch.Generator().manual_seed(0)
     base = torch.randn(V, generator=g)
     top = float(base.max()) + 1.0
-    cases = {name: base.clone() for name in ("unique", "tied", "tied below", "nan", "inf")}
+    names = ("unique", "tied", "tied in a chunk", "tied below", "tied in another chunk", "nan", "inf")
+    cases = {name: base.clone() for name in names}
     cases["unique"][1234] = top
     cases["tied"][3], cases["tied"][700] = top, top
+    cases["tied in a chunk"][[3, 70]] = top
     cases["tied below"][[5, 9, 4000]] = torch.tensor([top, top - 0.5, top - 0.5])
+    cases["tied in another chunk"][[5, 4000, 4010]] = torch.tensor([top, top - 0.5, top - 0.5])
     cases["nan"][10], cases["nan"][20] = top, float("nan")
     cases["inf"][4321] = float("inf")
     cases["all -inf"] = torch.full((V,), float("-inf"))
     unique = {"unique": 1234, "tied below": 5, "inf": 4321}
+    if C == V:  # one chunk: its check is the whole vocabulary's
+        unique["tied in another chunk"] = 5
     for name, values in cases.items():
-        argmax, got, lead = _greedy_graph(values)
-        numpys = int(values.numpy().argmax())
-        assert argmax == _cpu_argmax(values), name
+        argmaxes, got = _greedy_graph(values)
+        assert argmaxes == [_cpu_argmax(chunk) for chunk in values.split(C)], name
         assert got == unique.get(name), name
-        assert argmax != numpys or name in unique, name  # the others: ggml's is not numpy's here
-        assert lead == bytes(LEAD), name  # the float a CUDA argmax of -1 reads: zero
+        numpys = int(values.numpy().argmax())
         sampler = Sampler(SamplingParams())
         assert sampler.plain
         assert sampler(DeviceLogits(got, values.clone) if got is not None else values) == numpys, name

@@ -1,6 +1,7 @@
 """A step's last-position logits left on the device, beside their greedy token: what the ggml runner on a
 backend returns to a caller that takes the argmax alone (`ModelRunner.forward`'s `greedy`, asked where
-`Sampler.plain`), so that the step copies 8 bytes back, not the vocabulary's floats."""
+`Sampler.plain`), so that the step copies 12 bytes back a chunk of 128 logits (its chunked argmax), not
+the vocabulary's floats."""
 
 from __future__ import annotations
 

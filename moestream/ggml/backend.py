@@ -16,9 +16,7 @@ regions in a buffer of the device and hands the graphs the device's address inst
   are `forbid`den: translating one raises.
 
 Every region gets a zeroed tail past its bytes: ggml's CUDA kernels read quantized rows in blocks of
-512 columns (MATRIX_ROW_PADDING), past the end of a matrix whose width is not a multiple of that. A
-region may ask for a zeroed lead before them too (`register`'s `lead`: the logits, whose argmax's check
-reads the float before them where ggml's CUDA argmax answers -1, `LayerGraphs.greedy`).
+512 columns (MATRIX_ROW_PADDING), past the end of a matrix whose width is not a multiple of that.
 
 `cuda_backend()` says in one sentence what is missing when ggml's CUDA backend cannot run (no library,
 no GPU); `cpu_backend()` is the same API over the CPU, which the tests use to check this path here.
@@ -45,7 +43,6 @@ from moestream.ggml.lib import (
 STATUS = {-2: "allocation failed", -1: "failed", 1: "aborted"}  # enum ggml_status, success 0
 USAGE_WEIGHTS = 1  # GGML_BACKEND_BUFFER_USAGE_WEIGHTS: the scheduler places an op by its weights'
 TAIL = 4096  # zeroed bytes after each region (see the module doc)
-LEAD = 256  # zeroed bytes before a region that asks for them (a multiple of every backend's alignment)
 I8 = 24  # GGML_TYPE_I8: a region seen as bytes, for ggml_backend_tensor_set/get
 
 
@@ -201,11 +198,10 @@ class Region:
     tensor: int = 0  # an I8 tensor over the device bytes, for ggml_backend_tensor_set/get
     name: str = ""
     ctx: int = 0  # the ggml context holding `tensor`
-    lead: int = 0  # zeroed bytes before its own in its buffer
 
     @property
     def device(self) -> int:
-        return self.buffer.base + self.lead
+        return self.buffer.base
 
     def free(self, lib: Library) -> None:
         self.buffer.free()
@@ -240,12 +236,12 @@ class DeviceMemory:
 
     # --- regions -------------------------------------------------------------------------------
 
-    def register(self, t: torch.Tensor, role: str, name: str = "", lead: int = 0) -> Region:
+    def register(self, t: torch.Tensor, role: str, name: str = "") -> Region:
         """Place the host tensor `t` on the device: "io" (synced around each compute that touches it),
-        "device" (never copied: the KV cache), "weight" (copied now); `lead` zeroed bytes before it."""
+        "device" (never copied: the KV cache), "weight" (copied now)."""
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("a region must be a contiguous host tensor")
-        return self._add(t.data_ptr(), t.nbytes, role, name, lead)
+        return self._add(t.data_ptr(), t.nbytes, role, name)
 
     def alloc(self, nbytes: int, name: str = "") -> Region:
         """Device memory of no host region (expert stacks): address it by `Region.device`."""
@@ -294,12 +290,12 @@ class DeviceMemory:
         region = self.regions[self._by_host[k - 1][1]]
         return region.host + max(1, region.nbytes) > start
 
-    def _add(self, host: int, nbytes: int, role: str, name: str, lead: int = 0) -> Region:
+    def _add(self, host: int, nbytes: int, role: str, name: str) -> Region:
         if host and self._find(self._by_host, host, lambda r: r.host) is not None:
             raise ValueError(f"host range at {host:#x} is already on the device")
         b = self.lib.base
-        buffer = self.backend.alloc(lead + nbytes + TAIL, weights=role in ("weight", "device"))
-        region = Region(host, nbytes, buffer, role, name=name, lead=lead)
+        buffer = self.backend.alloc(nbytes + TAIL, weights=role in ("weight", "device"))
+        region = Region(host, nbytes, buffer, role, name=name)
         region.ctx = b.ggml_init(InitParams(2 * b.ggml_tensor_overhead(), None, True))
         t = b.ggml_new_tensor_1d(region.ctx, I8, max(1, nbytes)) if region.ctx else 0
         if not t or b.ggml_backend_tensor_alloc(buffer.handle, t, region.device):
@@ -426,7 +422,7 @@ class DeviceMemory:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.lead + r.nbytes + TAIL for r in self.regions.values())
+        return sum(r.nbytes + TAIL for r in self.regions.values())
 
     def unpin_hosts(self) -> None:
         """Undo every `pin_host` (before the host bytes are freed: a restream's old slots)."""

@@ -182,6 +182,7 @@ _BASE_API = {  # name: (restype, argtypes)
     # the greedy token on a backend, and the check that it is numpy's (graphs/layers.py, `greedy`)
     "ggml_argmax": (_P, [_P, _P]),
     "ggml_sgn_inplace": (_P, [_P, _P]),
+    "ggml_pool_2d": (_P, [_P, _P, _I, _I, _I, _I, _I, _F, _F]),
 }
 # Qwen3-Next / Qwen3.5's Gated DeltaNet layers: declared where the library has them (an older ggml
 # loads without them; those families then run transformers' forward, and the mode line says why)

@@ -9,7 +9,7 @@ import torch
 
 from moestream import ggml
 from moestream.ggml import tiled
-from moestream.ggml.backend import LEAD, DeviceMemory
+from moestream.ggml.backend import DeviceMemory
 from moestream.ggml.lib import GgmlTensor
 from moestream.ggml.net import Arena, Net
 from moestream.graphs.layers import LayerGraphs, StepBuffers
@@ -59,9 +59,7 @@ class GraphSet:
 
             self.buf.gather(alloc)
             for name, t in self.buf.tensors():
-                # the logits with a lead: the argmax's check reads the float before them on a -1
-                lead = LEAD if name == "logits" else 0
-                memory.register(t, "device" if name in device_only else "io", name, lead)
+                memory.register(t, "device" if name in device_only else "io", name)
         self.pool = pool
         self.segments = segments
         # a batch's KV views (`LayerGraphs.kv_views`): each built over `segments`' rows, pointed at the

@@ -31,6 +31,20 @@ from moestream.graphs.spec import Layer, ModelSpec
 from moestream.runtime.expert_layers import ExpertTypes
 
 SPAN_STEP = 256  # attention spans the KV cache in multiples of this: one graph set serves 256 positions
+POOL_MAX = 0  # ggml_op_pool's GGML_OP_POOL_MAX
+ARGMAX_CHUNK = 128  # the logits' argmax in chunks of at most this many (`argmax_chunk`)
+
+
+def argmax_chunk(vocab: int) -> int:
+    """The logits per chunk of the greedy argmax (`LayerGraphs.greedy`): the largest divisor of `vocab`
+    up to ARGMAX_CHUNK (Qwen3's 151936 and gpt-oss's 201088: 128), or the whole vocabulary where that is
+    below 16 (a prime's: one chunk)."""
+    size = next(d for d in range(min(ARGMAX_CHUNK, vocab), 0, -1) if vocab % d == 0)
+    return size if size >= 16 else vocab
+
+
+def _chunks(vocab: int) -> int:
+    return vocab // argmax_chunk(vocab)
 
 
 def layer_caches(spec: ModelSpec, ctx: int, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,8 +88,8 @@ class StepBuffers:
     order: torch.Tensor  # i32 [T, E]: experts by descending router probability (the first K are routed)
     weights: tuple[torch.Tensor, torch.Tensor]  # f32 [T, K] each: layer l writes weights[l % 2]
     logits: torch.Tensor  # f32 [V], or [B, V] for a batch of B sequences (one token each)
-    # i32 [2] of one sequence (a batch's: empty): on a backend, the logits' argmax and its check's f32
-    # bits (`LayerGraphs.greedy`)
+    # i32 [3, R] of one sequence (a batch's: empty): on a backend, each of the logits' R chunks' argmax,
+    # and the f32 bits of its maximum and its check (`LayerGraphs.greedy`, `argmax_chunk`)
     argmax: torch.Tensor
     slots: torch.Tensor  # i32 [T, K]: each token's cached experts, by slot, in the router's order
     outputs: torch.Tensor  # f32 [T, K, H]: each token's experts' outputs, from the expert runtime
@@ -107,7 +121,7 @@ class StepBuffers:
             order=torch.zeros(tokens, experts, dtype=torch.int32),
             weights=(torch.zeros(tokens, k, **f32), torch.zeros(tokens, k, **f32)),
             logits=torch.zeros(*((seqs,) if seqs > 1 else ()), spec.vocab, **f32),
-            argmax=torch.zeros(2 if seqs == 1 else 0, dtype=torch.int32),
+            argmax=torch.zeros(3, _chunks(spec.vocab) if seqs == 1 else 0, dtype=torch.int32),
             slots=torch.zeros(tokens, k, dtype=torch.int32),
             outputs=torch.zeros(tokens, k, spec.hidden, **f32),
             pick=torch.zeros(tokens, k, dtype=torch.int32),
@@ -180,13 +194,19 @@ class StepBuffers:
                 wruns[i] = _zero_run(host.window[i], max(0, p - window + 1), p, wruns[i])
 
     def greedy_token(self) -> int | None:
-        """The argmax the step's graph wrote (`LayerGraphs.greedy`) where it is numpy's (the only maximum,
-        no NaN), else None: numpy's argmax of the logits decides."""
+        """The argmax the step's graph left (`LayerGraphs.greedy`) where it is numpy's: the first chunk
+        whose maximum is the largest, that maximum no other chunk's, and every chunk's check saying its
+        maximum is its only one and it holds no NaN. Else None: numpy's argmax of the logits decides."""
         if self._argmax is None:
-            both = self.argmax.numpy()
-            self._argmax = (both[:1], both[1:].view(np.float32))
-        token, check = int(self._argmax[0][0]), float(self._argmax[1][0])
-        return token if token >= 0 and check == 1 - self.logits.shape[-1] else None
+            chunks = self.argmax.numpy()
+            self._argmax = (chunks[0], chunks[1].view(np.float32), chunks[2].view(np.float32))
+        index, best, check = self._argmax
+        c = int(best.argmax())
+        size = self.logits.shape[-1] // len(best)
+        token = int(index[c])
+        if token < 0 or check.min() != 1 - size or check.max() != 1 - size:
+            return None
+        return c * size + token if np.count_nonzero(best == best[c]) == 1 else None
 
     def _views(self) -> _HostViews:
         self._host = _HostViews(self)
@@ -416,9 +436,13 @@ class LayerGraphs:
         return [net.fix(logits, self.buf.logits.data_ptr())]
 
     def greedy(self, net: Net, logits: int) -> list[int]:
-        """The argmax of the fixed logits [V] (the greedy token) and its check, into `buf.argmax`: a run
-        copies back either these 8 bytes or the logits (`Net.on_demand`). On a backend: the CPU path takes
-        numpy's argmax of its logits in place (ggml's CPU argmax is a scalar loop).
+        """The argmax of the fixed logits [V] (the greedy token) in R chunks of `argmax_chunk(V)` = C
+        logits, into `buf.argmax` [3, R]: each chunk's argmax, its maximum and its check. A run copies back
+        either these 12 R bytes or the logits (`Net.on_demand`); the host takes the first chunk of the
+        largest maximum (`StepBuffers.greedy_token`). In chunks because ggml's argmax gives a row one block
+        of threads: one row of Qwen3's 151936 logits took 60 us of a 2 ms step on an H100 (12-07), its
+        check as one row 24 us more; 1187 rows of 128, a few us each. On a backend only: the CPU path
+        takes numpy's argmax of its logits in place (ggml's CPU argmax is a scalar loop).
 
         numpy's argmax is the first maximum, or the first NaN; ggml's (llama-cpp-python 0.3.36's) is not,
         where the maximum is tied or a logit is NaN. The CPU's (ggml-cpu/vec.h, ggml_vec_argmax_f32:
@@ -427,17 +451,23 @@ class LayerGraphs:
         thread keeps `val > maxval` over its strided columns from -FLT_MAX and -1, then its warp and the
         block reduce by `val > maxval` through xor shuffles) is one of the tied maxima by lane, not the
         first (maxima at columns 1 and 2: 2), skips NaN, and is -1 where no logit exceeds -FLT_MAX. Both
-        are numpy's exactly where one logit is above every other and none is NaN, which the check tells:
-        sum(sgn(logits - logits[argmax])) is 1 - V then and only then (-1 a logit below, 0 equal or NaN,
-        1 above: integers below 2^24, exact in any order of summing). Elsewhere the runner copies the
-        logits back and numpy decides. A -1 reads the float before the logits: the zeroed lead of their
-        region (`DeviceMemory.register`)."""
+        are numpy's exactly where one logit of the chunk is above every other and none is NaN, which the
+        check tells: sum(sgn(chunk - its max pool)) is 1 - C then and only then (-1 a logit below, 0 equal
+        or NaN, 1 above: integers below 2^24, exact in any order of summing; the pool's maximum, from
+        -FLT_MAX by `>` on the CPU and CUDA's fmaxf, skips NaN and is a logit of the chunk or -FLT_MAX,
+        whose logits then give -1 each where they are -inf, 0 where NaN: never 1 - C). Every chunk's check
+        is asked, so a NaN anywhere is seen; a tie at the top of a chunk that does not hold the largest
+        maximum sends the step to numpy too (rarer than exact, and then numpy decides exactly)."""
         V, at = self.spec.vocab, self.buf.argmax.data_ptr()
+        C = argmax_chunk(V)
+        R = V // C
         net.on_demand(logits)
-        token = net.on_demand(net.fix(net.argmax(logits), at), stand_in=True)  # i32 [1]
-        best = net.get_rows(net.reshape_2d(logits, 1, V), token)  # [1, 1]: logits[token]
-        terms = net.sgn_inplace(net.sub(logits, best))  # [V]
-        return [token, net.on_demand(net.fix(net.sum_rows(terms), at + 4), stand_in=True)]
+        chunks = net.reshape_2d(logits, C, R)
+        index = net.on_demand(net.fix(net.argmax(chunks), at), stand_in=True)  # i32 [R]
+        best = net.pool_2d(chunks, POOL_MAX, C, 1, C, 1, 0.0, 0.0)  # f32 [1, R]
+        best = net.on_demand(net.fix(best, at + 4 * R), stand_in=True)
+        terms = net.sgn_inplace(net.sub(chunks, best))  # [C, R]
+        return [index, best, net.on_demand(net.fix(net.sum_rows(terms), at + 8 * R), stand_in=True)]
 
     # --- the pieces every mixer and FFN builds with ---------------------------------------------
 
