@@ -50,7 +50,7 @@ from moestream.engine.gpu_tier import auto_tier, expert_bytes, minimum_budget
 from moestream.engine.logits import DeviceLogits
 from moestream.engine.options import AUTO
 from moestream.engine.repacked import REPACK_ROWS, RepackedExperts, RepackedTrunk, trunk_matrices
-from moestream.engine.runners import ModelRunner
+from moestream.engine.runners import Launched, ModelRunner
 from moestream.engine.stats import TierCounters
 from moestream.engine.tiered_steps import TieredSteps, as_f32, tier_misses
 from moestream.errors import MoestreamError
@@ -310,6 +310,25 @@ class GgmlRunner(ModelRunner):
             kv.tokens += len(chunk)
         return (logits.clone() if isinstance(logits, torch.Tensor) else logits), kv
 
+    def launch(self, ids: list[int], cache: Any, greedy: bool = False) -> Launched | None:
+        """`ModelRunner.launch`: a plainly greedy decoded token's step of one graph on a backend (no GPU
+        tier), started; None elsewhere."""
+        if self.memory is None or self.tiered is not None or len(ids) != 1 or not greedy:
+            return None
+        kv = self._own(cache)
+        if kv.tokens + 1 > self.ctx:
+            return None  # the call raises what is wrong
+        with torch._C._InferenceMode(True):
+            done = self._step(ids, [kv.tokens], (kv.slot,), left=True, wait=False)
+
+        def finish() -> tuple[torch.Tensor | DeviceLogits, GgmlKV]:
+            with torch._C._InferenceMode(True):
+                logits = done()
+            kv.tokens += 1
+            return logits, kv
+
+        return finish
+
     def decode(self, seqs: list[tuple[GgmlKV, int]]) -> torch.Tensor:
         """One token after each sequence's cache (one of `seqs` each, distinct) as one step of B rows:
         their logits [B, V]. A single sequence runs the step `forward` runs."""
@@ -378,11 +397,17 @@ class GgmlRunner(ModelRunner):
         return gs
 
     def _step(
-        self, ids: list[int], positions: list[int], slots: tuple[int, ...], left: bool = False
-    ) -> torch.Tensor | DeviceLogits:
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: tuple[int, ...],
+        left: bool = False,
+        wait: bool = True,
+    ) -> torch.Tensor | DeviceLogits | Callable[[], torch.Tensor | DeviceLogits]:
         """One step: one sequence's `ids` at `positions` in slot slots[0], or one token of each of
         len(slots) sequences (a batch); the logits of its last position [V] (a batch: [B, V]). `left`
-        (one sequence): a backend's graph of the whole step leaves them there (`_left`)."""
+        (one sequence): a backend's graph of the whole step leaves them there (`_left`). `wait` False
+        (a backend's step without a GPU tier): what waits for the launched step and gives them."""
         self._steps += 1  # the logits a step before left on the device are overwritten now
         T = len(ids)
         batch = len(slots) > 1
@@ -405,29 +430,22 @@ class GgmlRunner(ModelRunner):
             with kern._lock, contextlib.nullcontext() if cpu else kern.hold():
                 self.tiered.step(gs, lambda layer, n: self._place(self._experts(layer, b, n), b))
             return b.logits
-        net = None
         if self.memory is not None:  # the device: the step one graph over its expert stacks
             net = gs.whole_graph(self._on_device()[2])
-            net.run(fetch=not left)
-            first = {}
-        else:
-            first = self.experts.resident_slots()
-            if first is not None:
-                # one graph: its pool paused after it, as `hold` would pause it (without that generator-
-                # based context: a few microseconds a decoded token)
-                with kern._lock:
-                    try:
-                        gs.whole_graph(Whole(first)).run()
-                    finally:
-                        kern.idle()
+            net.launch(fetch=not left)
+            done = lambda: self._device_done(gs, net, T, left)  # noqa: E731
+            return done() if wait else done
+        first = self.experts.resident_slots()
         if first is not None:
-            if T == 1:
-                hits = self._token_hits
-            else:  # as `pin_all_hits` counts them: each layer's distinct experts
-                rows = [gs.rows(layer) for layer in self._moe_layers]
-                hits = sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(b.routed, rows))
-            self.experts.count_resident(hits)
-            return self._left(gs, net) if net is not None and left else b.logits
+            # one graph: its pool paused after it, as `hold` would pause it (without that generator-
+            # based context: a few microseconds a decoded token)
+            with kern._lock:
+                try:
+                    gs.whole_graph(Whole(first)).run()
+                finally:
+                    kern.idle()
+            self.experts.count_resident(self._resident_hits(gs, T))
+            return b.logits
         pinned: tuple[int, list[int]] | None = None  # (layer, experts) to unpin
         with kern._lock, kern.hold():
             try:
@@ -447,6 +465,21 @@ class GgmlRunner(ModelRunner):
                 if pinned is not None:
                     self.experts.unpin(*pinned)
         return b.logits
+
+    def _device_done(self, gs: GraphSet, net: Net, T: int, left: bool) -> torch.Tensor | DeviceLogits:
+        """The end of a backend's step of one graph (`Net.launch`ed): waited for, its experts counted, its
+        logits (`left`: as `_left` gives them)."""
+        self.memory.backend.synchronize()
+        self.experts.count_resident(self._resident_hits(gs, T))
+        return self._left(gs, net) if left else gs.buf.logits
+
+    def _resident_hits(self, gs: GraphSet, T: int) -> int:
+        """The cache hits of a step of one graph over every expert: K a layer for one token; else, as
+        `pin_all_hits` counts them, each layer's distinct experts."""
+        if T == 1:
+            return self._token_hits
+        rows = [gs.rows(layer) for layer in self._moe_layers]
+        return sum(int(torch.unique(routed[:n]).numel()) for routed, n in zip(gs.buf.routed, rows))
 
     def _left(self, gs: GraphSet, net: Net) -> torch.Tensor | DeviceLogits:
         """The logits a backend's step left there: its argmax as their greedy token, the logits copied

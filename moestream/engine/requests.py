@@ -4,6 +4,7 @@ the token loop (the prompt's forward, then a token a forward until max tokens, a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -99,6 +100,8 @@ def _stepper(engine: Any, request_id: str, position: int, slot: int | None = Non
         position, phase = position + len(ids), "decode"
         return forward(ids, cache, greedy=greedy)
 
+    # no step started ahead (`ModelRunner.launch`) while a trace records or replays: each forward is told
+    # to them once, before it runs, and a step not started is called
     return step
 
 
@@ -124,36 +127,41 @@ def _tokens(
     grammar = params.output_grammar
     constraint = engine.grammars.constraint(grammar) if grammar is not None else None
     sampler = Sampler(params, len(ids), constraint)
-    for token, _ in token_stream(step, ids[cached:], sampler, params.max_tokens, state, sampler.plain):
-        now = time.perf_counter()
-        if not tokens:
-            prefill_end, after_prefill = now, engine.counters()
-            gen.stats.prefill = after_prefill.since(before, len(ids) - cached, now - start)
-        else:
-            gen.stats.decode = engine.counters().since(after_prefill, len(tokens), now - prefill_end)
-        if token in eos and not params.ignore_eos:
-            gen.finish_reason = "stop"
-            break
-        tokens.append(token)
-        if sampler.last_logprob is not None:
-            gen.logprobs.append(sampler.last_logprob)
-        stopped = text.push(token)
-        gen.text = text.text
-        if stopped or (constraint is not None and constraint.stopped):  # a stop string, or the grammar done
-            gen.finish_reason = "stop"
-            break
-        if cancelled():
-            gen.finish_reason = "cancelled"
-            break
-        if tools is None:
-            gen.piece = text.piece()
-        else:
-            tools.update(text.settled(), final=False)
-            if tools.done:  # parallel_tool_calls off: the first call is the answer
+    # closed on leaving: a step started for the next token (`engine/loop.py`) ends before what follows
+    with contextlib.closing(
+        token_stream(step, ids[cached:], sampler, params.max_tokens, state, sampler.plain)
+    ) as stream:
+        for token, _ in stream:
+            now = time.perf_counter()
+            if not tokens:
+                prefill_end, after_prefill = now, engine.counters()
+                gen.stats.prefill = after_prefill.since(before, len(ids) - cached, now - start)
+            else:
+                gen.stats.decode = engine.counters().since(after_prefill, len(tokens), now - prefill_end)
+            if token in eos and not params.ignore_eos:
                 gen.finish_reason = "stop"
                 break
-            gen.text, gen.piece, sent = tools.content, tools.content[sent:], len(tools.content)
-        yield gen
+            tokens.append(token)
+            if sampler.last_logprob is not None:
+                gen.logprobs.append(sampler.last_logprob)
+            stopped = text.push(token)
+            gen.text = text.text
+            # a stop string, or the grammar done
+            if stopped or (constraint is not None and constraint.stopped):
+                gen.finish_reason = "stop"
+                break
+            if cancelled():
+                gen.finish_reason = "cancelled"
+                break
+            if tools is None:
+                gen.piece = text.piece()
+            else:
+                tools.update(text.settled(), final=False)
+                if tools.done:  # parallel_tool_calls off: the first call is the answer
+                    gen.finish_reason = "stop"
+                    break
+                gen.text, gen.piece, sent = tools.content, tools.content[sent:], len(tools.content)
+            yield gen
     gen.piece = text.finish()
     gen.text, gen.done = text.text, True
     if tools is not None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from moestream.engine.logits import DeviceLogits
+from moestream.engine.loop import Launched
 from moestream.engine.stats import TierCounters
 from moestream.engine.trunk_graphs import DecodeGraphs, GraphsUnavailable
 from moestream.runtime.expert_layers import ExpertLayers
@@ -56,6 +57,14 @@ class ModelRunner(ABC):
         self, ids: list[int], cache: Any, greedy: bool = False
     ) -> tuple[torch.Tensor | DeviceLogits, Any]:
         """`__call__`'s step, run under torch's inference mode."""
+
+    def launch(self, ids: list[int], cache: Any, greedy: bool = False) -> Launched | None:
+        """Start `__call__`'s step where the runner computes it asynchronously (ggml's on a backend: one
+        decoded token's graph), returning what waits for it and gives `__call__`'s result; None where it
+        does not (nothing started: call the runner). Until that is called, nothing else may use the
+        runner. The token loop starts a plainly greedy request's next step so before it hands out the
+        token (`engine/loop.py`)."""
+        return None
 
     @abstractmethod
     def describe(self) -> str:

@@ -249,6 +249,12 @@ class Net:
         if self.memory is None:
             compute_graph(self.lib, self.gf, self._plan_ref)
             return
+        self.launch(fetch)
+        self.memory.backend.synchronize()
+
+    def launch(self, fetch: bool = True) -> None:
+        """`run` on a backend without waiting for it: its copies and compute queued on the backend's
+        stream; the backend's `synchronize` ends it (before the results are read or the inputs written)."""
         memory = self.memory
         for region, offset, nbytes in self._inputs:
             memory.upload(region, offset, nbytes)
@@ -257,7 +263,6 @@ class Net:
             memory.download(region, offset, nbytes)
         for region, offset, nbytes in self._later if fetch else self._instead:
             memory.download(region, offset, nbytes)
-        memory.backend.synchronize()
 
     def fetch(self) -> None:
         """Copy back the `on_demand` results the last `run(fetch=False)` left on the device (on the CPU

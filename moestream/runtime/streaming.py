@@ -200,7 +200,31 @@ class ExpertStreaming:
             self.check_files()
             return out
 
+        launch = getattr(step, "launch", None)
+        if launch is not None:  # a step started (`ModelRunner.launch`): checked once it has ended
+            run.launch = lambda ids, cache, **kwargs: self._checked_launch(launch, ids, cache, **kwargs)
         return run
+
+    def _checked_launch(self, launch: Callable, ids: list[int], cache: Any, **kwargs: Any) -> Any:
+        """`checked` for a started step: `launch`'s waiter, which checks the files once the step ended."""
+        try:
+            done = launch(ids, cache, **kwargs)
+        except CheckpointChangedError:
+            self.suspect = True
+            raise
+        if done is None:
+            return None
+
+        def finish() -> tuple[Any, Any]:
+            try:
+                out = done()
+            except CheckpointChangedError:
+                self.suspect = True
+                raise
+            self.check_files()
+            return out
+
+        return finish
 
     def describe(self) -> str:
         """The streaming part of the mode line: io mode, threads, pieces, prefetch, memory, policy."""
