@@ -31,6 +31,28 @@ class GgmlUnavailableError(MoestreamError):
     """No usable ggml library: missing, built for another CPU, or of an incompatible layout."""
 
 
+class GgmlGraph(C.Structure):
+    """The head of ggml's `struct ggml_cgraph` (ggml-impl.h, ggml 0.25.x), read only to set its `uid`:
+    ggml's CUDA backend replays a graph's CUDA graph without comparing its nodes' properties where the
+    uid is the one it last saw (`graph_uid`)."""
+
+    _fields_ = [
+        ("size", C.c_int),
+        ("n_nodes", C.c_int),
+        ("n_leafs", C.c_int),
+        ("nodes", C.c_void_p),
+        ("grads", C.c_void_p),
+        ("grad_accs", C.c_void_p),
+        ("leafs", C.c_void_p),
+        ("use_counts", C.c_void_p),
+        ("hash_size", C.c_size_t),
+        ("hash_used", C.c_void_p),
+        ("hash_keys", C.c_void_p),
+        ("order", C.c_int),
+        ("uid", C.c_uint64),
+    ]
+
+
 class GgmlTensor(C.Structure):
     """struct ggml_tensor (ggml.h), 336 bytes on 64-bit; `data` is the field we swap."""
 

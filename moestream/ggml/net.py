@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes as C
+import itertools
 import os
 from collections.abc import Sequence
 
@@ -31,13 +32,16 @@ import torch
 
 from moestream.ggml.backend import DeviceMemory, Region, place_tensor
 from moestream.ggml.graphs import compute_graph, free_context
-from moestream.ggml.lib import GgmlTensor, GgmlUnavailableError, InitParams, Library
+from moestream.ggml.lib import GgmlGraph, GgmlTensor, GgmlUnavailableError, InitParams, Library
 
 F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30  # GGML_TYPE_*
 FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}  # a float tensor's type
 SORT_DESC = 1  # GGML_SORT_ORDER_DESC
 ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX: rotate_half, transformers' Llama-style rotary
 _ALIGN = 64
+# the graphs' uids (`Net._renew_uid`): apart from ggml's own (its scheduler counts from 1)
+_FIRST_UID = 1 << 62
+_UIDS = itertools.count(_FIRST_UID)
 # every node its own scratch bytes, none reused after its last reader (debugging: a node's output then
 # stays readable after the compute, benchmarks/cuda_graph_bisect.py)
 _REUSE = os.environ.get("MOESTREAM_GGML_SCRATCH_REUSE", "1") != "0"
@@ -57,6 +61,12 @@ _QUERY = os.environ.get("MOESTREAM_GGML_QUERY", "copy").strip()
 
 class Net:
     """One graph under construction, then planned and placed; `run()` computes it."""
+
+    # a backend's graph whose nodes change only where it is placed (`place`; GraphSet's whole step on a
+    # device): each placement gives it a fresh uid (`_renew_uid`), and ggml's CUDA backend then compares
+    # its nodes with the CUDA graph it keeps once, on the run after, instead of on every run (1450 nodes
+    # a step of 24 layers)
+    replayed = False
 
     def __init__(self, lib: Library, nodes: int = 1024, memory: DeviceMemory | None = None) -> None:
         self.lib = lib
@@ -241,6 +251,31 @@ class Net:
         if self.memory is None:
             self._plan.work_data = work
             self._plan_ref = C.byref(self._plan)
+        elif self.replayed:
+            self._renew_uid()
+
+    def _renew_uid(self) -> None:
+        """Give the graph a uid no graph had (ggml's `ggml_cgraph.uid`, which its CUDA backend compares
+        with the one it last ran under the same key, `ggml_cuda_graph_update_required`), where the library
+        lays the graph out as `GgmlGraph` reads it: its node array right after the struct, its counts and
+        first and last nodes as the API gives them, and no uid but one of ours; else none (every run's
+        nodes compared, as without)."""
+        b, gf = self.lib.base, self.gf
+        g = GgmlGraph.from_address(gf)
+        n = b.ggml_graph_n_nodes(gf)
+        known = (
+            n > 0
+            and g.size == self.nodes
+            and g.n_nodes == n
+            and g.nodes == gf + C.sizeof(GgmlGraph)
+            and C.c_void_p.from_address(g.nodes).value == b.ggml_graph_node(gf, 0)
+            and C.c_void_p.from_address(g.nodes + C.sizeof(C.c_void_p) * (n - 1)).value
+            == b.ggml_graph_node(gf, n - 1)
+            and g.hash_size >= g.size
+            and (g.uid == 0 or g.uid >= _FIRST_UID)
+        )
+        if known:
+            g.uid = next(_UIDS)
 
     def run(self, fetch: bool = True) -> None:
         """Compute (the caller holds the pool's lock); on a backend, with the io bytes copied around it:

@@ -146,6 +146,8 @@ class GraphSet:
                 net.close()
                 del self.kv_views[start:]
                 raise
+            # on a device its nodes change only where `_place` places them: replayed unchecked between
+            net.replayed = self.memory is not None
             self.whole, self._whole_views = (whole, net), (start, len(self.kv_views))
             self._place()
         return self.whole[1]
