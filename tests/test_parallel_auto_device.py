@@ -17,7 +17,7 @@ from test_batch_runner import STEPS, _alone, _stepped
 
 import moestream
 from moestream.engine.device_parallel import choose_device_slots
-from moestream.engine.ggml_runner import DeviceNeeds, device_needs
+from moestream.engine.ggml_runner import CHUNK, DEVICE_CHUNK, DeviceNeeds, device_needs, planned_bytes
 from moestream.engine.gpu_tier import AUTO_MARGIN, tier_room
 from moestream.engine.options import AUTO
 from moestream.ggml.backend import Backend
@@ -203,3 +203,24 @@ def test_the_slots_chosen_decode_two_prompts_together_each_as_alone(device):
         tokens, logits = _stepped(engine.runner, PROMPTS, [(0, 1)] * STEPS)
         assert tokens == [t for t, _ in solo]
         assert all(torch.equal(a, b) for a, (_, b) in zip(logits, solo))
+
+
+def test_the_plan_covers_the_device_graphs_of_a_full_prefill_chunk(tmp_path, monkeypatch):
+    """`device_needs` counts the graph sets a backend builds: a prompt of DEVICE_CHUNK tokens (one chunk
+    on a backend, two of the host's CHUNK) and a decoded token take no more device scratch
+    than planned, and the plan at the host's CHUNK would not have held them (a tiny model of 1024
+    positions)."""
+    from tiny_models import write_tiny
+
+    path = write_tiny("qwen3_moe", tmp_path / "m", max_position_embeddings=1024)
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(path), cache="64MiB", threads=1, trunk="ggml") as engine:
+        r, loaded = engine.runner, engine.loaded
+        needs = device_needs(r.spec, r.experts, loaded.ctx_size, 1, 1, loaded.trunk.nbytes)
+        prompt = [(7 * i) % 200 + 3 for i in range(DEVICE_CHUNK)]
+        engine.generate(prompt, max_tokens=4, ignore_eos=True)
+        built = sum(gs.arena.nbytes for gs in r._sets.values())
+        assert {t for t, *_ in r._sets} >= {1, DEVICE_CHUNK}
+        inter = r.experts.graph_types()[r._moe_layers[0]].inter
+        host_chunk = planned_bytes(r.spec, loaded.ctx_size, r.experts.num_experts, inter, 1, 1, CHUNK)[1]
+        assert host_chunk < built <= needs.graphs

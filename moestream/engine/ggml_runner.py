@@ -668,16 +668,22 @@ class GgmlRunner(ModelRunner):
 
 
 def planned_bytes(
-    spec: ModelSpec, ctx_size: int, experts: int, inter: int, threads: int, slots: int = 1
+    spec: ModelSpec,
+    ctx_size: int,
+    experts: int,
+    inter: int,
+    threads: int,
+    slots: int = 1,
+    chunk: int = CHUNK,
 ) -> tuple[int, int]:
     """(its KV cache, its graph sets at most): the bytes a runner of `spec` takes, known before it is
-    built: KEEP_PREFILL_SETS sets of the largest step shape (a full prefill chunk attending over the
-    whole context) and `decode_sets(slots)` of one token (`slots` > 1: one of each slot's sequences, the
-    largest batch, at most) over the whole context, each as `set_bytes` lays it out (a batch's logits
-    added: one row a sequence)."""
+    built: KEEP_PREFILL_SETS sets of the largest step shape (a full prefill chunk, `chunk` tokens: on a
+    backend DEVICE_CHUNK, attending over the whole context) and `decode_sets(slots)` of one token
+    (`slots` > 1: one of each slot's sequences, the largest batch, at most) over the whole context, each
+    as `set_bytes` lays it out (a batch's logits added: one row a sequence)."""
     ctx = _round_up(ctx_size, SPAN_STEP)
     kv = layer_caches(spec, ctx * slots, "meta")
-    prefill = set_bytes(spec, kv, min(CHUNK, ctx), ctx, experts, inter, threads)
+    prefill = set_bytes(spec, kv, min(chunk, ctx), ctx, experts, inter, threads)
     decode = set_bytes(spec, kv, slots, ctx, experts, inter, threads) + 4 * spec.vocab * (slots - 1)
     return sum(k.nbytes + v.nbytes for k, v in kv), KEEP_PREFILL_SETS * prefill + decode_sets(slots) * decode
 
@@ -706,7 +712,7 @@ def device_needs(
     types, n = experts.graph_types(), experts.num_experts
     if not moe or any(types.get(layer) is None or types[layer].arena is None for layer in moe):
         return None
-    kv, graphs = planned_bytes(spec, ctx_size, n, types[moe[0]].inter, threads, slots)
+    kv, graphs = planned_bytes(spec, ctx_size, n, types[moe[0]].inter, threads, slots, DEVICE_CHUNK)
     every = expert_bytes(types, moe, spec.hidden, n)
     least = minimum_budget(types, moe, spec.hidden, n, spec.top_k)
     return DeviceNeeds(slots, kv, graphs, trunk_bytes + kv + graphs, every, least, experts.holds_all())
