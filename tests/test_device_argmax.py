@@ -202,3 +202,32 @@ def test_the_graphs_argmax_is_taken_only_where_it_is_numpys(V):
         sampler = Sampler(SamplingParams())
         assert sampler.plain
         assert sampler(DeviceLogits(got, values.clone) if got is not None else values) == numpys, name
+
+
+def test_a_greedy_request_alone_in_a_batchs_rounds_copies_back_its_token(tiny_dir, monkeypatch):
+    """With several slots (`--parallel`), a plainly greedy request decoding alone in its rounds runs the
+    step it runs alone, its argmax asked (its prompt's too): the logits are not copied back, the tokens
+    are the CPU path's;
+    two at once copy their rows' logits back ([2, V]) and give each its tokens alone."""
+    path = tiny_dir("qwen3_moe")
+    prompts = [PROMPT, PROMPT[::-1]]
+    with moestream.load(str(path), cache="64MiB", trunk="ggml") as cpu:
+        want = [cpu.generate(p, max_tokens=12, ignore_eos=True).tokens for p in prompts]
+    monkeypatch.setenv("MOESTREAM_GGML_BACKEND", "cpu")
+    with moestream.load(str(path), cache="64MiB", trunk="ggml", parallel=2) as engine:
+        assert engine.batch is not None
+        memory, vocab = engine.runner.memory, engine.runner.spec.vocab
+        copied: list[int] = []
+        download = memory.download
+        monkeypatch.setattr(memory, "download", lambda r, o, n: copied.append(n) or download(r, o, n))
+        assert engine.generate(prompts[0], max_tokens=12, ignore_eos=True).tokens == want[0]
+        chunks = vocab // argmax_chunk(vocab)
+        # the prompt's step and 11 decoded: their argmax, no logits
+        assert copied.count(12 * chunks) == 12 and 4 * vocab not in copied
+        rows, steps = engine.batch.decode_rows, engine.batch.decode_steps
+        copied.clear()
+        both = engine.generate_batch(prompts, max_tokens=12, ignore_eos=True)
+        assert [g.tokens for g in both] == want
+        # rounds of two rows (as many as ran: the threads' timing decides) copy their logits back
+        pairs = (engine.batch.decode_rows - rows) - (engine.batch.decode_steps - steps)
+        assert copied.count(2 * 4 * vocab) == pairs

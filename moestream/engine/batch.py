@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from moestream.engine.logits import DeviceLogits
 from moestream.engine.prompt_cache import PromptCache, common_prefix
 from moestream.errors import MoestreamError
 
@@ -46,8 +47,9 @@ class _Call:
     order: int  # arrival: the oldest prefill goes first
     request: str = ""  # its name in traces
     phase: str = "decode"  # "prefill": the request's prompt (traces)
+    greedy: bool = False  # the request takes the argmax alone (`Sampler.plain`)
     fed: int = 0  # tokens of `ids` fed so far (a prefill takes several rounds)
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | DeviceLogits | None = None
     error: BaseException | None = None
     done: bool = False
     lead: bool = False  # its thread is to run the next round
@@ -112,23 +114,27 @@ class Batcher:
 
     def step(self, slot: int, request: str = "") -> Step:
         """The forward of the request in `slot` (named `request` in traces): (ids, its cache or None) ->
-        (logits [V], its cache); its first forward is its prompt's. `greedy` changes nothing: a round
-        hands each request its logits as a tensor (a batch's decode step copies back [B, V])."""
+        (logits [V], its cache); its first forward is its prompt's. A round hands each request its logits
+        as a tensor (a batch's decode step copies back [B, V]), but a greedy request decoding alone in its
+        round, whose step is the one it runs alone (`GgmlRunner.forward`'s `greedy`: on a backend, the
+        argmax copied back, `DeviceLogits`)."""
         kv = self.runner.seqs[slot]
         phase = ["prefill"]
 
-        def forward(ids: list[int], cache: Any, greedy: bool = False) -> tuple[torch.Tensor, Any]:
+        def forward(
+            ids: list[int], cache: Any, greedy: bool = False
+        ) -> tuple[torch.Tensor | DeviceLogits, Any]:
             if cache is None:  # a request from scratch in this slot
                 kv.tokens = 0
             elif cache is not kv:
                 raise RuntimeError("a request continues only its own slot's KV cache")
-            out = self._wait(slot, _Call(kv, list(ids), 0, request, phase[0]))
+            out = self._wait(slot, _Call(kv, list(ids), 0, request, phase[0], greedy=greedy))
             phase[0] = "decode"
             return out
 
         return forward
 
-    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor, Any]:
+    def _wait(self, slot: int, call: _Call) -> tuple[torch.Tensor | DeviceLogits, Any]:
         """Hand the forward over; run a round where it completes the batch (or this thread is told to);
         else sleep on the call's own event until its forward is done (each thread woken once a round)."""
         with self._lock:
@@ -191,9 +197,13 @@ class Batcher:
             if recorder is not None:  # each row's request
                 recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
             try:
-                logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
-                for c, row in zip(decoding, logits):
-                    c.logits = row
+                if len(decoding) == 1 and decoding[0].greedy:  # the step it runs alone, its argmax asked
+                    (c,) = decoding
+                    c.logits = self.checked(self.runner)(c.ids, c.kv, greedy=True)[0]
+                else:
+                    logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
+                    for c, row in zip(decoding, logits):
+                        c.logits = row
                 self.decode_steps += 1
                 self.decode_rows += len(decoding)
             except BaseException as exc:  # each request raises it; the next round goes on without them
@@ -208,7 +218,9 @@ class Batcher:
             if recorder is not None:
                 recorder.forward(c.request, c.phase, c.kv.tokens)
             try:
-                c.logits, _ = self.checked(self.runner)(chunk, c.kv)
+                # no one reads a chunk's logits but the last's, and a greedy request its argmax alone
+                greedy = c.greedy or c.fed + len(chunk) < len(c.ids)
+                c.logits, _ = self.checked(self.runner)(chunk, c.kv, greedy=greedy)
                 c.fed += len(chunk)
                 c.done = c.fed == len(c.ids)
             except BaseException as exc:
