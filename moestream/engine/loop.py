@@ -47,6 +47,8 @@ def token_stream(
         token = sample(logits, state.ids)
         more = i + 1 < max_tokens
         started = _start(launch, [token], state) if more and launch is not None else None
+        if more and started is None:  # the runner computes this request's steps when called: ask no more
+            launch = None
         try:
             yield token, logits
         finally:

@@ -411,7 +411,7 @@ class LayerGraphs:
         writes, attn = layer.mixer.graph(self, net, h, layer.index)  # its cache: self.kv[layer.index]
         T = self.rows(layer.index)
         if self.last and layer.index == len(spec.layers) - 1:  # the last position only, from here on
-            x, attn = (_last_column(net, t, self.tokens) for t in (x, attn))
+            x, attn = (_tokens(net, t, 1, self.tokens - 1, 1) for t in (x, attn))
         resid = net.add(x, attn)
         h2 = self.norm(net, resid, layer.ffn_norm)
         if layer.router is None:
@@ -584,9 +584,3 @@ def _tokens(net: Net, t: int, dim: int, start: int, n: int) -> int:
     if dim == 1:
         return net.view_2d(t, g.ne[0], n, g.nb[1], start * g.nb[1])
     return net.view_3d(t, g.ne[0], g.ne[1], n, g.nb[1], g.nb[2], start * g.nb[2])
-
-
-def _last_column(net: Net, t: int, tokens: int) -> int:
-    """The last of the `tokens` columns of a 2-D tensor [H, T] (a view)."""
-    g = GgmlTensor.from_address(t)
-    return net.view_2d(t, g.ne[0], 1, g.nb[1], g.nb[1] * (tokens - 1))

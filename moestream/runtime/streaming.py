@@ -192,39 +192,29 @@ class ExpertStreaming:
         BENCHMARKS.md, "A checkpoint changed during a request"). Keywords go to `step` (`greedy`)."""
 
         def run(ids: list[int], cache: Any, **kwargs: Any) -> tuple[Any, Any]:
-            try:
-                out = step(ids, cache, **kwargs)
-            except CheckpointChangedError:  # a read that failed because the file changed under it
-                self.suspect = True
-                raise
-            self.check_files()
-            return out
+            return self._ended(lambda: step(ids, cache, **kwargs))
 
         launch = getattr(step, "launch", None)
         if launch is not None:  # a step started (`ModelRunner.launch`): checked once it has ended
             run.launch = lambda ids, cache, **kwargs: self._checked_launch(launch, ids, cache, **kwargs)
         return run
 
-    def _checked_launch(self, launch: Callable, ids: list[int], cache: Any, **kwargs: Any) -> Any:
-        """`checked` for a started step: `launch`'s waiter, which checks the files once the step ended."""
+    def _ended(self, call: Callable[[], Any], check: bool = True) -> Any:
+        """`call()` (a forward, or the part of one that waits for it), then `check_files` unless `check`
+        is False (the forward only started)."""
         try:
-            done = launch(ids, cache, **kwargs)
-        except CheckpointChangedError:
+            out = call()
+        except CheckpointChangedError:  # a read that failed because the file changed under it
             self.suspect = True
             raise
-        if done is None:
-            return None
-
-        def finish() -> tuple[Any, Any]:
-            try:
-                out = done()
-            except CheckpointChangedError:
-                self.suspect = True
-                raise
+        if check:
             self.check_files()
-            return out
+        return out
 
-        return finish
+    def _checked_launch(self, launch: Callable, ids: list[int], cache: Any, **kwargs: Any) -> Any:
+        """`checked` for a started step: `launch`'s waiter, which checks the files once the step ended."""
+        done = self._ended(lambda: launch(ids, cache, **kwargs), check=False)
+        return None if done is None else lambda: self._ended(done)
 
     def describe(self) -> str:
         """The streaming part of the mode line: io mode, threads, pieces, prefetch, memory, policy."""
