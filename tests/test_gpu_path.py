@@ -26,7 +26,7 @@ from moestream.engine.gpu_path import (
     gpu_index,
     resolve,
 )
-from moestream.engine.options import TRUNK_MODES
+from moestream.engine.options import TRUNK_MODES, EngineOptions
 from moestream.errors import MoestreamError
 
 PROMPT = [5, 17, 33, 2, 99, 41, 7, 250, 3, 12, 80, 64]
@@ -227,8 +227,17 @@ def test_device_cuda_runs_the_ggml_graphs_on_the_backend(which, tiny_dir, monkey
         and "trunk ggml graphs on ggml's cpu backend (stand-in for CUDA" in mode
     )
     assert "--gpu-tier auto: every expert on the device" in mode
-    tiered, mode = _greedy(path, device="cuda", host_cache="64MiB", gpu_cache="1MiB")
-    assert tiered == want and "GPU tier" in mode
+    assert "8 io threads" in mode  # ggml's CUDA backend's default (4 on the CPU)
+    tiered, mode = _greedy(path, device="cuda", host_cache="64MiB", gpu_cache="1MiB", io_threads=3)
+    assert tiered == want and "GPU tier" in mode and "3 io threads" in mode
+
+
+def test_io_threads_default_by_backend():
+    """4 I/O threads by default; 8 on ggml's CUDA backend; a number given wins on either."""
+    assert EngineOptions().io_threads == 4
+    assert EngineOptions(ggml_device="cuda").io_threads == 8
+    assert EngineOptions(ggml_device="cuda", io_threads=2).io_threads == 2
+    assert EngineOptions(io_threads=16).io_threads == 16
 
 
 def test_device_cuda_json_and_env_conflict(tiny_dir, monkeypatch, capsys):

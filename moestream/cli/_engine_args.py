@@ -135,7 +135,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["direct", "pagecache", "mmap"],
         help="how expert bytes are read: O_DIRECT, buffered pread, or through a memory map",
     )
-    group.add_argument("--io-threads", type=int, default=4, help="dedicated I/O threads (default 4)")
+    group.add_argument(
+        "--io-threads",
+        type=int,
+        default=None,
+        help="dedicated I/O threads (default 4; 8 on ggml's CUDA backend)",
+    )
     group.add_argument("--piece", default="128KiB", help="size of one read (default 128KiB)")
     group.add_argument(
         "--threads",

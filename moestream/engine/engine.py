@@ -42,7 +42,7 @@ def load(
     cache: int | str = "auto",
     device: str = "cpu",
     io_mode: str = "direct",
-    io_threads: int = 4,
+    io_threads: int | None = None,
     piece: int | str = "128KiB",
     threads: int | None = None,
     make_reader: ReaderFactory | None = None,
@@ -62,7 +62,7 @@ def load(
             `cache` is the host expert cache (`host_cache` its synonym) and the GPU tier `gpu_tier`
             (`gpu_cache` its synonym, auto by default).
         io_mode: "direct" (O_DIRECT), "pagecache" (buffered reads) or "mmap" (reads through a memory map).
-        io_threads: dedicated I/O threads.
+        io_threads: dedicated I/O threads (None: 4, or 8 on ggml's CUDA backend, `engine/options.py`).
         piece: read size of one I/O, a multiple of 4 KiB.
         threads: torch compute threads (None: torch's default).
         make_reader: builds the reader from (io_mode, io_threads) (default `Reader`; tests inject others).

@@ -15,6 +15,10 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_PARALLEL = 64  # sequences decoded together at most (each holds a KV cache of the whole context)
 MAX_IO_THREADS = 256  # far past where more threads read faster; thousands exhaust the process's threads
+# dedicated I/O threads by default: 4, and 8 on ggml's CUDA backend, whose steps wait on the disk alone (the
+# GPU computes a layer in well under a read): on an H100's disk (2026-12-07) 8 read at 87-96% of the
+# O_DIRECT ceiling where 4 read at 72-90% and 16 at 74% (BENCHMARKS.md, 12-07 morning)
+IO_THREADS, IO_THREADS_GGML_CUDA = 4, 8
 POLICIES = tuple(POLICY_CLASSES)  # eviction policies a live engine can run (the simulator has more)
 # how the non-expert part of a decode step runs (engine/trunk.py): "graphs" (CUDA graphs between the MoE
 # layers' experts, over a static KV cache; the whole step as one graph when every expert fits the GPU
@@ -35,7 +39,7 @@ class EngineOptions:
     cache: int | str = AUTO
     device: str = "cpu"
     io_mode: str = "direct"
-    io_threads: int = 4
+    io_threads: int | None = None  # None: IO_THREADS, or IO_THREADS_GGML_CUDA on ggml's CUDA backend
     piece: int | str = "128KiB"
     threads: int | None = None
     dtype: str = "auto"
@@ -107,6 +111,8 @@ class EngineOptions:
                 )
         if self.io_mode not in IO_MODES:
             raise ValueError(f"io mode {self.io_mode!r} is not one of {', '.join(IO_MODES)}")
+        if self.io_threads is None:
+            self.io_threads = IO_THREADS_GGML_CUDA if self.ggml_device is not None else IO_THREADS
         if not 1 <= self.io_threads <= MAX_IO_THREADS:
             raise ValueError(f"io threads must be between 1 and {MAX_IO_THREADS}, got {self.io_threads}")
         if self.piece < 4096 or self.piece % 4096:
