@@ -116,6 +116,12 @@ class EngineFloor:
         with self._cond:
             return None if self._closed else self._floor.tick(self._clock())
 
+    def wait_lowered(self, timeout: float) -> bool:
+        """Wait until the floor is not raised (lowered after the hold, or closed), at most `timeout`
+        seconds; whether it is. `min_freq` is written by then: the writes happen under the same lock."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._closed or not self._floor.raised, timeout)
+
     def close(self) -> None:
         """Restore the original `min_freq` and stop. Idempotent; later begin()/end() do nothing."""
         with self._cond:
@@ -140,9 +146,14 @@ class EngineFloor:
             self._worker.start()
 
     def _run(self) -> None:
+        # SIGINT and SIGTERM are the main thread's, where Python runs their handlers (min_freq restored by
+        # `install_restore_handlers`): one the kernel gave this thread would wait for the main thread's
+        # next bytecode, which a main thread asleep or blocked defers (a child asleep kept its floor)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         with self._cond:
             while not self._closed:
                 due = self._floor.tick(self._clock())
+                self._cond.notify_all()  # `wait_lowered`
                 # Yielded to another writer: poll now and then for it to give min_freq back.
                 timeout = due if due is not None else (1.0 if self._floor.yielded else None)
                 self._cond.wait(timeout=timeout)
