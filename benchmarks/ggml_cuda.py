@@ -95,6 +95,7 @@ class Phases:
 
     WRAPPED = (
         (Net, "run", "graphs"),
+        (Net, "launch", "graphs"),  # a step started ahead's graph (`run` calls it too: counted once)
         (Backend, "synchronize", "sync"),
         (GpuTier, "upload", "upload"),
         (HostMisses, "compute", "cpu"),
@@ -111,34 +112,18 @@ class Phases:
         def step(runner, ids, cache, greedy=False):
             if len(ids) != 1:  # a prompt's chunk (or a batch's): not counted
                 return call(runner, ids, cache, greedy)
-            self.on, self.steps = True, self.steps + 1
-            try:
-                return self._timed(call, "step")(runner, ids, cache, greedy)
-            finally:
-                self.on = False
+            self.steps += 1
+            return self._counted(call, runner, ids, cache, greedy)
 
         GgmlRunner.__call__ = step
         started = GgmlRunner.launch
-        Net.launch = self._timed(Net.launch, "graphs")
 
         def launch(runner, ids, cache, greedy=False):  # a step started ahead: its start and its end
-            self.on = True
-            try:
-                done = self._timed(started, "step")(runner, ids, cache, greedy)
-            finally:
-                self.on = False
+            done = self._counted(started, runner, ids, cache, greedy)
             if done is None:
                 return None
             self.steps += 1
-
-            def end():
-                self.on = True
-                try:
-                    return self._timed(done, "step")()
-                finally:
-                    self.on = False
-
-            return end
+            return lambda: self._counted(done)
 
         GgmlRunner.launch = launch
         self.reset()
@@ -146,6 +131,14 @@ class Phases:
     def reset(self) -> None:
         self.seconds = {key: 0.0 for key in ["graphs", "sync", "upload", "cpu", "step"]}
         self.steps = 0
+
+    def _counted(self, fn, *args):
+        """`fn(*args)`, a decoded token's step or part of one: its time counted, its own Python as `step`."""
+        self.on = True
+        try:
+            return self._timed(fn, "step")(*args)
+        finally:
+            self.on = False
 
     def _timed(self, fn, key: str):
         def timed(*args, **kwargs):
