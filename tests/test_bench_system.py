@@ -106,6 +106,19 @@ def test_cgroup_v2_enables_the_controller_and_sets_memory_max(tmp_path):
     assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory\n"
     (tmp_path / "mb-test/memory.peak").write_text("123456\n")
     assert group.peak_bytes() == 123456
+    (tmp_path / "mb-test/memory.stat").write_text(
+        "anon 4556062720\nfile 775946240\nkernel 31457280\nfile_mapped 332398592\n"
+        "workingset_refault_file 1200\npgmajfault 77\n"
+    )
+    assert group.stat() == {
+        "anon": 4556062720,
+        "file": 775946240,
+        "file_mapped": 332398592,
+        "workingset_refault_file": 1200,
+        "pgmajfault": 77,
+    }
+    (tmp_path / "mb-test/memory.stat").unlink()
+    assert group.stat() == {}
     (tmp_path / "mb-test/memory.peak").unlink()
     (tmp_path / "mb-test/memory.max").unlink()
     group.remove()
@@ -120,6 +133,7 @@ def test_cgroup_v1_when_the_unified_tree_has_no_memory_controller(tmp_path):
     assert (group.version, group.path) == (1, tmp_path / "memory/mb-test")
     assert (group.path / "memory.limit_in_bytes").read_text() == f"{1 << 30}\n"
     assert group.peak_bytes() is None
+    assert group.stat() == {}  # v1's memory.stat names differ: not read
 
 
 def test_no_memory_controller_is_one_sentence(tmp_path):

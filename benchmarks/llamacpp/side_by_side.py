@@ -139,7 +139,7 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
         f"{spec}: decode {s['decode_tok_s_mean']:.3f} tok/s (CV {100 * (s['decode_tok_s_cv'] or 0):.1f}%), "
         f"prefill {s['prefill_tok_s_mean']:.2f} tok/s ({s['prompt_s_total']:.1f} s), read "
         f"{s['device_gib']:.1f} GiB, "
-        f"peak memory {_peak(results)}",
+        f"peak memory {_peak(results)}{_held(results)}",
         flush=True,
     )
     return results
@@ -148,6 +148,18 @@ def run_spec(spec: str, args: argparse.Namespace) -> dict:
 def _peak(results: dict) -> str:
     peak = results["machine"].get("cgroup", {}).get("peak_bytes")
     return f"{peak / GiB:.2f} GiB" if peak else "-"
+
+
+def _held(results: dict) -> str:
+    """What the group held at the end (memory.stat, v2): anonymous and file MiB, mapped files, refaults."""
+    st = results["machine"].get("cgroup", {}).get("stat") or {}
+    if not st:
+        return ""
+    mib = lambda k: f"{st.get(k, 0) >> 20}"  # noqa: E731
+    return (
+        f"; at the end anon {mib('anon')} MiB, file {mib('file')} MiB ({mib('file_mapped')} mapped), "
+        f"{st.get('workingset_refault_file', 0)} file pages refaulted"
+    )
 
 
 def _same_text(run: dict, reference: dict | None) -> str:

@@ -49,8 +49,10 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                 _run_prompts(config, url, prompts, machine.device, server)
             requests, telemetry = _run_prompts(config, url, prompts, machine.device, server)
             mode_line = server.mode_line() if server is not None else None
+            # read while the server still runs: what it held under the limit, and what it read again
+            memory = machine.cgroup.stat() if machine.cgroup is not None else {}
         peak = machine.cgroup.peak_bytes() if machine.cgroup is not None else None
-        results = build_results(config, requests, telemetry, mode_line, _machine_info(machine, peak))
+        results = build_results(config, requests, telemetry, mode_line, _machine_info(machine, peak, memory))
     write_outputs(config, results)
     return results
 
@@ -163,7 +165,9 @@ def _server_kind(client: httpx.Client, default: str) -> str:
     return "moestream" if "moestream" in owners else "llama-server" if "llamacpp" in owners else default
 
 
-def _machine_info(machine: _Machine, peak: int | None) -> dict[str, Any]:
+def _machine_info(
+    machine: _Machine, peak: int | None, memory: dict[str, int] | None = None
+) -> dict[str, Any]:
     device = machine.device
     info: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -181,6 +185,7 @@ def _machine_info(machine: _Machine, peak: int | None) -> dict[str, Any]:
             "limit": machine.cgroup.limit,
             "limit_text": format_size(machine.cgroup.limit),
             "peak_bytes": peak,
+            "stat": memory or {},
         }
     return info
 

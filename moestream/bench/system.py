@@ -93,6 +93,9 @@ def drop_caches(proc_root: str = "/proc") -> None:
     (Path(proc_root) / "sys" / "vm" / "drop_caches").write_text("3\n")
 
 
+MEMORY_STAT_FIELDS = ("anon", "file", "file_mapped", "unevictable", "workingset_refault_file", "pgmajfault")
+
+
 @dataclass
 class MemoryCgroup:
     """A memory-limited cgroup created for one benchmark; `enter` puts the calling process in it."""
@@ -116,6 +119,19 @@ class MemoryCgroup:
             return int((self.path / name).read_text().strip())
         except (OSError, ValueError):
             return None
+
+    def stat(self) -> dict[str, int]:
+        """What the group holds now, from memory.stat (v2): anonymous and file pages, the files' mapped share,
+        and refaults of file pages since it was made (pages reclaimed under the limit and read again: a
+        process whose libraries or working set do not fit). Empty where the kernel does not report it."""
+        if self.version != 2:
+            return {}
+        try:
+            text = (self.path / "memory.stat").read_text()
+        except OSError:
+            return {}
+        fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+        return {k: int(fields[k]) for k in MEMORY_STAT_FIELDS if k in fields and fields[k].strip().isdigit()}
 
     def remove(self, wait_s: float = 10.0) -> None:
         """Remove the group once it is empty: a process that has just exited can hold it busy for a moment."""
