@@ -399,3 +399,18 @@ def test_a_steps_inputs_are_its_tokens_rows_and_masks(window):
         if window:
             far = torch.arange(span)[None, :] <= pos[:, None] - window
             assert torch.equal(b.window, mask.clone().masked_fill_(far, float("-inf"))), positions
+
+
+def test_a_registry_device_type_as_ggml_gives_it():
+    """ggml's registry says what each of its devices is (the CPU backend's one device: "cpu"); a device
+    it does not have is None; without a CUDA library or GPU, ggml's CUDA backend types no device."""
+    from moestream.ggml.backend import cuda_device_type, cuda_unavailable, device_type
+    from moestream.ggml.lib import library
+
+    reg = library().cpu.ggml_backend_cpu_reg()
+    assert device_type(reg, 0) == "cpu"
+    assert device_type(reg, 1) is None
+    if cuda_unavailable(0) is not None:
+        assert cuda_device_type(0) is None
+    else:  # a GPU machine: a discrete GPU or an integrated one (Jetson)
+        assert cuda_device_type(0) in ("gpu", "igpu")

@@ -118,7 +118,11 @@ def test_gpu_index():
 
 
 def _probe(monkeypatch, missing: str | None) -> None:
+    """ggml's CUDA backend runs here (`missing` None: a discrete GPU), or cannot for the words `missing`."""
     monkeypatch.setattr("moestream.ggml.backend.cuda_unavailable", lambda device=0: missing)
+    monkeypatch.setattr(
+        "moestream.ggml.backend.cuda_device_type", lambda device=0: "gpu" if missing is None else None
+    )
 
 
 def test_resolve_from_the_config(monkeypatch):
@@ -310,3 +314,26 @@ def test_an_integrated_gpu_keeps_the_unified_tier(monkeypatch, trunk, unified, w
     assert chosen.path == want
     if want == TORCH and unified is None:
         assert chosen.why == "an integrated GPU: one device-mapped tier, as --unified"
+
+
+@pytest.mark.parametrize("kind,want", [("gpu", False), ("igpu", True)])
+def test_the_integrated_check_asks_ggml_before_torch(monkeypatch, kind, want):
+    """Where ggml's CUDA backend runs, the integrated-GPU check is its device type, and torch's CUDA is not
+    asked (starting it costs host memory the expert cache could have); where it does not, torch is."""
+    import torch
+
+    import moestream.engine.gpu_path as gp
+
+    def not_asked(*a, **k):
+        raise AssertionError("torch's CUDA was asked")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", not_asked)
+    monkeypatch.setattr(torch.cuda, "is_available", not_asked)
+    monkeypatch.setattr("moestream.ggml.backend.cuda_device_type", lambda device: kind)
+    assert gp._integrated("cuda:0") is want
+
+    props = types.SimpleNamespace(is_integrated=not want)
+    monkeypatch.setattr("moestream.ggml.backend.cuda_device_type", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert gp._integrated("cuda:0") is (not want)

@@ -126,7 +126,15 @@ def ggml_options(device: str, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _integrated(device: str) -> bool:
-    """Whether torch sees `device` as an integrated GPU (False where torch sees no CUDA device)."""
+    """Whether `device` is an integrated GPU: as ggml's CUDA backend sees it where that backend runs here
+    (so that the path it is chosen for never starts torch's CUDA, whose context, allocator and libraries'
+    pages cost host memory the expert cache could have); else as torch sees it (False where torch sees
+    no CUDA device)."""
+    from moestream.ggml.backend import cuda_device_type
+
+    kind = cuda_device_type(gpu_index(device))
+    if kind is not None:
+        return kind == "igpu"
     import torch
 
     if not torch.cuda.is_available():

@@ -177,6 +177,30 @@ def cuda_unavailable(device: int = 0) -> str | None:
     return None
 
 
+# enum ggml_backend_dev_type (ggml-backend.h), in its order
+DEVICE_TYPES = ("cpu", "gpu", "igpu", "accel", "meta")
+
+
+def device_type(reg: int, index: int) -> str | None:
+    """The type ggml's backend registry `reg` gives its device `index` ("cpu", "gpu", "igpu": an integrated
+    GPU, whose memory is the host's, "accel", "meta"); None where it has no such device."""
+    base = library().base
+    if not reg or index >= base.ggml_backend_reg_dev_count(reg):
+        return None
+    kind = base.ggml_backend_dev_type(base.ggml_backend_reg_dev_get(reg, index))
+    return DEVICE_TYPES[kind] if 0 <= kind < len(DEVICE_TYPES) else f"type {kind}"
+
+
+def cuda_device_type(device: int = 0) -> str | None:
+    """What ggml's CUDA backend says GPU `device` is ("gpu", or "igpu" for an integrated one such as a
+    Jetson's: the CUDA device's `integrated` property), or None where that backend cannot run here
+    (`cuda_unavailable`). Asks the CUDA runtime for the device's properties; starts no backend, and
+    leaves torch's CUDA alone (`import torch` is not CUDA initialized by it)."""
+    if cuda_unavailable(device) is not None:
+        return None
+    return device_type(cuda_library().ggml_backend_cuda_reg(), device)
+
+
 def cpu_backend(threads: int) -> Backend:
     """ggml's CPU backend with `threads` threads of its own: the backend API over host memory."""
     lib = library()

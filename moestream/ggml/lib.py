@@ -247,6 +247,9 @@ _BACKEND_API = {
     "ggml_backend_cpu_buffer_type": (_P, []),
     "ggml_backend_cpu_buffer_from_ptr": (_P, [_P, _SZ]),
     "ggml_backend_dev_description": (C.c_char_p, [_P]),
+    "ggml_backend_dev_type": (_I, [_P]),
+    "ggml_backend_reg_dev_count": (_SZ, [_P]),
+    "ggml_backend_reg_dev_get": (_P, [_P, _SZ]),
     "ggml_backend_event_new": (_P, [_P]),
     "ggml_backend_event_free": (None, [_P]),
     "ggml_backend_event_record": (None, [_P, _P]),
@@ -265,6 +268,7 @@ _BACKEND_API = {
 }
 _CPU_BACKEND_API = {
     "ggml_backend_cpu_init": (_P, []),
+    "ggml_backend_cpu_reg": (_P, []),
     "ggml_backend_cpu_set_n_threads": (None, [_P, _I]),
     "ggml_backend_cpu_set_threadpool": (None, [_P, _P]),
 }
@@ -272,6 +276,7 @@ _CPU_BACKEND_API = {
 _CUDA_API = {
     "ggml_backend_cuda_init": (_P, [_I]),
     "ggml_backend_cuda_get_device_count": (_I, []),
+    "ggml_backend_cuda_reg": (_P, []),
     "ggml_backend_cuda_buffer_type": (_P, [_I]),
     "ggml_backend_cuda_host_buffer_type": (_P, []),
     "ggml_backend_cuda_get_device_description": (None, [_I, C.c_char_p, _SZ]),
