@@ -352,8 +352,9 @@ def test_the_kv_cache_on_ggmls_cuda_backend_takes_no_host_memory(tiny_dir, monke
     """On ggml's CUDA backend (--device cuda resolved to it: `ggml_device`) the graphs' KV cache lives on
     the GPU alone: the memory check and the auto budgets count none of it in host memory (they did,
     leaving a host cache 384 MiB smaller under a 2.75 GiB limit on the H100, 12-layer file, 8192
-    positions), and the runner's host tensors that name the device's copies are never written. On ggml's
-    CPU backend (the tests' stand-in) the device's copy is host memory: counted once, where it was."""
+    positions), and the runner's host tensors that name the device's copies are never written; nor the
+    graphs' scratch, where the GPU computes a tier's misses. On ggml's CPU backend (the tests' stand-in)
+    the device's copy is host memory: counted once, where it was."""
     import dataclasses
 
     import torch
@@ -376,6 +377,14 @@ def test_the_kv_cache_on_ggmls_cuda_backend_takes_no_host_memory(tiny_dir, monke
     kv = (kv_name, description.kv_bytes)
     assert _runner_parts(description, kv, options)[0][1] > 0
     assert _runner_parts(description, kv, on_gpu)[0][1] == 0
+    # the graphs' scratch: the GPU's where its tier's misses are uploaded (the default), the CPU's where
+    # its graphs compute them from the host cache (counted at the runner's plan)
+    graphs = "the ggml graphs' buffers"
+    assert dict(_runner_parts(description, kv, options))[graphs] > 0
+    assert dict(_runner_parts(description, kv, on_gpu))[graphs] == 0
+    for way, held in (("upload", 0), ("host", 1), ("split", 1), ("auto", 1)):
+        monkeypatch.setenv("MOESTREAM_TIER_MISSES", way)
+        assert (dict(_runner_parts(description, kv, on_gpu))[graphs] > 0) == held, way
 
 
 def test_the_trunk_on_ggmls_cuda_backend_takes_no_host_memory_but_the_routers(tiny_dir, monkeypatch):
