@@ -78,14 +78,27 @@ def test_a_gpu_tier_gives_the_in_place_bits_at_every_size(which, misses, tiny_di
         "split": "misses 50% copied before their graph while the CPU computes the rest",
     }
     calls = []  # the host way's misses: by one CPU graph a layer over the host cache's slots
+    shared = []  # (column count, the layers with a graph of it, the x buffers of those graphs)
     compute = HostMisses.compute
-    monkeypatch.setattr(HostMisses, "compute", lambda self, *a: calls.append(len(a[2])) or compute(self, *a))
+
+    def counted(self, *a):
+        calls.append(len(a[2]))
+        out = compute(self, *a)
+        for columns in {c for _, c in self._graphs}:
+            graphs = [g for (_, c), g in self._graphs.items() if c == columns]
+            shared.append((columns, len(graphs), {g.x.data_ptr() for g in graphs}))
+        return out
+
+    monkeypatch.setattr(HostMisses, "compute", counted)
     for size in (least, middle, every):
         got, tokens, mode = _run(path, monkeypatch, "cpu", gpu_tier=size)
         assert "routed experts in a GPU tier of" in mode and words[misses] in mode
         assert torch.equal(got, want), (which, size)
         assert tokens == want_tokens
     assert bool(calls) == (misses != "upload")
+    # the graphs of one column count share their host buffers across layers (one set per count)
+    assert all(len(ptrs) == 1 for _, _, ptrs in shared)
+    assert (misses == "upload") or any(layers > 1 for _, layers, _ in shared)
 
 
 def test_counters_every_expert_held_uploads_nothing_after_warm_up(tiny_dir, monkeypatch):

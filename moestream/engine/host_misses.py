@@ -27,15 +27,24 @@ def bucket(pairs: int) -> int:
     return 1 << max(0, pairs - 1).bit_length()
 
 
-class _Graph:
-    """One layer's graph of `columns` pairs and the host buffers it reads and writes."""
+class _Buffers:
+    """The host buffers a graph of `columns` pairs reads and writes: one set per column count, shared by
+    every layer's graph of that count (the graphs run one at a time and `compute`'s output is a view valid
+    until the next compute), so that host memory grows with the buckets used, not with layers x buckets."""
 
-    def __init__(self, types: ExpertTypes, hidden: int, columns: int, threads: int, pool: int) -> None:
-        H, P = hidden, columns
-        self.x = torch.zeros(P, H, dtype=torch.float32)
-        self.slots = torch.zeros(P, dtype=torch.int32)
-        self.experts = torch.zeros(P, dtype=torch.int32)
-        self.out = torch.zeros(P, H, dtype=torch.float32)
+    def __init__(self, hidden: int, columns: int) -> None:
+        self.x = torch.zeros(columns, hidden, dtype=torch.float32)
+        self.slots = torch.zeros(columns, dtype=torch.int32)
+        self.experts = torch.zeros(columns, dtype=torch.int32)
+        self.out = torch.zeros(columns, hidden, dtype=torch.float32)
+
+
+class _Graph:
+    """One layer's graph of `columns` pairs over the buffers of that count."""
+
+    def __init__(self, types: ExpertTypes, buffers: _Buffers, threads: int, pool: int) -> None:
+        self.x, self.slots, self.experts, self.out = buffers.x, buffers.slots, buffers.experts, buffers.out
+        P, H = self.x.shape
         self.net = Net(ggml.library(), nodes=64)
         try:
             net = self.net
@@ -55,6 +64,7 @@ class HostMisses:
     def __init__(self, types: dict[int, ExpertTypes], hidden: int, threads: int) -> None:
         self.types, self.hidden, self.threads = types, hidden, threads
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._buffers: dict[int, _Buffers] = {}  # by column count
         self._arena: Arena | None = None
         self._pool = 0
 
@@ -86,7 +96,10 @@ class HostMisses:
             self._pool = pool
         g = self._graphs.get((layer, columns))
         if g is None:
-            g = _Graph(self.types[layer], self.hidden, columns, self.threads, pool)
+            buffers = self._buffers.get(columns)
+            if buffers is None:
+                buffers = self._buffers[columns] = _Buffers(self.hidden, columns)
+            g = _Graph(self.types[layer], buffers, self.threads, pool)
             self._graphs[(layer, columns)] = g
             if self._arena is not None:
                 self._arena.close()
@@ -98,6 +111,7 @@ class HostMisses:
         for g in self._graphs.values():
             g.net.close()
         self._graphs = {}
+        self._buffers = {}
         if self._arena is not None:
             self._arena.close()
             self._arena = None
