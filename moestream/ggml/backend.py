@@ -195,7 +195,7 @@ def cuda_device_type(device: int = 0) -> str | None:
     """What ggml's CUDA backend says GPU `device` is ("gpu", or "igpu" for an integrated one such as a
     Jetson's: the CUDA device's `integrated` property), or None where that backend cannot run here
     (`cuda_unavailable`). Asks the CUDA runtime for the device's properties; starts no backend, and
-    leaves torch's CUDA alone (`import torch` is not CUDA initialized by it)."""
+    leaves torch's CUDA uninitialized."""
     if cuda_unavailable(device) is not None:
         return None
     return device_type(cuda_library().ggml_backend_cuda_reg(), device)
