@@ -228,7 +228,8 @@ def _runner_parts(
     """What the CPU trunk takes after the cache: the KV cache and the ggml graphs' buffers, or, under
     transformers (which prefills a prompt whole), the KV cache and a full-context prefill's activations.
     On ggml's CUDA backend (`options.ggml_device`) the graphs' KV cache is the GPU's: none of it here; nor
-    their buffers where a GPU tier's misses are computed there (`_misses_on_gpu`); nor the routers'
+    their buffers where a GPU tier's misses are copied to it and computed there (`tier_misses`: upload,
+    the default; the CPU's graphs of the other ways are kept at the runner's plan); nor the routers'
     float32 copies, given back with the trunk's host copy (`engine/trunk_release.py`; the room is measured
     after that, the trunk's bytes in it)."""
     if model.spec is None:
@@ -245,7 +246,9 @@ def _runner_parts(
     on_gpu = options is not None and options.ggml_device is not None
     if on_gpu:
         kv_bytes = 0  # (the runner's host tensors only name the device's copies: never written)
-        if _misses_on_gpu():
+        from moestream.engine.tiered_steps import tier_misses
+
+        if tier_misses(True) == "upload":
             graphs = 0  # the graph sets' scratch is a buffer of the GPU (`Arena` on a backend)
     parts = [
         (f"the F16 KV cache at {model.ctx_size} tokens{each}", kv_bytes),
@@ -260,15 +263,6 @@ def _runner_parts(
 
         parts.append((f"the repacked copies ({REPACK_ENV}=1)", copy_bytes(model.emap, model.spec)))
     return parts
-
-
-def _misses_on_gpu() -> bool:
-    """Whether a GPU tier's misses are computed on the GPU (MOESTREAM_TIER_MISSES upload, the default):
-    then no ggml graph of the run has host scratch. The CPU's graphs of the other ways (host, split, auto:
-    `engine/host_misses.py`) are kept in the account at the runner's planned graphs' bytes."""
-    import os
-
-    return os.environ.get("MOESTREAM_TIER_MISSES", "").strip() in ("", "upload")
 
 
 def activation_bytes(config: Any, ctx_size: int) -> int:
