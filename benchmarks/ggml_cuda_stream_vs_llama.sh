@@ -5,8 +5,8 @@
 # (benchmarks/llamacpp/side_by_side.py, as the CPU path's streaming comparison): llama.cpp -ngl 99 with
 # every routed expert on the CPU (--n-cpu-moe 24) and with 6 layers' experts on the GPU (--n-cpu-moe 18,
 # about the VRAM of moestream's 2 GiB tier), streamed by mmap at read-aheads LLAMA_RA; moestream --device cuda (ggml's CUDA
-# backend) with a 2 GiB GPU tier over the host cache the limit leaves (auto), then over HOST (3GiB), with
-# and without --prefetch (12-07 on the 12-layer file: llama.cpp's best read-ahead was 128 KiB). LIMIT
+# backend) with a 2 GiB GPU tier over the host cache the limit leaves (auto), with and without --prefetch,
+# then over HOST (3GiB), with and without it (12-07 on the 12-layer file: llama.cpp's best read-ahead was 128 KiB). LIMIT
 # (5GiB) is chosen so that the model (8.4 GiB) is bigger than the memory limit and the 2 GiB of VRAM
 # together: under 7GiB, llama.cpp's 18 layers on the CPU (6.2 GiB) stayed in its page cache and read
 # nothing after warm-up (2026-12-06 night), which is item 5's regime, not this one. Outputs under $OUT:
@@ -27,8 +27,10 @@ specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=auto,threads=$T,ra=128
 for ra in ${LLAMA_RA:-128 4096}; do  # llama.cpp's mmap at each read-ahead: its best is the baseline
   specs+=("llama:ngl=99,ncmoe=$NCMOE,t=$T,ra=$ra")
 done
-specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128")
-specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128,prefetch=on")
+# the auto cache with the next layer's experts read ahead (--prefetch on), then HOST with and without it
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=auto,threads=$T,ra=128,prefetch=on${IO:+,io_threads=$IO}")
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128${IO:+,io_threads=$IO}")
+specs+=("moestream:device=cuda,gpu_cache=$TIER,host_cache=$HOST,threads=$T,ra=128,prefetch=on${IO:+,io_threads=$IO}")
 for ra in ${LLAMA_RA:-128 4096}; do
   specs+=("llama:ngl=99,ncmoe=$LAYERS,t=$T,ra=$ra")
 done
