@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 31 item 8 on the GPU machine: the CPU row and the three regimes, moestream beside llama.cpp on the
+# same file in the same call, each call under the 10-minute limit (run from the repository root there,
+# `.gpu/` carried: the llama-cuda tar parts, whl, and for PART=cpu ggml-src.tar.xz). The 24 x 128 Q4_K_M
+# synthetic with Qwen3's vocabulary is written unless a warm machine kept it in /tmp (2.5 minutes).
+#   PART=cpu   CUDA hidden, ggml's CPU library built there (`make native`'s build): for each of THREADS_LIST
+#              (1 2 4 8 16) llama-bench -ngl 0 -t N and moestream's CPU graphs at N threads, 36-token
+#              prompt and 32 tokens, every expert in RAM
+#   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs on and off (their replay
+#              is off by default since 12-04: benchmarks/ggml_cuda.py check, then cuda_graph_bisect.py);
+#              then every expert in VRAM (llama-bench -ngl 99 against ggml_cuda.py speed) and a 2 GiB GPU
+#              tier over a host cache of every expert (llama-bench -ngl 99 --n-cpu-moe 24 -t 8 against
+#              ggml_cuda.py speed --gpu-tier 2GiB)
+#   PART=stream  benchmarks/ggml_cuda_stream_vs_llama.sh (5 GiB limit, llama.cpp at 128 KiB read-ahead,
+#              moestream auto with and without --prefetch, 8 I/O threads)
+# Outputs under $OUT: <part>.log and each tool's own output; BUDGET (480 s): no step starts after it.
+set -uo pipefail
+PART=${PART:?PART=cpu, gpu or stream}
+export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936}
+[ "$PART" = cpu ] && export NATIVE_CPU=1
+. benchmarks/ggml_cuda_env.sh || exit 1
+synth_model || { tail -5 $OUT/synth.log; exit 1; }
+echo "model ready (T=$SECONDS)"
+left() { [ $SECONDS -lt ${BUDGET:-480} ] || { echo "budget: $1 not run"; return 1; }; }
+case $PART in
+cpu)
+  for t in ${THREADS_LIST:-1 2 4 8 16}; do
+    left "threads $t" || continue
+    CUDA_VISIBLE_DEVICES= $LC/llama-bench -m "$MODEL" -ngl 0 -t $t -p 36 -n 32 -r 2 -o json \
+      > $OUT/cpu-llama-$t.json 2> $OUT/cpu-llama-$t.err
+    bench_rows "llama.cpp t=$t" $OUT/cpu-llama-$t.json
+    CUDA_VISIBLE_DEVICES= python3 benchmarks/ggml_cuda.py speed "$MODEL" --backend cpu --threads $t \
+      --prompts 36 --tokens 32 --repeats 2 --compare 0 > $OUT/cpu-moestream-$t.log 2>&1
+    echo "moestream t=$t: $(grep -E '^\{' $OUT/cpu-moestream-$t.log | tail -1 | cut -c1-200)"
+  done 2>&1 | tee $OUT/cpu.log
+  ;;
+gpu)
+  {
+    for g in 1 0; do
+      echo "== MOESTREAM_CUDA_GRAPHS=$g"
+      MOESTREAM_CUDA_GRAPHS=$g timeout 120 python3 benchmarks/ggml_cuda.py check \
+        --families qwen3_next,qwen3_5_moe,qwen3_moe 2>&1 | tail -4
+    done
+    left "the VRAM regime" && {
+      $LC/llama-bench -m "$MODEL" -ngl 99 -p 36,512 -n 32 -r 3 -o json > $OUT/vram-llama.json 2> $OUT/vram-llama.err
+      bench_rows "llama.cpp -ngl 99" $OUT/vram-llama.json
+      python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36,512 --tokens 32 --threads 8 --repeats 3 \
+        --compare 16 > $OUT/vram-moestream.log 2>&1
+      grep -E '^\{' $OUT/vram-moestream.log | tail -1 | cut -c1-600
+    }
+    left "the tier regime" && {
+      ncmoe_baseline
+      python3 benchmarks/ggml_cuda.py speed "$MODEL" --gpu-tier 2GiB --tier-misses upload --prompts 36 \
+        --tokens 32 --threads 8 --repeats 2 --compare 0 > $OUT/tier-moestream.log 2>&1
+      grep -E '^\{' $OUT/tier-moestream.log | tail -1 | cut -c1-600
+    }
+  } 2>&1 | tee $OUT/gpu.log
+  ;;
+stream)
+  IO=${IO:-8} LLAMA_RA=${LLAMA_RA:-128} BUDGET=${BUDGET:-400} bash benchmarks/ggml_cuda_stream_vs_llama.sh \
+    2>&1 | tee $OUT/stream.log
+  ;;
+*) echo "PART=$PART: say cpu, gpu or stream"; exit 2 ;;
+esac
