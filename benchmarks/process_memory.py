@@ -81,7 +81,7 @@ def main() -> None:
             "stages": stages,
             "largest": largest(),
             "torch_cuda_initialized": bool(torch.cuda.is_available() and torch.cuda.is_initialized()),
-            "mode": engine.describe() if hasattr(engine, "describe") else None,
+            "mode": engine.mode_line(),
         }
     print(json.dumps(result, default=str))
 
