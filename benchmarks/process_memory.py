@@ -18,17 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moestream.engine.memory import process_status  # imports no torch: the stages below stay apart
+
 MIB = 1 << 20
 
 
 def status() -> dict[str, int]:
     """RssAnon, RssFile and VmHWM of this process, MiB."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("RssAnon", "RssFile", "VmHWM"):
-            out[name] = int(rest.split()[0]) // 1024
-    return out
+    st = process_status()
+    return {name: int(st[name].split()[0]) // 1024 for name in ("RssAnon", "RssFile", "VmHWM") if name in st}
 
 
 def largest(n: int = 12) -> list[tuple[str, int]]:

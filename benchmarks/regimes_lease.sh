@@ -6,11 +6,10 @@
 #   PART=cpu   CUDA hidden, ggml's CPU library built there (`make native`'s build): for each of THREADS_LIST
 #              (1 2 4 8 16) llama-bench -ngl 0 -t N and moestream's CPU graphs at N threads, 36-token
 #              prompt and 32 tokens, every expert in RAM
-#   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs on and off (their replay
-#              is off by default since 12-04: benchmarks/ggml_cuda.py check, then cuda_graph_bisect.py);
-#              then every expert in VRAM (llama-bench -ngl 99 against ggml_cuda.py speed) and a 2 GiB GPU
-#              tier over a host cache of every expert (llama-bench -ngl 99 --n-cpu-moe 24 -t 8 against
-#              ggml_cuda.py speed --gpu-tier 2GiB)
+#   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs off (their default since
+#              12-04) and on (benchmarks/ggml_cuda.py check); then ggml_cuda_lease.sh (every expert in VRAM:
+#              llama-bench -ngl 99 against ggml_cuda.py speed; the --n-cpu-moe 24 baseline) and
+#              ggml_cuda_tier_lease.sh (a 2 GiB GPU tier over a host cache of every expert, misses uploaded)
 #   PART=stream  benchmarks/ggml_cuda_stream_vs_llama.sh (5 GiB limit, llama.cpp at 128 KiB read-ahead,
 #              moestream auto with and without --prefetch, 8 I/O threads)
 # Outputs under $OUT: <part>.log and each tool's own output; BUDGET (480 s): no step starts after it.
@@ -36,24 +35,15 @@ cpu)
   ;;
 gpu)
   {
-    for g in 1 0; do
-      echo "== MOESTREAM_CUDA_GRAPHS=$g"
-      MOESTREAM_CUDA_GRAPHS=$g timeout 120 python3 benchmarks/ggml_cuda.py check \
-        --families qwen3_next,qwen3_5_moe,qwen3_moe 2>&1 | tail -4
-    done
-    left "the VRAM regime" && {
-      $LC/llama-bench -m "$MODEL" -ngl 99 -p 36,512 -n 32 -r 3 -o json > $OUT/vram-llama.json 2> $OUT/vram-llama.err
-      bench_rows "llama.cpp -ngl 99" $OUT/vram-llama.json
-      python3 benchmarks/ggml_cuda.py speed "$MODEL" --prompts 36,512 --tokens 32 --threads 8 --repeats 3 \
-        --compare 16 > $OUT/vram-moestream.log 2>&1
-      grep -E '^\{' $OUT/vram-moestream.log | tail -1 | cut -c1-600
-    }
-    left "the tier regime" && {
-      ncmoe_baseline
-      python3 benchmarks/ggml_cuda.py speed "$MODEL" --gpu-tier 2GiB --tier-misses upload --prompts 36 \
-        --tokens 32 --threads 8 --repeats 2 --compare 0 > $OUT/tier-moestream.log 2>&1
-      grep -E '^\{' $OUT/tier-moestream.log | tail -1 | cut -c1-600
-    }
+    # the linear-attention families as they run by default (their CUDA graphs off), then the lease
+    # script with the graphs on: its check of them beside qwen3_moe, llama-bench -ngl 99 against
+    # moestream with every expert in VRAM, and the --n-cpu-moe 24 baseline; then the 2 GiB tier
+    echo "== MOESTREAM_CUDA_GRAPHS unset (off for linear attention)"
+    timeout 120 python3 benchmarks/ggml_cuda.py check --families qwen3_next,qwen3_5_moe 2>&1 | tail -3
+    echo "== MOESTREAM_CUDA_GRAPHS=1"
+    MOESTREAM_CUDA_GRAPHS=1 CHECK_FAMILIES=qwen3_next,qwen3_5_moe,qwen3_moe NCMOE=1 NCMOE_BEFORE=${BUDGET:-480} \
+      bash benchmarks/ggml_cuda_lease.sh
+    left "the tier regime" && RUNS=2GiB:upload bash benchmarks/ggml_cuda_tier_lease.sh
   } 2>&1 | tee $OUT/gpu.log
   ;;
 stream)
