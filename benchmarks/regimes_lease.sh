@@ -6,10 +6,11 @@
 #   PART=cpu   CUDA hidden, ggml's CPU library built there (`make native`'s build): for each of THREADS_LIST
 #              (1 2 4 8 16) llama-bench -ngl 0 -t N and moestream's CPU graphs at N threads, 36-token
 #              prompt and 32 tokens, every expert in RAM
-#   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs off (their default since
-#              12-04) and on (benchmarks/ggml_cuda.py check); then ggml_cuda_lease.sh (every expert in VRAM:
-#              llama-bench -ngl 99 against ggml_cuda.py speed; the --n-cpu-moe 24 baseline) and
-#              ggml_cuda_tier_lease.sh (a 2 GiB GPU tier over a host cache of every expert, misses uploaded)
+#   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs off and on (on by default
+#              since 12-07, when this check found them right; benchmarks/ggml_cuda.py check); then
+#              ggml_cuda_lease.sh (every expert in VRAM: llama-bench -ngl 99 against ggml_cuda.py speed;
+#              the --n-cpu-moe 24 baseline) and ggml_cuda_tier_lease.sh (a 2 GiB GPU tier over a host
+#              cache of every expert, misses uploaded)
 #   PART=stream  benchmarks/ggml_cuda_stream_vs_llama.sh (5 GiB limit, llama.cpp at 128 KiB read-ahead,
 #              moestream auto with and without --prefetch, 8 I/O threads)
 # Outputs under $OUT: <part>.log and each tool's own output; BUDGET (480 s): no step starts after it.
@@ -35,11 +36,11 @@ cpu)
   ;;
 gpu)
   {
-    # the linear-attention families as they run by default (their CUDA graphs off), then the lease
-    # script with the graphs on: its check of them beside qwen3_moe, llama-bench -ngl 99 against
-    # moestream with every expert in VRAM, and the --n-cpu-moe 24 baseline; then the 2 GiB tier
-    echo "== MOESTREAM_CUDA_GRAPHS unset (off for linear attention)"
-    timeout 120 python3 benchmarks/ggml_cuda.py check --families qwen3_next,qwen3_5_moe 2>&1 | tail -3
+    # the linear-attention families with their CUDA graphs off, then the lease script with them on (the
+    # default): its check of them beside qwen3_moe, llama-bench -ngl 99 against moestream with every
+    # expert in VRAM, and the --n-cpu-moe 24 baseline; then the 2 GiB tier
+    echo "== MOESTREAM_CUDA_GRAPHS=0"
+    MOESTREAM_CUDA_GRAPHS=0 timeout 120 python3 benchmarks/ggml_cuda.py check --families qwen3_next,qwen3_5_moe 2>&1 | tail -3
     echo "== MOESTREAM_CUDA_GRAPHS=1"
     MOESTREAM_CUDA_GRAPHS=1 CHECK_FAMILIES=qwen3_next,qwen3_5_moe,qwen3_moe NCMOE=1 NCMOE_BEFORE=${BUDGET:-480} \
       bash benchmarks/ggml_cuda_lease.sh

@@ -324,25 +324,28 @@ def test_a_trace_on_a_backend_says_it_needs_the_host_routing(tiny_dir, monkeypat
         assert engine.generate([5, 6, 7], max_tokens=4, ignore_eos=True).tokens == want
 
 
-def test_cuda_graphs_are_on_but_for_linear_attention_and_when_asked(monkeypatch):
-    """ggml's CUDA graphs: on by default; off (ggml's own variable set before it first computes) for a
-    model with Gated DeltaNet layers or with MOESTREAM_CUDA_GRAPHS=0; a variable set already is kept."""
+def test_cuda_graphs_are_on_unless_asked_off(monkeypatch):
+    """ggml's CUDA graphs: on by default (linear attention too, since 12-07); off (ggml's own variable set
+    before it first computes) with MOESTREAM_CUDA_GRAPHS=0; a variable set already is kept; a value
+    other than 0 or 1 refused."""
     from moestream.ggml.backend import cuda_graphs
 
     monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS", raising=False)
     monkeypatch.delenv("MOESTREAM_CUDA_GRAPHS", raising=False)
-    assert cuda_graphs(recurrent=False) == (True, "")
+    assert cuda_graphs() == (True, "")
     assert "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
-    assert cuda_graphs(recurrent=True) == (False, "not checked on linear attention yet")
-    assert os.environ["GGML_CUDA_DISABLE_GRAPHS"] == "1"
-    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
     monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "1")
-    assert cuda_graphs(recurrent=True) == (True, "")
+    assert cuda_graphs() == (True, "")
+    assert "GGML_CUDA_DISABLE_GRAPHS" not in os.environ
     monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "0")
-    assert cuda_graphs(recurrent=False) == (False, "MOESTREAM_CUDA_GRAPHS=0")
+    assert cuda_graphs() == (False, "MOESTREAM_CUDA_GRAPHS=0")
+    assert os.environ["GGML_CUDA_DISABLE_GRAPHS"] == "1"
+    monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "1")
+    assert cuda_graphs() == (False, "GGML_CUDA_DISABLE_GRAPHS is set")
+    monkeypatch.delenv("GGML_CUDA_DISABLE_GRAPHS")
     monkeypatch.setenv("MOESTREAM_CUDA_GRAPHS", "yes")
     with pytest.raises(ggml.GgmlUnavailableError, match="say 0 or 1"):
-        cuda_graphs(recurrent=False)
+        cuda_graphs()
 
 
 def test_copies_around_a_backend_graph_are_coalesced_per_region():

@@ -200,7 +200,7 @@ def _cpu_standing_in(monkeypatch, free: int = 8 << 30) -> list[int]:
 
     asked: list[int] = []
 
-    def fake(device: int = 0, recurrent: bool = False) -> Backend:
+    def fake(device: int = 0) -> Backend:
         asked.append(device)
         b = cpu_backend(2)
         return Stand(b.lib, b.handle, b.buft, b.kind, "stand-in for CUDA", b.device)

@@ -164,5 +164,4 @@ def runner_backend(spec: Any, threads: int, ggml_device: str | None = None) -> A
 
     if name == "cpu":
         return cpu_backend(threads)
-    recurrent = any(layer.linear is not None for layer in spec.layers)
-    return cuda_backend(gpu_index(ggml_device) if ggml_device is not None else 0, recurrent=recurrent)
+    return cuda_backend(gpu_index(ggml_device) if ggml_device is not None else 0)

@@ -114,28 +114,29 @@ class Buffer:
             self.handle = 0
 
 
-def cuda_graphs(recurrent: bool) -> tuple[bool, str]:
+def cuda_graphs() -> tuple[bool, str]:
     """Whether ggml's CUDA backend replays a step's kernels as CUDA graphs (once per process: ggml reads
-    GGML_CUDA_DISABLE_GRAPHS when it first computes), and why. On by default; off where the model has
-    Gated DeltaNet layers (`recurrent`: Qwen3-Next / Qwen3.5), whose replayed steps gave other tokens than
-    launched ones on the H200 (2026-12-04, benchmarks/ggml_cuda.py check); MOESTREAM_CUDA_GRAPHS=0|1 says."""
+    GGML_CUDA_DISABLE_GRAPHS when it first computes), and why not. On by default, for every family: the
+    Gated DeltaNet ones (Qwen3-Next, Qwen3.5) too since their replayed steps gave the launched ones'
+    logits, to the digit, and tokens on an H100 (2026-12-07, `benchmarks/ggml_cuda.py check`; on the H200
+    on 12-04 they had parted at the second step: which change since set them right is not known).
+    MOESTREAM_CUDA_GRAPHS=0 turns them off."""
     asked = os.environ.get("MOESTREAM_CUDA_GRAPHS", "").strip()
     if asked not in ("", "0", "1"):
         raise GgmlUnavailableError(f"MOESTREAM_CUDA_GRAPHS={asked!r}: say 0 or 1")
     if os.environ.get("GGML_CUDA_DISABLE_GRAPHS") is not None:
         return False, "GGML_CUDA_DISABLE_GRAPHS is set"
-    if asked == "0" or (not asked and recurrent):
+    if asked == "0":
         os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"
-        return False, "MOESTREAM_CUDA_GRAPHS=0" if asked else "not checked on linear attention yet"
+        return False, "MOESTREAM_CUDA_GRAPHS=0"
     return True, ""
 
 
-def cuda_backend(device: int = 0, recurrent: bool = False) -> Backend:
-    """ggml's CUDA backend on GPU `device` (`recurrent`: the model has linear-attention layers, see
-    `cuda_graphs`). Raises GgmlUnavailableError in one sentence: no library (and how to get one), or no
-    GPU that it can see."""
+def cuda_backend(device: int = 0) -> Backend:
+    """ggml's CUDA backend on GPU `device`, its CUDA graphs as `cuda_graphs` says. Raises
+    GgmlUnavailableError in one sentence: no library (and how to get one), or no GPU that it can see."""
     lib = library()
-    graphs, why = cuda_graphs(recurrent)
+    graphs, why = cuda_graphs()
     cuda = cuda_library()
     count = cuda.ggml_backend_cuda_get_device_count()
     if count == 0:
