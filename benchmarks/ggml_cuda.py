@@ -89,9 +89,12 @@ class Phases:
     graph's run: its copies in and out, its compute, on a backend its wait), `sync` (the backend's
     waits outside a graph's run: a GPU tier's copies), `upload` (issuing a GPU tier's copies), `cpu` (a
     GPU tier's misses computed on the CPU: the host graph or the expert runtime), `step` (the runner's
-    own Python inside a step), and what is left of the decode's seconds: the engine's loop (sampling,
-    stop checks, stats). Counted over the one-token steps only (decode), by wrapping the classes'
-    methods for the whole process."""
+    own Python inside a step), and what is left of the span from the first step's start to the last
+    one's end: the engine's loop between steps (sampling, stop checks, stats). Counted over the one-token
+    steps only (decode), by wrapping the classes' methods for the whole process. The span is its own, not
+    the decode's seconds: a step started ahead (`launch`) for the first decoded token starts before the
+    engine's decode clock, which on the CPU backend computes it whole there (the engine's share came out
+    negative, 12-07)."""
 
     WRAPPED = (
         (Net, "run", "graphs"),
@@ -131,14 +134,19 @@ class Phases:
     def reset(self) -> None:
         self.seconds = {key: 0.0 for key in ["graphs", "sync", "upload", "cpu", "step"]}
         self.steps = 0
+        self.first: float | None = None  # the first counted call's start, the last one's end
+        self.last = 0.0
 
     def _counted(self, fn, *args):
         """`fn(*args)`, a decoded token's step or part of one: its time counted, its own Python as `step`."""
         self.on = True
+        if self.first is None:
+            self.first = time.perf_counter()
         try:
             return self._timed(fn, "step")(*args)
         finally:
             self.on = False
+            self.last = time.perf_counter()
 
     def _timed(self, fn, key: str):
         def timed(*args, **kwargs):
@@ -156,10 +164,12 @@ class Phases:
 
         return timed
 
-    def per_token(self, decode_seconds: float, tokens: int) -> dict:
-        """ms per decoded token in each part, `engine` the decode's seconds outside the steps."""
-        ms = {k: round(1e3 * v / max(tokens, 1), 3) for k, v in self.seconds.items()}
-        ms["engine"] = round(1e3 * (decode_seconds - sum(self.seconds.values())) / max(tokens, 1), 3)
+    def per_token(self) -> dict:
+        """ms per decoded token's step in each part, `engine` the span's seconds outside the steps."""
+        steps = max(self.steps, 1)
+        ms = {k: round(1e3 * v / steps, 3) for k, v in self.seconds.items()}
+        span = self.last - self.first if self.first is not None else 0.0
+        ms["engine"] = round(1e3 * (span - sum(self.seconds.values())) / steps, 3)
         return ms
 
 
@@ -249,7 +259,7 @@ def speed(args: argparse.Namespace) -> None:
                 decode.append(s.decode.tok_s)
                 # the decode's steps (one-token runner calls: the first decoded token comes from the
                 # prompt's last chunk, so one fewer than the decode's tokens)
-                ms = phases.per_token(s.decode.seconds, phases.steps)
+                ms = phases.per_token()
                 runs.append((s.decode, ms))
                 # Python's share: the decode's wall time outside the graphs' runs, the backend's waits,
                 # the tier's copies and the CPU's share of its misses
