@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 31 item 8 on the GPU machine: the CPU row and the three regimes, moestream beside llama.cpp on the
 # same file in the same call, each call under the 10-minute limit (run from the repository root there,
-# `.gpu/` carried: the llama-cuda tar parts, whl, and for PART=cpu ggml-src.tar.xz). The 24 x 128 Q4_K_M
-# synthetic with Qwen3's vocabulary is written unless a warm machine kept it in /tmp (2.5 minutes).
+# `.gpu/` carried: the llama-cuda tar parts, whl, for PART=cpu ggml-src.tar.xz, for PART=stream srvwhl).
+# The 24 x 128 Q4_K_M synthetic with Qwen3's vocabulary is written unless a warm machine kept it in /tmp
+# (2.5 minutes).
 #   PART=cpu   CUDA hidden, ggml's CPU library built there (`make native`'s build): for each of THREADS_LIST
 #              (1 2 4 8 16) llama-bench -ngl 0 -t N and moestream's CPU graphs at N threads, 36-token
 #              prompt and 32 tokens, every expert in RAM
@@ -48,6 +49,8 @@ gpu)
   } 2>&1 | tee $OUT/gpu.log
   ;;
 stream)
+  # moestream runs as a server there: without its wheels every moestream run fails (12-07 seventh session)
+  python3 -c "import fastapi, uvicorn" 2>/dev/null || { echo "PART=stream needs .gpu/srvwhl carried"; exit 2; }
   IO=${IO:-8} LLAMA_RA=${LLAMA_RA:-128} BUDGET=${BUDGET:-400} bash benchmarks/ggml_cuda_stream_vs_llama.sh \
     2>&1 | tee $OUT/stream.log
   ;;
