@@ -28,9 +28,10 @@ fi
 MODEL=${MODEL:-/tmp/q24.gguf}
 THREADS=${THREADS:-8}
 
-# bench_rows LABEL FILE: a llama-bench JSON's rows as "LABEL prompt-tokens generated-tokens tok/s"
+# bench_rows LABEL FILE: a llama-bench JSON's rows as "LABEL prompt-tokens generated-tokens tok/s", and
+# "repack=0" where a row ran without llama.cpp's extra buffer types (`--repack 0`: no CPU_REPACK, no AMX)
 bench_rows() {
-  python3 -c "import json,sys; [print(sys.argv[1], r['n_prompt'], r['n_gen'], round(r['avg_ts'],1)) for r in json.load(open(sys.argv[2]))]" "$1" "$2"
+  python3 -c "import json,sys; [print(sys.argv[1], r['n_prompt'], r['n_gen'], round(r['avg_ts'],1), *(['repack=0'] if r.get('repack') is False else [])) for r in json.load(open(sys.argv[2]))]" "$1" "$2"
 }
 
 # ncmoe_baseline: llama.cpp with every expert on the CPU (-ngl 99 --n-cpu-moe 24), the GPU tier's

@@ -6,7 +6,10 @@
 # (2.5 minutes).
 #   PART=cpu   CUDA hidden, ggml's CPU library built there (`make native`'s build): for each of THREADS_LIST
 #              (1 2 4 8 16) llama-bench -ngl 0 -t N and moestream's CPU graphs at N threads, 36-token
-#              prompt and 32 tokens, every expert in RAM
+#              prompt and 32 tokens, every expert in RAM. LLAMA_REPACK=0,1 runs llama-bench without its
+#              extra buffer types too (its CPU_REPACK and, on a CPU with AMX, the AMX one for 2D matrices:
+#              moestream uses neither by default); MS_REPACK="0 1" moestream with MOESTREAM_GGML_REPACK=1
+#              too (CPU_REPACK copies of the experts and the trunk)
 #   PART=gpu   first the tiny linear-attention families with ggml's CUDA graphs off and on (on by default
 #              since 12-07, when this check found them right; benchmarks/ggml_cuda.py check); then
 #              ggml_cuda_lease.sh (every expert in VRAM: llama-bench -ngl 99 against ggml_cuda.py speed;
@@ -27,12 +30,14 @@ case $PART in
 cpu)
   for t in ${THREADS_LIST:-1 2 4 8 16}; do
     left "threads $t" || continue
-    CUDA_VISIBLE_DEVICES= $LC/llama-bench -m "$MODEL" -ngl 0 -t $t -p 36 -n 32 -r 2 -o json \
-      > $OUT/cpu-llama-$t.json 2> $OUT/cpu-llama-$t.err
+    CUDA_VISIBLE_DEVICES= $LC/llama-bench -m "$MODEL" -ngl 0 -t $t -p 36 -n 32 -r 2 --repack ${LLAMA_REPACK:-1} \
+      -o json > $OUT/cpu-llama-$t.json 2> $OUT/cpu-llama-$t.err
     bench_rows "llama.cpp t=$t" $OUT/cpu-llama-$t.json
-    CUDA_VISIBLE_DEVICES= python3 benchmarks/ggml_cuda.py speed "$MODEL" --backend cpu --threads $t \
-      --prompts 36 --tokens 32 --repeats 2 --compare 0 > $OUT/cpu-moestream-$t.log 2>&1
-    echo "moestream t=$t: $(grep -E '^\{' $OUT/cpu-moestream-$t.log | tail -1 | cut -c1-200)"
+    for r in ${MS_REPACK:-0}; do
+      CUDA_VISIBLE_DEVICES= MOESTREAM_GGML_REPACK=$r python3 benchmarks/ggml_cuda.py speed "$MODEL" --backend cpu \
+        --threads $t --prompts 36 --tokens 32 --repeats 2 --compare 0 > $OUT/cpu-moestream-$t-r$r.log 2>&1
+      echo "moestream t=$t repack=$r: $(grep -E '^\{' $OUT/cpu-moestream-$t-r$r.log | tail -1 | cut -c1-200)"
+    done
   done 2>&1 | tee $OUT/cpu.log
   ;;
 gpu)
