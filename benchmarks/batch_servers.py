@@ -4,6 +4,7 @@
     python benchmarks/batch_servers.py FILE.gguf [--llama-server BIN] [--streams 1,4] [--tokens 64]
                                        [--reps 3] [--threads N] [--ctx 512] [--out FILE.json]
                                        [--moestream-args "--cache 2GiB"] [--llama-args "..."]
+                                       [--memory-limit 5GiB] [--read-ahead KB]
 
     # the issue-33 run: a GPU machine used as a 16-core CPU, a CUDA build of llama-server on the CPU
     CUDA_VISIBLE_DEVICES= python benchmarks/batch_servers.py MODEL.gguf \
@@ -20,8 +21,16 @@ decode side by side), the wall rate (every generated token over the time from th
 answer, prefill included), each server's aggregate at S over its aggregate at one stream, and the
 moestream/llama-server ratios at each S. moestream's expert bytes read per generated token, and its
 batch's decode steps and their mean rows (how many requests a step carried), come from its /metrics.
-Without --llama-server only moestream runs. Server logs go next to --out (else a temporary directory);
-the servers are stopped on every exit path. llama-server must not see a GPU
+Both servers' bytes read from the file's disk per generated token come from the disk's own counter
+(/sys/block/*/stat, read around each run; other readers of the disk count too).
+
+Streaming (issue 33's second regime): `--memory-limit SIZE` starts each server in a cgroup of its own
+limited to SIZE (its page cache counted: what llama-server's mmap keeps of the file, and moestream's
+`--cache auto` sizes itself by it), with the page cache dropped before each server starts; the table then
+gives each server's peak and the cgroup's memory.stat at its end. `--read-ahead KB` sets the disk's
+read-ahead for the whole run (llama-server reads its file through the page cache; restored after).
+Both need root. Without --llama-server only moestream runs. Server logs go next to --out (else a
+temporary directory); the servers are stopped on every exit path. llama-server must not see a GPU
 (`CUDA_VISIBLE_DEVICES=`) for a CPU-only comparison: `-ngl 0` alone still lets a CUDA build offload
 large prompt batches.
 """
@@ -46,8 +55,10 @@ from pathlib import Path
 import httpx
 from batch import PROMPTS  # beside this script
 
+from moestream.bench import system
 from moestream.bench.server import ServerProcess, free_port
 from moestream.errors import MoestreamError
+from moestream.units import format_size, parse_size
 
 MiB = 1 << 20
 
@@ -124,9 +135,11 @@ def counters(client: httpx.Client, url: str) -> dict[str, float]:
     return found
 
 
-def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
-    """S distinct prompts at once, one thread each: the figures of one run."""
+def run(client: httpx.Client, url: str, streams: int, tokens: int, disk: system.BlockDevice | None) -> dict:
+    """S distinct prompts at once, one thread each: the figures of one run (`disk`: the file's, whose
+    read counter gives the bytes read during it)."""
     before = counters(client, url)
+    disk_before = disk.bytes_read() if disk is not None else None
     results: list[dict | BaseException | None] = [None] * streams
     barrier = threading.Barrier(streams)
 
@@ -146,6 +159,7 @@ def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
         if isinstance(r, BaseException):
             raise r
     reqs: list[dict] = results  # type: ignore[assignment]
+    disk_read = disk.bytes_read() - disk_before if disk is not None and disk_before is not None else None
     after = counters(client, url)
     grew = {k: after[k] - before[k] for k in after if k in before}
     made = sum(r["predicted_n"] for r in reqs)
@@ -159,6 +173,8 @@ def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
         "wall_s": wall,
         "tokens": made,
         "mib_per_token": grew["expert_bytes_read"] / made / MiB if "expert_bytes_read" in grew else None,
+        # the disk's own count, for either server (llama-server's page cache misses; moestream's reads)
+        "disk_mib_per_token": disk_read / made / MiB if disk_read is not None else None,
         # the batch's decode steps in the run and their mean rows (how many requests each step carried)
         "decode_steps": grew.get("decode_steps"),
         "rows_per_step": grew["decode_rows"] / grew["decode_steps"] if grew.get("decode_steps") else None,
@@ -167,13 +183,48 @@ def run(client: httpx.Client, url: str, streams: int, tokens: int) -> dict:
 
 
 def measure(
-    name: str, argv: list[str], port: int, log: Path, args: argparse.Namespace, streams: list[int]
+    name: str,
+    argv: list[str],
+    port: int,
+    log: Path,
+    args: argparse.Namespace,
+    streams: list[int],
+    disk: system.BlockDevice | None = None,
 ) -> dict:
-    """Start one server, warm it up, run every stream count --reps times, stop it (on every exit path)."""
+    """Start one server (under --memory-limit: in a cgroup of its own, the page cache dropped first), warm
+    it up, run every stream count --reps times, stop it (on every exit path)."""
     print(f"{name}: {shlex.join(argv)}\n  log: {log}", flush=True)
     entry: dict = {"argv": argv, "log": str(log), "runs": {}}
+    cgroup = None
+    if args.memory_limit is not None:
+        system.drop_caches()
+        cgroup = system.make_memory_cgroup(args.memory_limit, f"moestream-batch-{os.getpid()}-{name}")
+        entry["memory_limit"] = args.memory_limit
+    try:
+        _measure(name, argv, port, log, args, streams, disk, cgroup, entry)
+    finally:
+        if cgroup is not None:
+            entry["peak_bytes"] = cgroup.peak_bytes()
+            cgroup.remove()
+    return entry
+
+
+def _measure(
+    name: str,
+    argv: list[str],
+    port: int,
+    log: Path,
+    args: argparse.Namespace,
+    streams: list[int],
+    disk: system.BlockDevice | None,
+    cgroup: system.MemoryCgroup | None,
+    entry: dict,
+) -> None:
     started = time.perf_counter()
-    with ServerProcess(argv, port, log) as server, httpx.Client(timeout=args.request_timeout) as client:
+    with (
+        ServerProcess(argv, port, log, cgroup) as server,
+        httpx.Client(timeout=args.request_timeout) as client,
+    ):
         try:
             server.wait_ready(args.ready_timeout)
             entry["ready_s"] = time.perf_counter() - started
@@ -181,33 +232,36 @@ def measure(
             if entry["mode_line"]:
                 print(f"  {entry['mode_line']}")
             print(f"  ready after {entry['ready_s']:.1f} s; warm-up: {max(streams)} requests", flush=True)
-            run(client, server.url, max(streams), args.tokens)
+            run(client, server.url, max(streams), args.tokens, disk)
             for s in streams:
                 reps = []
                 for _ in range(args.reps):
                     if server.proc.poll() is not None:
                         raise MoestreamError(f"exited with status {server.proc.returncode}")
-                    reps.append(run(client, server.url, s, args.tokens))
-                    rows = reps[-1]["rows_per_step"]
+                    reps.append(run(client, server.url, s, args.tokens, disk))
+                    rows, read = reps[-1]["rows_per_step"], reps[-1]["disk_mib_per_token"]
                     print(
                         f"  {s} stream(s): aggregate {reps[-1]['aggregate']:.2f} tok/s, "
                         f"wall {reps[-1]['wall']:.2f} tok/s"
-                        + (f", {rows:.2f} rows a decode step" if rows is not None else ""),
+                        + (f", {rows:.2f} rows a decode step" if rows is not None else "")
+                        + (f", {read:.1f} MiB read from disk a token" if read is not None else ""),
                         flush=True,
                     )
                 entry["runs"][s] = {
                     "aggregate": statistics.median(r["aggregate"] for r in reps),
                     "wall": statistics.median(r["wall"] for r in reps),
                     "mib_per_token": median_or_none([r["mib_per_token"] for r in reps]),
+                    "disk_mib_per_token": median_or_none([r["disk_mib_per_token"] for r in reps]),
                     "reps": reps,
                 }
+            if cgroup is not None:
+                entry["memory_stat"] = cgroup.stat()  # what the group holds at the end, server running
         except (MoestreamError, httpx.HTTPError) as e:
             status = server.proc.poll()
             dead = "" if status is None else f" (the server exited with status {status})"
             tail = server.log_tail(1500)
             entry["error"] = f"{e}{dead}" + ("" if tail in str(e) else f"; log tail: {tail}")
             print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
-    return entry
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -219,7 +273,7 @@ def table(servers: dict[str, dict], streams: list[int]) -> dict:
     """Print the table and the moestream/llama-server ratios; return the ratios."""
     print(
         "\nserver       | streams | aggregate decode tok/s | wall tok/s (prefill incl.) | x one stream "
-        "| MiB/token"
+        "| MiB/token | disk MiB/token"
     )
     for name, entry in servers.items():
         runs = entry["runs"]
@@ -232,7 +286,20 @@ def table(servers: dict[str, dict], streams: list[int]) -> dict:
             scale = f"{r['aggregate'] / one['aggregate']:.2f}" if one and one["aggregate"] else "-"
             r["x_one_stream"] = float(scale) if scale != "-" else None
             mib = f"{r['mib_per_token']:.2f}" if r["mib_per_token"] is not None else "-"
-            print(f"{name:12} | {s:7} | {r['aggregate']:22.2f} | {r['wall']:26.2f} | {scale:>12} | {mib:>9}")
+            disk = f"{r['disk_mib_per_token']:.2f}" if r.get("disk_mib_per_token") is not None else "-"
+            print(
+                f"{name:12} | {s:7} | {r['aggregate']:22.2f} | {r['wall']:26.2f} | {scale:>12} | {mib:>9} "
+                f"| {disk:>14}"
+            )
+    for name, entry in servers.items():
+        if entry.get("memory_limit") is not None:
+            peak = entry.get("peak_bytes")
+            stat = entry.get("memory_stat") or {}
+            held = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in stat.items() if k in ("anon", "file"))
+            print(
+                f"{name}: limit {format_size(entry['memory_limit'])}, peak "
+                f"{format_size(peak) if peak is not None else '-'}" + (f"; at the end {held}" if held else "")
+            )
     ratios: dict = {}
     ms, ll = servers.get("moestream", {}).get("runs", {}), servers.get("llama-server", {}).get("runs", {})
     if ms and ll:
@@ -272,8 +339,27 @@ def main() -> None:
     )
     p.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds a server may take to load")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds one request may take")
+    p.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=None,
+        help="each server in a cgroup of its own limited to this (page cache included; root)",
+    )
+    p.add_argument(
+        "--read-ahead", type=int, default=None, help="the file's disk read-ahead in KiB for the run (root)"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     args = p.parse_args()
+    try:
+        if args.memory_limit is not None:
+            system.require_root("--memory-limit")
+        if args.read_ahead is not None:
+            system.require_root("--read-ahead")
+    except MoestreamError as e:
+        sys.exit(f"batch_servers.py: {e}")
+    disk = system.device_for_path(args.file)
+    if args.read_ahead is not None and disk is None:
+        sys.exit(f"batch_servers.py: --read-ahead: {args.file} is not on a block device")
     streams = sorted({int(s) for s in args.streams.split(",")})
     slots = max(streams)
     if args.out:
@@ -291,15 +377,24 @@ def main() -> None:
         flush=True,
     )
     servers: dict[str, dict] = {}
-    if args.llama_server:
+    was = disk.readahead_kb() if args.read_ahead is not None and disk is not None else None
+    try:
+        if was is not None:
+            disk.set_readahead_kb(args.read_ahead)
+        if args.llama_server:
+            port = free_port()
+            argv = llama_argv(args.llama_server, args.file, port, slots, args)
+            servers["llama-server"] = measure(
+                "llama-server", argv, port, logs / f"{stem}.llama-server.log", args, streams, disk
+            )
         port = free_port()
-        argv = llama_argv(args.llama_server, args.file, port, slots, args)
-        servers["llama-server"] = measure(
-            "llama-server", argv, port, logs / f"{stem}.llama-server.log", args, streams
+        argv = moestream_argv(args.file, port, slots, args)
+        servers["moestream"] = measure(
+            "moestream", argv, port, logs / f"{stem}.moestream.log", args, streams, disk
         )
-    port = free_port()
-    argv = moestream_argv(args.file, port, slots, args)
-    servers["moestream"] = measure("moestream", argv, port, logs / f"{stem}.moestream.log", args, streams)
+    finally:
+        if was is not None:
+            disk.set_readahead_kb(was)
     ratios = table(servers, streams)
     if args.out:
         report = {
