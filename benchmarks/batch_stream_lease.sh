@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 33 item 4's streaming targets on the GPU machine's 16 cores (CUDA hidden): llama-server -np 4 and
+# moestream serve -np 4 on the same file, each in a cgroup of its own limited to LIMIT (5 GiB) with the page
+# cache dropped before it starts, at STREAMS (1,4) concurrent requests of TOKENS (32) greedy tokens, the
+# disk's read-ahead RA KiB (128: llama.cpp's best under a limit on 12-07), both servers' bytes read from
+# disk per token by the disk's counter (benchmarks/batch_servers.py --memory-limit). moestream on `make
+# native`'s ggml CPU library built there, llama-server on its prebuilt one; the 24 x 128 Q4_K_M synthetic
+# with Qwen3's vocabulary, written unless a warm machine kept it in /tmp (2.5 minutes).
+#   run(command="bash benchmarks/batch_stream_lease.sh", carry=[".gpu/llama-cuda.tar.xz.part00",
+#     ".gpu/llama-cuda.tar.xz.part01", ".gpu/llama-cuda.tar.xz.part02", ".gpu/whl", ".gpu/srvwhl",
+#     ".gpu/ggml-src.tar.xz"])
+# Outputs under $OUT: batch-stream.json, its servers' logs, batch-stream.log.
+set -uo pipefail
+export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936} NATIVE_CPU=1
+. benchmarks/ggml_cuda_env.sh || exit 1
+python3 -c "import fastapi, uvicorn" 2>/dev/null || { echo "needs .gpu/srvwhl carried"; exit 2; }
+synth_model || { tail -5 $OUT/synth.log; exit 1; }
+echo "model ready (T=$SECONDS)"
+CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \
+  --threads 16 --streams ${STREAMS:-1,4} --tokens ${TOKENS:-32} --reps ${REPS:-1} --memory-limit ${LIMIT:-5GiB} \
+  --read-ahead ${RA:-128} --ready-timeout 300 --request-timeout 300 --out $OUT/batch-stream.json 2>&1 \
+  | tee $OUT/batch-stream.log | cut -c1-400
