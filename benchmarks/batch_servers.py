@@ -197,8 +197,13 @@ def measure(
     entry: dict = {"argv": argv, "log": str(log), "runs": {}}
     cgroup = None
     if args.memory_limit is not None:
-        system.drop_caches()
-        cgroup = system.make_memory_cgroup(args.memory_limit, f"moestream-batch-{os.getpid()}-{name}")
+        try:
+            system.drop_caches()
+            cgroup = system.make_memory_cgroup(args.memory_limit, f"moestream-batch-{os.getpid()}-{name}")
+        except (MoestreamError, OSError) as e:
+            entry["error"] = f"--memory-limit: {e}"
+            print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
+            return entry
         entry["memory_limit"] = args.memory_limit
     try:
         _measure(name, argv, port, log, args, streams, disk, cgroup, entry)
