@@ -261,8 +261,8 @@ def speed(args: argparse.Namespace) -> None:
                 # prompt's last chunk, so one fewer than the decode's tokens)
                 ms = phases.per_token()
                 runs.append((s.decode, ms))
-                # Python's share: the decode's wall time outside the graphs' runs, the backend's waits,
-                # the tier's copies and the CPU's share of its misses
+                # Python's share: the steps' span's wall time outside the graphs' runs, the backend's
+                # waits, the tier's copies and the CPU's share of its misses
                 busy = sum(ms[k] for k in ("graphs", "sync", "upload", "cpu"))
                 share.append(max(0.0, 1 - busy / (ms["engine"] + busy + ms["step"])) if phases.steps else 0.0)
             median_phase, median_ms = sorted(runs, key=lambda r: r[0].tok_s)[len(runs) // 2]
