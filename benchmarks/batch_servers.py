@@ -206,67 +206,53 @@ def measure(
             return entry
         entry["memory_limit"] = args.memory_limit
     try:
-        _measure(name, argv, port, log, args, streams, disk, cgroup, entry)
+        started = time.perf_counter()
+        with (
+            ServerProcess(argv, port, log, cgroup) as server,
+            httpx.Client(timeout=args.request_timeout) as client,
+        ):
+            try:
+                server.wait_ready(args.ready_timeout)
+                entry["ready_s"] = time.perf_counter() - started
+                entry["mode_line"] = server.mode_line()
+                if entry["mode_line"]:
+                    print(f"  {entry['mode_line']}")
+                print(f"  ready after {entry['ready_s']:.1f} s; warm-up: {max(streams)} requests", flush=True)
+                run(client, server.url, max(streams), args.tokens, disk)
+                for s in streams:
+                    reps = []
+                    for _ in range(args.reps):
+                        if server.proc.poll() is not None:
+                            raise MoestreamError(f"exited with status {server.proc.returncode}")
+                        reps.append(run(client, server.url, s, args.tokens, disk))
+                        rows, read = reps[-1]["rows_per_step"], reps[-1]["disk_mib_per_token"]
+                        print(
+                            f"  {s} stream(s): aggregate {reps[-1]['aggregate']:.2f} tok/s, "
+                            f"wall {reps[-1]['wall']:.2f} tok/s"
+                            + (f", {rows:.2f} rows a decode step" if rows is not None else "")
+                            + (f", {read:.1f} MiB read from disk a token" if read is not None else ""),
+                            flush=True,
+                        )
+                    entry["runs"][s] = {
+                        "aggregate": statistics.median(r["aggregate"] for r in reps),
+                        "wall": statistics.median(r["wall"] for r in reps),
+                        "mib_per_token": median_or_none([r["mib_per_token"] for r in reps]),
+                        "disk_mib_per_token": median_or_none([r["disk_mib_per_token"] for r in reps]),
+                        "reps": reps,
+                    }
+                if cgroup is not None:
+                    entry["memory_stat"] = cgroup.stat()  # what the group holds at the end, server running
+            except (MoestreamError, httpx.HTTPError) as e:
+                status = server.proc.poll()
+                dead = "" if status is None else f" (the server exited with status {status})"
+                tail = server.log_tail(1500)
+                entry["error"] = f"{e}{dead}" + ("" if tail in str(e) else f"; log tail: {tail}")
+                print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
     finally:
         if cgroup is not None:
             entry["peak_bytes"] = cgroup.peak_bytes()
             cgroup.remove()
     return entry
-
-
-def _measure(
-    name: str,
-    argv: list[str],
-    port: int,
-    log: Path,
-    args: argparse.Namespace,
-    streams: list[int],
-    disk: system.BlockDevice | None,
-    cgroup: system.MemoryCgroup | None,
-    entry: dict,
-) -> None:
-    started = time.perf_counter()
-    with (
-        ServerProcess(argv, port, log, cgroup) as server,
-        httpx.Client(timeout=args.request_timeout) as client,
-    ):
-        try:
-            server.wait_ready(args.ready_timeout)
-            entry["ready_s"] = time.perf_counter() - started
-            entry["mode_line"] = server.mode_line()
-            if entry["mode_line"]:
-                print(f"  {entry['mode_line']}")
-            print(f"  ready after {entry['ready_s']:.1f} s; warm-up: {max(streams)} requests", flush=True)
-            run(client, server.url, max(streams), args.tokens, disk)
-            for s in streams:
-                reps = []
-                for _ in range(args.reps):
-                    if server.proc.poll() is not None:
-                        raise MoestreamError(f"exited with status {server.proc.returncode}")
-                    reps.append(run(client, server.url, s, args.tokens, disk))
-                    rows, read = reps[-1]["rows_per_step"], reps[-1]["disk_mib_per_token"]
-                    print(
-                        f"  {s} stream(s): aggregate {reps[-1]['aggregate']:.2f} tok/s, "
-                        f"wall {reps[-1]['wall']:.2f} tok/s"
-                        + (f", {rows:.2f} rows a decode step" if rows is not None else "")
-                        + (f", {read:.1f} MiB read from disk a token" if read is not None else ""),
-                        flush=True,
-                    )
-                entry["runs"][s] = {
-                    "aggregate": statistics.median(r["aggregate"] for r in reps),
-                    "wall": statistics.median(r["wall"] for r in reps),
-                    "mib_per_token": median_or_none([r["mib_per_token"] for r in reps]),
-                    "disk_mib_per_token": median_or_none([r["disk_mib_per_token"] for r in reps]),
-                    "reps": reps,
-                }
-            if cgroup is not None:
-                entry["memory_stat"] = cgroup.stat()  # what the group holds at the end, server running
-        except (MoestreamError, httpx.HTTPError) as e:
-            status = server.proc.poll()
-            dead = "" if status is None else f" (the server exited with status {status})"
-            tail = server.log_tail(1500)
-            entry["error"] = f"{e}{dead}" + ("" if tail in str(e) else f"; log tail: {tail}")
-            print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
 
 
 def median_or_none(values: list[float | None]) -> float | None:
