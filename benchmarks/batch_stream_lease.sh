@@ -13,7 +13,7 @@
 set -uo pipefail
 export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936} NATIVE_CPU=1
 . benchmarks/ggml_cuda_env.sh || exit 1
-python3 -c "import fastapi, uvicorn" 2>/dev/null || { echo "needs .gpu/srvwhl carried"; exit 2; }
+server_wheels || exit 2
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
 echo "model ready (T=$SECONDS)"
 CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \

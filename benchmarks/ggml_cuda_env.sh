@@ -43,6 +43,11 @@ ncmoe_baseline() {
   bench_rows "llama.cpp n-cpu-moe" /tmp/ncmoe.json
 }
 
+# server_wheels: whether moestream serve can start here (.gpu/srvwhl carried); says what is missing if not
+server_wheels() {
+  python3 -c "import fastapi, uvicorn" 2>/dev/null || { echo "moestream serve needs .gpu/srvwhl carried"; return 1; }
+}
+
 # synth_model: the 24 x 128 (LAYERS x 128) Q4_K_M synthetic of Qwen3-30B-A3B's shape at $MODEL, unless
 # there (3 minutes on that machine; its output in $OUT/synth.log); VOCAB=151936: Qwen3's vocabulary size
 # (the LM head a real model's; else the synthetic tokenizer's, whose logits are 4 KiB)

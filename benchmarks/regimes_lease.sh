@@ -55,7 +55,7 @@ gpu)
   ;;
 stream)
   # moestream runs as a server there: without its wheels every moestream run fails (12-07 seventh session)
-  python3 -c "import fastapi, uvicorn" 2>/dev/null || { echo "PART=stream needs .gpu/srvwhl carried"; exit 2; }
+  server_wheels || exit 2
   IO=${IO:-8} LLAMA_RA=${LLAMA_RA:-128} BUDGET=${BUDGET:-400} bash benchmarks/ggml_cuda_stream_vs_llama.sh \
     2>&1 | tee $OUT/stream.log
   ;;
