@@ -146,6 +146,45 @@ def test_a_new_prompt_is_prefilled_a_chunk_a_round_beside_the_running_stream(tin
         assert log[i - 1] in (("one", 1), ("decode", 2)), log[i - 1 : i + 1]
 
 
+@pytest.mark.parametrize(
+    ("prompts", "first", "after"),
+    [
+        # 5 + 4 + 3 tokens: one chunk's tokens (12) hold the three, fed in the first round
+        ([[5, 17, 33, 2, 99], [250, 3, 12, 80], [64, 7, 9]], 3, [("decode", 3)]),
+        # 6 + 6 + 6: two in the first round, the third beside the first two's decode step
+        (
+            [[5, 17, 33, 2, 99, 41], [250, 3, 12, 80, 8, 8], [64, 7, 9, 150, 77, 31]],
+            2,
+            [("decode", 2), ("prefill", 6), ("decode", 3)],
+        ),
+    ],
+)
+def test_prompts_that_arrive_together_are_fed_in_one_round(tiny_dir, monkeypatch, prompts, first, after):
+    """Requests that hold their slots before any forward (a barrier in `acquire`): the first round feeds
+    as many of their prompts as one chunk's tokens hold, each in a forward of its own, before any decodes;
+    each request still gets its tokens alone."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 12)
+    path = str(tiny_dir("qwen3_moe"))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = _alone(path, prompts, [params] * 3)
+    with moestream.load(path, cache="64MiB", trunk="ggml", parallel=3) as engine:
+        log = _recorded(engine)
+        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
+
+        def acquired(ids: list[int]) -> int:
+            slot = acquire(ids)
+            barrier.wait()
+            return slot
+
+        engine.batch.acquire = acquired
+        gens = engine.generate_batch(prompts, params)
+        assert engine.batch.busy == 0
+    assert [g.tokens for g in gens] == want
+    assert [kind for kind, _ in log[:first]] == ["prefill"] * first
+    assert sum(n for _, n in log[:first]) <= 12
+    assert log[first : first + len(after)] == after
+
+
 def test_a_cancelled_request_leaves_and_the_others_go_on(tiny_dir):
     path = str(tiny_dir("qwen3_moe"))
     params = SamplingParams(max_tokens=15, ignore_eos=True)

@@ -9,8 +9,10 @@ each woken once, when its forward is done (no polling; a request leaving wakes o
 - the single tokens (decoding) as one step of B rows (`GgmlRunner.decode`): each MoE layer acquires the
   union of their experts and computes each expert once over the rows routed to it (from 8 rows, a
   K-quant expert once for each group of at most 7 rows that routes to it, `ggml/tiled.py`);
-- then one prefill chunk (at most the runner's chunk) of the request that has waited longest, so a new
-  prompt never stalls the running streams for more than one chunk's forward a token.
+- then the waiting prompts' next chunks, oldest first, as many as fit in one chunk's tokens (the runner's
+  `chunk`; the oldest's always), each a forward of its own: prompts that arrive together are all fed
+  before their streams decode (as llama-server feeds them in one batch), and a running stream never
+  waits for more than one chunk's tokens of prefill a token.
 
 Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
 a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
@@ -186,7 +188,7 @@ class Batcher:
 
     @torch.inference_mode()
     def _round(self, calls: list[_Call]) -> None:
-        """The decoding calls as one step, then one chunk of the oldest prefill."""
+        """The decoding calls as one step, then the waiting prefills' chunks that one chunk's tokens hold."""
         self.rounds += 1
         # in slot order: a device's step graphs are keyed by the slots it uses, in order (a set built once
         # serves every round of the same requests)
@@ -211,10 +213,15 @@ class Batcher:
                     c.error = exc
             for c in decoding:
                 c.done = True
-        prefill = sorted((c for c in calls if len(c.ids) > 1), key=lambda c: c.order)
-        if prefill:
-            c = prefill[0]
+        # the prefills' next chunks, oldest first, as many as one chunk's tokens hold (the oldest always):
+        # prompts that arrive together are fed before their streams decode, not one a round between their
+        # steps; each still in the chunks it has alone (a forward of its own, from its first token)
+        budget = self.runner.chunk
+        for c in sorted((c for c in calls if len(c.ids) > 1), key=lambda c: c.order):
             chunk = c.ids[c.fed : c.fed + self.runner.chunk]
+            if len(chunk) > budget:  # never the oldest's (a chunk is at most the budget)
+                continue  # not this round: a younger prompt's shorter chunk may still fit
+            budget -= len(chunk)
             if recorder is not None:
                 recorder.forward(c.request, c.phase, c.kv.tokens)
             try:
