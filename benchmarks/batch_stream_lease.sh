@@ -9,13 +9,18 @@
 #   run(command="bash benchmarks/batch_stream_lease.sh", carry=[".gpu/llama-cuda.tar.xz.part00",
 #     ".gpu/llama-cuda.tar.xz.part01", ".gpu/llama-cuda.tar.xz.part02", ".gpu/whl", ".gpu/srvwhl",
 #     ".gpu/ggml-src.tar.xz"])
-# Outputs under $OUT: batch-stream.json, its servers' logs, batch-stream.log.
+# RAM=1 first runs the same servers with every expert in RAM (no limit, RAM_TOKENS 64 tokens, RAM_REPS 2
+# rounds): issue 33's in-RAM target against llama-server -np 4, in the same call.
+# Outputs under $OUT: batch-ram.json, batch-stream.json, their servers' logs, batch-ram.log, batch-stream.log.
 set -uo pipefail
 export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936} NATIVE_CPU=1
 . benchmarks/ggml_cuda_env.sh || exit 1
 server_wheels || exit 2
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
 echo "model ready (T=$SECONDS)"
+[ -n "${RAM:-}" ] && CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \
+  --threads 16 --streams ${STREAMS:-1,4} --tokens ${RAM_TOKENS:-64} --reps ${RAM_REPS:-2} --ready-timeout 300 \
+  --request-timeout 300 --out $OUT/batch-ram.json 2>&1 | tee $OUT/batch-ram.log | cut -c1-400
 CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \
   --threads 16 --streams ${STREAMS:-1,4} --tokens ${TOKENS:-32} --reps ${REPS:-1} --memory-limit ${LIMIT:-5GiB} \
   --read-ahead ${RA:-128} --ready-timeout 300 --request-timeout 300 --out $OUT/batch-stream.json 2>&1 \
