@@ -6,9 +6,10 @@
 # disk per token by the disk's counter (benchmarks/batch_servers.py --memory-limit). moestream on `make
 # native`'s ggml CPU library built there, llama-server on its prebuilt one; the 24 x 128 Q4_K_M synthetic
 # with Qwen3's vocabulary, written unless a warm machine kept it in /tmp (2.5 minutes).
-#   run(command="bash benchmarks/batch_stream_lease.sh", carry=[".gpu/llama-cuda.tar.xz.part00",
-#     ".gpu/llama-cuda.tar.xz.part01", ".gpu/llama-cuda.tar.xz.part02", ".gpu/whl", ".gpu/srvwhl",
-#     ".gpu/ggml-src.tar.xz"])
+#   run(command="WHL=.gpu/whl-slim bash benchmarks/batch_stream_lease.sh", carry=[".gpu/llama-cuda.tar.xz.part00",
+#     ".gpu/llama-cuda.tar.xz.part01", ".gpu/llama-cuda.tar.xz.part02", ".gpu/whl-slim", ".gpu/srvwhl",
+#     ".gpu/ggml-src.tar.xz"])   (the full .gpu/whl with these is over the 64 MiB a call carries:
+#     benchmarks/slim_wheel.py .gpu/whl/transformers-*.whl .gpu/whl-slim, and gguf's wheel copied beside it)
 # RAM=1 first runs the same servers with every expert in RAM (no limit, RAM_TOKENS 64 tokens, RAM_REPS 2
 # rounds): issue 33's in-RAM target against llama-server -np 4, in the same call.
 # Outputs under $OUT: batch-ram.json, batch-stream.json, their servers' logs, batch-ram.log, batch-stream.log.

@@ -5,7 +5,9 @@
 # points moestream and llama.cpp at them, MODEL and THREADS, and the helpers the scripts share. The server's
 # wheels (.gpu/srvwhl: fastapi, uvicorn, pydantic) where carried.
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
+# WHL: the wheels' folder (.gpu/whl; .gpu/whl-slim: benchmarks/slim_wheel.py's transformers, for a call that
+# carries the server's wheels and ggml's source beside llama.cpp's build)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.gpu/whl}/*.whl \
   $(ls .gpu/srvwhl/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD
 [ -d /tmp/llama.cpp-cuda-sm90 ] || { cat .gpu/llama-cuda.tar.xz.part0* | tar xJ -C /tmp || return 1; }
