@@ -27,7 +27,10 @@ Both servers' bytes read from the file's disk per generated token come from the 
 Streaming (issue 33's second regime): `--memory-limit SIZE` starts each server in a cgroup of its own
 limited to SIZE (its page cache counted: what llama-server's mmap keeps of the file, and moestream's
 `--cache auto` sizes itself by it), with the page cache dropped before each server starts; the table then
-gives each server's peak and the cgroup's memory.stat at its end. `--read-ahead KB` sets the disk's
+gives each server's peak and the cgroup's memory.stat at its end. llama-server runs there with
+`--no-repack` (as benchmarks/llamacpp/side_by_side.py runs it under a limit): its default copies the Q4_K
+weights into a repacked anonymous buffer the size of the model, read once and never streamed, and was
+killed by the 5 GiB limit before it was ready (12-07, eighth session). `--read-ahead KB` sets the disk's
 read-ahead for the whole run (llama-server reads its file through the page cache; restored after).
 Both need root. Without --llama-server only moestream runs. Server logs go next to --out (else a
 temporary directory); the servers are stopped on every exit path. llama-server must not see a GPU
@@ -67,6 +70,8 @@ def llama_argv(binary: str, gguf: str, port: int, slots: int, args: argparse.Nam
     """llama-server on the CPU with `slots` slots of --ctx tokens each (its -c is shared by the slots)."""
     argv = [binary, "-m", gguf, "-np", str(slots), "-t", str(args.threads), "-c", str(slots * args.ctx)]
     argv += ["-ngl", "0", "--host", "127.0.0.1", "--port", str(port)]
+    if args.memory_limit is not None:  # its repacked copy of the weights is anonymous memory: not streamed
+        argv.append("--no-repack")
     return argv + shlex.split(args.llama_args)
 
 

@@ -4,9 +4,10 @@ the GPU machine can carry the server's wheels and ggml's source beside llama.cpp
     python benchmarks/slim_wheel.py .gpu/whl/transformers-*.whl .gpu/whl-slim/
 
 Keeps `transformers/models/` of moestream's families, their tokenizers and what transformers' GGUF
-integration imports at load (2.6 of 13.5 MB for 5.24.0); its RECORD lists only the files kept. Checked on
-the 2-core VM: `moestream generate` on a GGUF gives the same text, and `moestream serve` runs, with the
-slim wheel first on PYTHONPATH.
+integration and AutoTokenizer import (2.6 of 13.5 MB for 5.24.0); its RECORD lists only the files kept.
+Checked on the 2-core VM with the slim wheel first on PYTHONPATH: `moestream synth` writes a GGUF,
+`moestream generate` on a GGUF gives the same text as with the whole wheel, `moestream serve` runs. (Its
+first version lacked `encoder_decoder`, which AutoTokenizer imports: synth stopped on the GPU machine.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ KEEP = {
     *("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"),
     *("qwen3_5_moe", "gpt_oss", "qwen3", "qwen3_5", "qwen2", "mistral", "llama", "glm4"),
     # transformers' auto classes and what its GGUF integration imports when loaded
-    *("auto", "gpt2", "gemma", "llama4", "bart", "bert", "roformer", "t5", "timm_wrapper"),
+    *("auto", "encoder_decoder", "gpt2", "gemma", "llama4", "bart", "bert", "roformer", "t5", "timm_wrapper"),
+    "timm_backbone",
 }
 
 
