@@ -20,9 +20,9 @@ KEEP = {
     # moestream's families (their configs and modeling modules, the reference model)
     *("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_next"),
     *("qwen3_5_moe", "gpt_oss", "qwen3", "qwen3_5", "qwen2", "mistral", "llama", "glm4"),
-    # transformers' auto classes and what its GGUF integration imports when loaded
-    *("auto", "encoder_decoder", "gpt2", "gemma", "llama4", "bart", "bert", "roformer", "t5", "timm_wrapper"),
-    "timm_backbone",
+    # transformers' auto classes, what AutoTokenizer's module imports, what its GGUF integration imports
+    *("auto", "encoder_decoder", "timm_backbone", "timm_wrapper"),
+    *("gpt2", "gemma", "llama4", "bart", "bert", "roformer", "t5"),
 }
 
 
