@@ -41,6 +41,7 @@ large prompt batches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -200,17 +201,18 @@ def measure(
     it up, run every stream count --reps times, stop it (on every exit path)."""
     print(f"{name}: {shlex.join(argv)}\n  log: {log}", flush=True)
     entry: dict = {"argv": argv, "log": str(log), "runs": {}}
-    cgroup = None
-    if args.memory_limit is not None:
-        try:
-            system.drop_caches()
-            cgroup = system.make_memory_cgroup(args.memory_limit, f"moestream-batch-{os.getpid()}-{name}")
-        except (MoestreamError, OSError) as e:
-            entry["error"] = f"--memory-limit: {e}"
-            print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
-            return entry
-        entry["memory_limit"] = args.memory_limit
-    try:
+    with contextlib.ExitStack() as limited:  # the cgroup removed on every exit path
+        cgroup = None
+        if args.memory_limit is not None:
+            try:
+                cgroup = limited.enter_context(
+                    system.memory_limited(args.memory_limit, f"moestream-batch-{os.getpid()}-{name}")
+                )
+            except (MoestreamError, OSError) as e:
+                entry["error"] = f"--memory-limit: {e}"
+                print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
+                return entry
+            entry["memory_limit"] = args.memory_limit
         started = time.perf_counter()
         with (
             ServerProcess(argv, port, log, cgroup) as server,
@@ -253,10 +255,8 @@ def measure(
                 tail = server.log_tail(1500)
                 entry["error"] = f"{e}{dead}" + ("" if tail in str(e) else f"; log tail: {tail}")
                 print(f"  {name} FAILED: {entry['error']}", file=sys.stderr, flush=True)
-    finally:
         if cgroup is not None:
             entry["peak_bytes"] = cgroup.peak_bytes()
-            cgroup.remove()
     return entry
 
 
@@ -373,10 +373,9 @@ def main() -> None:
         flush=True,
     )
     servers: dict[str, dict] = {}
-    was = disk.readahead_kb() if args.read_ahead is not None and disk is not None else None
-    try:
-        if was is not None:
-            disk.set_readahead_kb(args.read_ahead)
+    with contextlib.ExitStack() as changed:  # the read-ahead restored on every exit path
+        if args.read_ahead is not None:
+            changed.enter_context(system.readahead_set(disk, args.read_ahead))
         if args.llama_server:
             port = free_port()
             argv = llama_argv(args.llama_server, args.file, port, slots, args)
@@ -388,9 +387,6 @@ def main() -> None:
         servers["moestream"] = measure(
             "moestream", argv, port, logs / f"{stem}.moestream.log", args, streams, disk
         )
-    finally:
-        if was is not None:
-            disk.set_readahead_kb(was)
     ratios = table(servers, streams)
     if args.out:
         report = {

@@ -87,6 +87,34 @@ def test_readahead_read_and_set(tmp_path):
     assert (tmp_path / "sys/block/nvme0n1/queue/read_ahead_kb").read_text() == "128\n"
 
 
+def test_readahead_set_for_a_block_and_restored_after_an_error(tmp_path):
+    dev = system.device_for_numbers(259, 2, str(fake_sys(tmp_path)))
+    with system.readahead_set(dev, 128) as before:
+        assert (before, dev.readahead_kb()) == (8192, 128)
+    assert dev.readahead_kb() == 8192
+    with pytest.raises(RuntimeError), system.readahead_set(dev, 4096):
+        assert dev.readahead_kb() == 4096
+        raise RuntimeError("the run failed")
+    assert dev.readahead_kb() == 8192
+
+
+def test_memory_limited_drops_the_page_cache_first_and_removes_its_group(tmp_path):
+    cgroups, proc = tmp_path / "cgroup", tmp_path / "proc"
+    cgroups.mkdir()
+    (cgroups / "cgroup.controllers").write_text("memory\n")
+    (cgroups / "cgroup.subtree_control").write_text("memory\n")
+    (proc / "sys/vm").mkdir(parents=True)
+    with (
+        pytest.raises(RuntimeError),
+        system.memory_limited(2 << 30, "mb-test", str(cgroups), str(proc)) as group,
+    ):
+        assert (proc / "sys/vm/drop_caches").read_text() == "3\n"
+        assert (group.path / "memory.max").read_text() == f"{2 << 30}\n"
+        (group.path / "memory.max").unlink()  # a real group's files go with it
+        raise RuntimeError("the server failed")
+    assert not group.path.exists()
+
+
 def test_device_for_path_finds_the_real_disk_of_this_file():
     dev = system.device_for_path(__file__)
     st = os.stat(__file__).st_dev

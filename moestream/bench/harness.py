@@ -31,10 +31,9 @@ from moestream.units import format_size
 
 @dataclass
 class _Machine:
-    """What was changed on the machine for this run, to restore and to report."""
+    """The machine as this run found and changed it, to report (`_prepared_machine` undoes the changes)."""
 
     device: system.BlockDevice | None = None
-    readahead_before: int | None = None
     cgroup: system.MemoryCgroup | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -64,26 +63,23 @@ def _prepared_machine(config: BenchConfig) -> Iterator[_Machine]:
     machine.device = system.device_for_path(watched) if watched else None
     if watched and machine.device is None:
         machine.notes.append(f"{watched} is not on a block device: bytes read are not counted")
-    if config.readahead_kb is not None:
-        system.require_root("--readahead-kb")
-        if machine.device is None:
-            raise MoestreamError(
-                "--readahead-kb needs the model on a block device (give --model or --disk-of)"
-            )
-        machine.readahead_before = machine.device.readahead_kb()
-        machine.device.set_readahead_kb(config.readahead_kb)
-    try:
-        if config.memory_limit is not None or config.drop_caches:
-            system.require_root("--memory-limit" if config.memory_limit is not None else "--drop-caches")
-            system.drop_caches()
+    with contextlib.ExitStack() as changed:  # undone in reverse on every exit path
+        if config.readahead_kb is not None:
+            system.require_root("--readahead-kb")
+            if machine.device is None:
+                raise MoestreamError(
+                    "--readahead-kb needs the model on a block device (give --model or --disk-of)"
+                )
+            changed.enter_context(system.readahead_set(machine.device, config.readahead_kb))
         if config.memory_limit is not None:
-            machine.cgroup = system.make_memory_cgroup(config.memory_limit, f"moestream-bench-{os.getpid()}")
+            system.require_root("--memory-limit")
+            machine.cgroup = changed.enter_context(
+                system.memory_limited(config.memory_limit, f"moestream-bench-{os.getpid()}")
+            )
+        elif config.drop_caches:
+            system.require_root("--drop-caches")
+            system.drop_caches()
         yield machine
-    finally:
-        if machine.readahead_before is not None and machine.device is not None:
-            machine.device.set_readahead_kb(machine.readahead_before)
-        if machine.cgroup is not None:
-            machine.cgroup.remove()
 
 
 @contextlib.contextmanager

@@ -7,10 +7,11 @@ on a fake tree. Functions that change the machine need root; `require_root` says
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,6 +175,31 @@ def make_memory_cgroup(
         (group / "memory.limit_in_bytes").write_text(f"{limit}\n")
         return MemoryCgroup(group, 1, limit)
     raise MoestreamError(f"no cgroup memory controller under {cgroup_root} (neither v2 nor v1)")
+
+
+@contextlib.contextmanager
+def readahead_set(device: BlockDevice, kb: int) -> Iterator[int]:
+    """`device`'s readahead at `kb` KiB for the block (root only); yields what it was, restored after."""
+    before = device.readahead_kb()
+    device.set_readahead_kb(kb)
+    try:
+        yield before
+    finally:
+        device.set_readahead_kb(before)
+
+
+@contextlib.contextmanager
+def memory_limited(
+    limit: int, name: str, cgroup_root: str = "/sys/fs/cgroup", proc_root: str = "/proc"
+) -> Iterator[MemoryCgroup]:
+    """The page cache dropped, then a cgroup `name` limited to `limit` bytes (`make_memory_cgroup`) for the
+    block, removed after (root only)."""
+    drop_caches(proc_root)
+    group = make_memory_cgroup(limit, name, cgroup_root)
+    try:
+        yield group
+    finally:
+        group.remove()
 
 
 def spawn_in(
