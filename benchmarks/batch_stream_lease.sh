@@ -19,10 +19,13 @@ export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936} NATIVE_CPU=1
 server_wheels || exit 2
 synth_model || { tail -5 $OUT/synth.log; exit 1; }
 echo "model ready (T=$SECONDS)"
-[ -n "${RAM:-}" ] && CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \
-  --threads 16 --streams ${STREAMS:-1,4} --tokens ${RAM_TOKENS:-64} --reps ${RAM_REPS:-2} --ready-timeout 300 \
-  --request-timeout 300 --out $OUT/batch-ram.json 2>&1 | tee $OUT/batch-ram.log | cut -c1-400
-CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server \
-  --threads 16 --streams ${STREAMS:-1,4} --tokens ${TOKENS:-32} --reps ${REPS:-1} --memory-limit ${LIMIT:-5GiB} \
-  --read-ahead ${RA:-128} --ready-timeout 300 --request-timeout 300 --out $OUT/batch-stream.json 2>&1 \
-  | tee $OUT/batch-stream.log | cut -c1-400
+# servers NAME TOKENS REPS [ARG...]: both servers at STREAMS (batch_servers.py), NAME.json and NAME.log in $OUT
+servers() {
+  local name=$1 tokens=$2 reps=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES= python3 benchmarks/batch_servers.py "$MODEL" --llama-server $LC/llama-server --threads 16 \
+    --streams ${STREAMS:-1,4} --tokens $tokens --reps $reps --ready-timeout 300 --request-timeout 300 "$@" \
+    --out $OUT/$name.json 2>&1 | tee $OUT/$name.log | cut -c1-400
+}
+[ -n "${RAM:-}" ] && servers batch-ram ${RAM_TOKENS:-64} ${RAM_REPS:-2}
+servers batch-stream ${TOKENS:-32} ${REPS:-1} --memory-limit ${LIMIT:-5GiB} --read-ahead ${RA:-128}
