@@ -16,6 +16,7 @@ import moestream
 from moestream.engine import ggml_runner
 from moestream.engine.sampling import SamplingParams
 from moestream.errors import MoestreamError
+from moestream.server.metrics import Metrics
 
 PROMPTS = [
     [5, 17, 33, 2, 99, 41, 7],
@@ -183,6 +184,38 @@ def test_prompts_that_arrive_together_are_fed_in_one_round(tiny_dir, monkeypatch
     assert [kind for kind, _ in log[:first]] == ["prefill"] * first
     assert sum(n for _, n in log[:first]) <= 12
     assert log[first : first + len(after)] == after
+
+
+def test_a_rounds_steps_run_side_by_side_where_experts_stream(tiny_dir, monkeypatch):
+    """Experts streamed through a cache of one layer's (8 slots of 2 layers x 8): three requests that hold
+    their slots together are fed in one round side by side (`GgmlRunner.together`); each request gets its
+    tokens alone, and the requests read fewer experts than with the round's steps one after the other
+    (`lockstep` off)."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 12)
+    path = str(tiny_dir("qwen3_moe", top_k=4))
+    prompts = [[5, 17, 33, 2], [250, 3, 12, 80], [64, 7, 9, 150]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = _alone(path, prompts, [params] * 3)
+    got, misses = {}, {}
+    for way in ("side by side", "in turn"):
+        with moestream.load(path, cache="300KiB", trunk="ggml", parallel=3) as engine:
+            if way == "in turn":
+                monkeypatch.setattr(engine.runner, "lockstep", lambda: False)
+            barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
+
+            def acquired(ids: list[int], acquire=acquire, barrier=barrier) -> int:
+                slot = acquire(ids)
+                barrier.wait()
+                return slot
+
+            engine.batch.acquire = acquired
+            got[way] = [g.tokens for g in engine.generate_batch(prompts, params)]
+            misses[way] = engine.counters().misses
+            assert (engine.batch.together_rounds == 1) == (way == "side by side")
+            body = Metrics(engine.counters, lambda: 0, batch=engine.batch).render().decode()
+            assert f"moestream_side_by_side_rounds_total {float(way == 'side by side')}" in body
+    assert got["side by side"] == got["in turn"] == want
+    assert misses["side by side"] < misses["in turn"], misses
 
 
 def test_a_cancelled_request_leaves_and_the_others_go_on(tiny_dir):

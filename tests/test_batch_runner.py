@@ -265,3 +265,128 @@ def test_a_whole_step_of_forty_sequences_fits_its_graph(tmp_path):
         [sys.executable, "-c", CAPACITY, str(path)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def _side_by_side(runner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Rounds of `runner.together`: prompt i joins at round i, fed a chunk a round, beside the decode step
+    of the sequences whose prompts are in (a token each, until each has STEPS logits): each sequence's
+    greedy tokens and its logits at each of them [STEPS, V]."""
+    seqs, n = runner.seqs[: len(prompts)], len(prompts)
+    fed, logits = [0] * n, [None] * n
+    tokens: list[list[int]] = [[] for _ in prompts]
+    seen: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for kv in seqs:
+        kv.tokens = 0
+    for round_ in range(100):
+        decoding = [i for i in range(n) if fed[i] == len(prompts[i]) and len(seen[i]) < STEPS]
+        for i in decoding:
+            tokens[i].append(int(logits[i].argmax()))
+            seen[i].append(logits[i])
+        decoding = [i for i in decoding if len(seen[i]) < STEPS]
+        chunks = [i for i in range(min(round_ + 1, n)) if fed[i] < len(prompts[i])]
+        if not decoding and not chunks:
+            break
+        out = runner.together(
+            [(seqs[i], tokens[i][-1]) for i in decoding],
+            [(prompts[i][fed[i] : fed[i] + runner.chunk], seqs[i]) for i in chunks],
+        )
+        if decoding:
+            for i, row in zip(decoding, out.pop(0)):
+                logits[i] = row
+        for i, last in zip(chunks, out):
+            fed[i] = min(fed[i] + runner.chunk, len(prompts[i]))
+            logits[i] = last
+    return tokens, [torch.stack(s) for s in seen]
+
+
+@pytest.mark.parametrize(
+    "arch,cache",
+    [("qwen3_moe", "150KiB"), ("gpt_oss", "400KiB"), ("deepseek_v2", "150KiB"), ("mixtral", "300KiB")],
+)
+def test_a_rounds_steps_side_by_side_give_each_sequence_its_logits_alone(arch, cache, tiny_dir, monkeypatch):
+    """Experts streamed through a few slots: a round's decode step and prompt chunks run a layer at a time
+    side by side (`together`), each by the schedule; every sequence gets the bits it gets alone (where
+    the cache holds a layer's experts, alone computes them in the next layer's graph)."""
+    monkeypatch.setattr(ggml_runner, "CHUNK", 5)
+    with moestream.load(str(tiny_dir(arch)), cache=cache, trunk="ggml", parallel=4) as engine:
+        runner = engine.runner
+        assert runner.lockstep() and runner.experts.resident_slots() is None
+        alone = [_alone(runner, p) for p in PROMPTS]
+        before = engine.counters().misses
+        tokens, seen = _side_by_side(runner, PROMPTS)
+        assert engine.counters().misses > before  # experts were read during the rounds
+    for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+        assert got_tokens == want_tokens and torch.equal(got, want), (arch, (got - want).abs().max().item())
+
+
+def test_side_by_side_steps_read_a_layers_experts_once_for_all(tiny_dir):
+    """A cache of one layer's experts (8 slots, 2 layers of 8, 4 routed a token): three prompts fed one
+    after the other read a layer's experts again for each (the other layer's evicted them in between);
+    side by side, the experts a layer reads for the first are hits for the next two: each at most once."""
+    path = str(tiny_dir("qwen3_moe", top_k=4))
+    prompts = [[5, 17, 33, 2, 99, 41, 7], [250, 3, 12, 80, 8, 9], [9, 150, 77, 31, 200, 6]]
+    misses = {}
+    for way in ("in turn", "side by side"):
+        with moestream.load(path, cache="300KiB", trunk="ggml", parallel=3) as engine:
+            runner = engine.runner
+            assert "8 slots of 36.0 KiB" in engine.mode_line() and runner.lockstep()
+            before = engine.counters().misses
+            if way == "in turn":
+                got = [runner(p, kv)[0] for p, kv in zip(prompts, runner.seqs)]
+            else:
+                got = runner.together([], list(zip(prompts, runner.seqs)))
+            misses[way] = engine.counters().misses - before
+            logits = torch.stack(got)
+        if way == "in turn":
+            want = logits
+    assert torch.equal(logits, want)
+    assert misses["side by side"] <= 16 < misses["in turn"], misses
+
+
+def test_lockstep_only_where_experts_stream_on_the_host(tiny_dir):
+    """Every expert cached (one graph a step), prefetch (the routing read a step at a time): no lockstep."""
+    path = str(tiny_dir("qwen3_moe"))
+    for options, want in (({"cache": "64MiB"}, False), ({"cache": "150KiB", "prefetch": "on"}, False)):
+        with moestream.load(path, trunk="ggml", parallel=2, **options) as engine:
+            assert engine.runner.lockstep() is want
+    with moestream.load(path, cache="150KiB", trunk="ggml", parallel=2) as engine:
+        runner = engine.runner
+        with pytest.raises(ValueError, match="each KV slot once"):
+            runner.together([(runner.seqs[0], 3)], [([4, 5], runner.seqs[0])])
+        with pytest.raises(ValueError, match="a chunk of 0 tokens"):
+            runner.together([], [([], runner.seqs[1])])
+
+
+def test_side_by_side_over_k_quant_experts_of_many_rows(tmp_path, monkeypatch):
+    """A Q4_K model whose every expert takes every row (top-k = experts): prompt chunks of 9 tokens hand
+    each expert 9 rows (ggml's tiled kernel, where the loaded ggml has one). Side by side through a few
+    slots (every layer by the schedule) against alone with every expert cached (the step one graph, the
+    experts in it): the same bits."""
+    from gguf import GGMLQuantizationType as Q
+    from tiny_gguf import perturb_vectors, write_gguf
+    from tiny_models import write_tiny
+
+    hf = write_tiny(
+        "qwen2_moe",
+        tmp_path / "hf",
+        experts=4,
+        top_k=4,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        head_dim=64,
+        num_hidden_layers=2,
+    )
+    perturb_vectors(hf)
+    path = str(write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q4_K, expert_type=lambda layer, kind: Q.Q4_K))
+    monkeypatch.setattr(ggml_runner, "CHUNK", 9)
+    prompts = [[5 + i, 17 + 3 * i, 33, 2, 99, 41, 7, 250, 3, 12, 80, 8, 9][: 13 - i] for i in range(3)]
+    with torch.inference_mode(), moestream.load(path, cache="64MiB", trunk="ggml", parallel=3) as engine:
+        assert engine.runner.experts.resident_slots() is not None
+        alone = [_alone(engine.runner, p) for p in prompts]
+    with torch.inference_mode(), moestream.load(path, cache="600KiB", trunk="ggml", parallel=3) as engine:
+        assert engine.runner.lockstep()
+        tokens, seen = _side_by_side(engine.runner, prompts)
+        assert engine.counters().misses > 8  # 8: the first read of each layer's 4
+    for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
+        assert got_tokens == want_tokens and torch.equal(got, want), (got - want).abs().max().item()

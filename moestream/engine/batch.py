@@ -12,7 +12,10 @@ each woken once, when its forward is done (no polling; a request leaving wakes o
 - then the waiting prompts' next chunks, oldest first, as many as fit in one chunk's tokens (the runner's
   `chunk`; the oldest's always), each a forward of its own: prompts that arrive together are all fed
   before their streams decode (as llama-server feeds them in one batch), and a running stream never
-  waits for more than one chunk's tokens of prefill a token.
+  waits for more than one chunk's tokens of prefill a token;
+- where the runner streams experts on the host (`lockstep`), the step and the chunks side by side, a
+  layer at a time (`GgmlRunner.together`): each computes its bits alone, and the experts a layer reads
+  for one are hits for the others (one after the other, the layers in between would evict them).
 
 Requests join and leave at token boundaries: a new one joins the next round, one that ends (max tokens,
 a stop, a cancel, an error) leaves it. Each computes what it computes alone: its prompt in the chunks
@@ -82,6 +85,7 @@ class Batcher:
         self.rounds = 0  # rounds run (counted for /metrics, tests and benchmarks)
         self.decode_steps = 0  # decode steps run in them (one a round at most)
         self.decode_rows = 0  # tokens those steps decoded (rows / steps: the mean batch)
+        self.together_rounds = 0  # rounds whose steps ran side by side (`runner.together`)
 
     @property
     def busy(self) -> int:
@@ -188,40 +192,31 @@ class Batcher:
 
     @torch.inference_mode()
     def _round(self, calls: list[_Call]) -> None:
-        """The decoding calls as one step, then the waiting prefills' chunks that one chunk's tokens hold."""
+        """The decoding calls as one step, and the waiting prefills' next chunks that one chunk's tokens
+        hold: side by side, a layer at a time, where the runner streams experts (`lockstep`); else the
+        step first, then each chunk."""
         self.rounds += 1
         # in slot order: a device's step graphs are keyed by the slots it uses, in order (a set built once
         # serves every round of the same requests)
         decoding = sorted((c for c in calls if len(c.ids) == 1), key=lambda c: c.kv.slot)
-        recorder = self.recorder()
-        if decoding:
-            step = self.checked(lambda seqs, _: (self.runner.decode(seqs), None))
-            if recorder is not None:  # each row's request
-                recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
-            try:
-                if len(decoding) == 1 and decoding[0].greedy:  # the step it runs alone, its argmax asked
-                    (c,) = decoding
-                    c.logits = self.checked(self.runner)(c.ids, c.kv, greedy=True)[0]
-                else:
-                    logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
-                    for c, row in zip(decoding, logits):
-                        c.logits = row
-                self.decode_steps += 1
-                self.decode_rows += len(decoding)
-            except BaseException as exc:  # each request raises it; the next round goes on without them
-                for c in decoding:
-                    c.error = exc
-            for c in decoding:
-                c.done = True
         # the prefills' next chunks, oldest first, as many as one chunk's tokens hold (the oldest always):
         # prompts that arrive together are fed before their streams decode, not one a round between their
         # steps; each still in the chunks it has alone (a forward of its own, from its first token)
-        budget = self.runner.chunk
+        budget, prefills = self.runner.chunk, []
         for c in sorted((c for c in calls if len(c.ids) > 1), key=lambda c: c.order):
             chunk = c.ids[c.fed : c.fed + self.runner.chunk]
             if len(chunk) > budget:  # never the oldest's (a chunk is at most the budget)
                 continue  # not this round: a younger prompt's shorter chunk may still fit
             budget -= len(chunk)
+            prefills.append((c, chunk))
+        recorder = self.recorder()
+        lockstep = getattr(self.runner, "lockstep", None)
+        if recorder is None and len(prefills) + bool(decoding) > 1 and lockstep is not None and lockstep():
+            self._together(decoding, prefills)
+            return
+        if decoding:
+            self._decode(decoding, recorder)
+        for c, chunk in prefills:
             if recorder is not None:
                 recorder.forward(c.request, c.phase, c.kv.tokens)
             try:
@@ -232,6 +227,56 @@ class Batcher:
                 c.done = c.fed == len(c.ids)
             except BaseException as exc:
                 c.error, c.done = exc, True
+
+    def _decode(self, decoding: list[_Call], recorder: Any) -> None:
+        """The decoding calls' step of one row each."""
+        step = self.checked(lambda seqs, _: (self.runner.decode(seqs), None))
+        if recorder is not None:  # each row's request
+            recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
+        try:
+            if len(decoding) == 1 and decoding[0].greedy:  # the step it runs alone, its argmax asked
+                (c,) = decoding
+                c.logits = self.checked(self.runner)(c.ids, c.kv, greedy=True)[0]
+            else:
+                logits = step([(c.kv, c.ids[0]) for c in decoding], None)[0]
+                for c, row in zip(decoding, logits):
+                    c.logits = row
+            self.decode_steps += 1
+            self.decode_rows += len(decoding)
+        except BaseException as exc:  # each request raises it; the next round goes on without them
+            for c in decoding:
+                c.error = exc
+        for c in decoding:
+            c.done = True
+
+    def _together(self, decoding: list[_Call], prefills: list[tuple[_Call, list[int]]]) -> None:
+        """The round's decode step and chunks side by side (`runner.together`: each computes its bits
+        alone; the experts one reads for a layer are hits for the others). An error ends every call of
+        the round with it."""
+        self.together_rounds += 1
+        step = self.checked(
+            lambda _ids, _cache: (
+                self.runner.together(
+                    [(c.kv, c.ids[0]) for c in decoding], [(chunk, c.kv) for c, chunk in prefills]
+                ),
+                None,
+            )
+        )
+        try:
+            out = step([], None)[0]
+        except BaseException as exc:  # each request raises it; the next round goes on without them
+            for c in [*decoding, *(c for c, _ in prefills)]:
+                c.error, c.done = exc, True
+            return
+        if decoding:
+            for c, row in zip(decoding, out.pop(0)):
+                c.logits, c.done = row, True
+            self.decode_steps += 1
+            self.decode_rows += len(decoding)
+        for (c, chunk), logits in zip(prefills, out):
+            c.logits = logits
+            c.fed += len(chunk)
+            c.done = c.fed == len(c.ids)
 
 
 def run_all(jobs: Sequence[Callable[[], T]], workers: int) -> list[T]:

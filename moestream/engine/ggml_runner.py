@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,8 +356,16 @@ class GgmlRunner(ModelRunner):
         return cache
 
     def _set(
-        self, tokens: int, span: int, last: bool = False, slots: tuple[int, ...] = (0,), kern: Any = None
+        self,
+        tokens: int,
+        span: int,
+        last: bool = False,
+        slots: tuple[int, ...] = (0,),
+        kern: Any = None,
+        keep: int = KEEP_PREFILL_SETS,
     ) -> GraphSet:
+        """The graph set of a step's shape, built where none is kept; `keep`: the prefill sets kept at
+        least (a round's side by side, `together`, each its own)."""
         kern = kern if kern is not None else ggml.kernels(self.threads)
         if self.experts.generation != self._generation:  # a restream: the graphs read the old slots
             self.close_sets()
@@ -388,8 +396,8 @@ class GgmlRunner(ModelRunner):
                 gs = GraphSet(*args, segments, tiered.device_only, tiered.mixed)
             self._sets[key] = gs
             same = [k for k in self._sets if _prefill(k) == _prefill(key)]  # oldest first
-            keep = KEEP_PREFILL_SETS if _prefill(key) else decode_sets(len(self.seqs))
-            for k in same[: max(0, len(same) - keep)]:
+            kept = max(keep, KEEP_PREFILL_SETS) if _prefill(key) else decode_sets(len(self.seqs))
+            for k in same[: max(0, len(same) - kept)]:
                 self._sets.pop(k).close()
         self._sets.move_to_end(key)
         if rebase:
@@ -414,15 +422,8 @@ class GgmlRunner(ModelRunner):
         last = not batch and not self.experts.every_position()
         kern = ggml.kernels(self.threads)
         gs = self._set(T, _round_up(max(positions) + 1, SPAN_STEP), last, slots, kern)
-        if positions[0] == 0 and not batch:  # from scratch: linear-attention states start at zero
-            for layer, (conv, state) in zip(self.spec.layers, self.kv):
-                if layer.linear is not None:
-                    for t in (conv, state):
-                        t.zero_() if self.memory is None else self.memory.zero(t)
+        self._begin(gs, ids, positions, slots)
         b = gs.buf
-        b.set_inputs(
-            ids, positions, [slot * self.ctx for slot in (slots if batch else slots * T)], self._window
-        )
         if self.tiered is not None:  # the device, a graph a layer over its GPU tier
             # the pool computes the experts the host does; its workers poll between those computes, but
             # on ggml's CPU backend, whose own threads compute the graphs on the same cores, it pauses
@@ -446,25 +447,110 @@ class GgmlRunner(ModelRunner):
                     kern.idle()
             self.experts.count_resident(self._resident_hits(gs, T))
             return b.logits
-        pinned: tuple[int, list[int]] | None = None  # (layer, experts) to unpin
         with kern._lock, kern.hold():
-            try:
-                graphs, fused = gs.layer_graphs()
-                for i, net in enumerate(graphs):
-                    (fused[i] if pinned is not None else net).run()
-                    if pinned is not None:
-                        self.experts.unpin(*pinned)
-                        pinned = None
-                    if i == len(self.spec.layers) or self.spec.layers[i].router is None:
-                        continue
-                    if i + 1 in fused:
+            for _ in self._host_layers(gs, batch):
+                pass
+        return b.logits
+
+    def _begin(self, gs: GraphSet, ids: list[int], positions: list[int], slots: tuple[int, ...]) -> None:
+        """A step's inputs into its set's buffers (a sequence from scratch: its linear-attention states
+        zeroed first)."""
+        batch = len(slots) > 1
+        if positions[0] == 0 and not batch:  # from scratch: linear-attention states start at zero
+            for layer, (conv, state) in zip(self.spec.layers, self.kv):
+                if layer.linear is not None:
+                    for t in (conv, state):
+                        t.zero_() if self.memory is None else self.memory.zero(t)
+        gs.buf.set_inputs(
+            ids, positions, [slot * self.ctx for slot in (slots if batch else slots * len(ids))], self._window
+        )
+
+    def _host_layers(self, gs: GraphSet, batch: bool, fuse: bool = True) -> Iterator[None]:
+        """A step on the host's expert streaming (`_step`, `together`; the caller holds the pool), a layer
+        at a time: its graph, then its routed experts (`fuse`: pinned where the cache holds every one,
+        for the next graph to compute; else by the schedule, which reads what the cache lacks), then a
+        yield. The last graph leaves the logits in `gs.buf.logits`."""
+        b = gs.buf
+        pinned: tuple[int, list[int]] | None = None  # (layer, experts) to unpin
+        try:
+            graphs, fused = gs.layer_graphs()
+            for i, net in enumerate(graphs):
+                (fused[i] if pinned is not None else net).run()
+                if pinned is not None:
+                    self.experts.unpin(*pinned)
+                    pinned = None
+                if i < len(self.spec.layers) and self.spec.layers[i].router is not None:
+                    if fuse and i + 1 in fused:
                         pinned = self._cached(i, b, gs.rows(i))
                     if pinned is None:
                         self._place(self._experts(i, b, gs.rows(i), batch), b)
+                yield
+        finally:
+            if pinned is not None:
+                self.experts.unpin(*pinned)
+
+    def lockstep(self) -> bool:
+        """Whether a round's steps run side by side, a layer at a time (`together`): on the host, streaming
+        experts through a cache that does not hold every one, with nothing reading the routing a step at
+        a time (a trace, a replay, prefetch). Not on a backend (a step is one graph there)."""
+        return (
+            self.memory is None
+            and self.tiered is None
+            and not self.experts.host_routing()
+            and self.experts.resident_slots() is None
+        )
+
+    def together(
+        self, decode: list[tuple[GgmlKV, int]], chunks: list[tuple[list[int], GgmlKV]]
+    ) -> list[torch.Tensor]:
+        """A round's steps side by side (where `lockstep`): the decode step of `decode` (a token after each
+        sequence's cache, as `decode` runs it; none where empty) and each of `chunks` (a prompt's next
+        tokens after what its cache holds, at most `chunk`), a layer at a time: every step computes its
+        layer as it does alone (its own graphs, its experts by the schedule: the same bits), each in turn,
+        so that the experts one step reads for a layer are hits for the others at that layer, not evicted
+        by the layers in between. Their logits: the decode step's [B, V], then each chunk's last [V].
+
+        Raises:
+            ValueError: a sequence twice, a chunk longer than `chunk`, positions beyond the KV cache.
+        """
+        items: list[tuple[list[int], list[int], tuple[int, ...]]] = []
+        kvs = [self._own(kv) for kv, _ in decode] + [self._own(kv) for _, kv in chunks]
+        if len({kv.slot for kv in kvs}) != len(kvs):
+            raise ValueError("a round takes each KV slot once")
+        if decode:
+            rows = kvs[: len(decode)]
+            items.append(([t for _, t in decode], [kv.tokens for kv in rows], tuple(kv.slot for kv in rows)))
+        for (ids, _), kv in zip(chunks, kvs[len(decode) :]):
+            if not ids or len(ids) > self.chunk:
+                raise ValueError(f"a chunk of {len(ids)} tokens: 1 to {self.chunk}")
+            items.append((list(ids), list(range(kv.tokens, kv.tokens + len(ids))), (kv.slot,)))
+        for ids, positions, _ in items:
+            if positions[-1] + 1 > self.ctx:
+                raise ValueError(f"{positions[-1] + 1} positions exceed the KV cache's {self.ctx}")
+        kern = ggml.kernels(self.threads)
+        prefills = sum(len(ids) > 1 for ids, _, _ in items)
+        steps = []
+        for ids, positions, slots in items:
+            self._steps += 1
+            last = len(slots) == 1 and not self.experts.every_position()
+            span = _round_up(max(positions) + 1, SPAN_STEP)
+            gs = self._set(len(ids), span, last, slots, kern, keep=prefills)
+            self._begin(gs, ids, positions, slots)
+            steps.append((gs, len(slots) > 1))
+        with kern._lock, kern.hold():
+            layers = [self._host_layers(gs, batch, fuse=False) for gs, batch in steps]
+            try:
+                for _ in zip(*layers):  # each step's layer i, in turn; then layer i + 1
+                    pass
             finally:
-                if pinned is not None:
-                    self.experts.unpin(*pinned)
-        return b.logits
+                for layer in layers:
+                    layer.close()
+        out = [gs.buf.logits.clone() for gs, _ in steps]
+        if len(decode) == 1:  # a decode step of one sequence: [1, V], as `decode` gives it
+            out[0] = out[0][None]
+        for kv, n in zip(kvs, [1] * len(decode) + [len(ids) for ids, _ in chunks]):
+            kv.tokens += n
+        return out
 
     def _device_done(self, gs: GraphSet, net: Net, T: int, left: bool) -> torch.Tensor | DeviceLogits:
         """The end of a backend's step of one graph (`Net.launch`ed): waited for, its experts counted, its

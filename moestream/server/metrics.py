@@ -61,6 +61,11 @@ class _BatchCollector:
                 "Tokens those steps decoded (rows / steps: the mean batch).",
                 self.batch.decode_rows,
             ),
+            (
+                "moestream_side_by_side_rounds",
+                "Rounds whose decode step and prompt chunks ran a layer at a time side by side.",
+                self.batch.together_rounds,
+            ),
         ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
