@@ -78,8 +78,8 @@ def main() -> None:
                 print(r["mode"])
             runs.append(r)
             print(
-                f"{way:12s} | {r['seconds']:6.1f} s | {r['gib_read']:6.2f} GiB read | {r['misses']:6d} misses | "
-                f"{r['side_by_side_rounds']} of {r['rounds']} rounds side by side",
+                f"{way:12s} | {r['seconds']:6.1f} s | {r['gib_read']:6.2f} GiB read | "
+                f"{r['misses']:6d} misses | {r['side_by_side_rounds']} of {r['rounds']} rounds side by side",
                 flush=True,
             )
     same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
@@ -92,7 +92,8 @@ def main() -> None:
     }
     (s, sg), (t, tg) = med["side by side"], med["in turn"]
     print(f"median: side by side {s:.1f} s, {sg:.2f} GiB; in turn {t:.1f} s, {tg:.2f} GiB")
-    print(f"in turn / side by side: time {t / s:.2f}x, bytes {tg / sg:.2f}x; the same tokens in every run: {same}")
+    print(f"in turn / side by side: time {t / s:.2f}x, bytes {tg / sg:.2f}x; ", end="")
+    print(f"the same tokens in every run: {same}")
     if not same:
         raise SystemExit("the tokens differ between runs")
 
