@@ -390,3 +390,32 @@ def test_side_by_side_over_k_quant_experts_of_many_rows(tmp_path, monkeypatch):
         assert engine.counters().misses > 8  # 8: the first read of each layer's 4
     for (want_tokens, want), got_tokens, got in zip(alone, tokens, seen):
         assert got_tokens == want_tokens and torch.equal(got, want), (got - want).abs().max().item()
+
+
+def test_a_failure_in_a_round_side_by_side_leaves_the_runner_usable(tiny_dir, monkeypatch):
+    """An expert read that fails in the middle of a round side by side (layer 1 of its second step):
+    the round raises it and nothing stays pinned or half-counted (no sequence's tokens advance); the same
+    round again gives every sequence its logits alone."""
+    path = str(tiny_dir("qwen3_moe"))
+    with torch.inference_mode(), moestream.load(path, cache="150KiB", trunk="ggml", parallel=3) as engine:
+        runner = engine.runner
+        alone = [runner(p, None)[0] for p in PROMPTS[:3]]
+        compute, calls = runner.experts.compute, []
+
+        def failing(layer, *args, **kwargs):
+            calls.append(layer)
+            if len(calls) == 4:
+                raise OSError("the disk said no")
+            return compute(layer, *args, **kwargs)
+
+        monkeypatch.setattr(runner.experts, "compute", failing)
+        for kv in runner.seqs[:3]:
+            kv.tokens = 0
+        chunks = list(zip(PROMPTS[:3], runner.seqs))
+        with pytest.raises(OSError, match="the disk said no"):
+            runner.together([], chunks)
+        assert calls == [0, 0, 0, 1]  # layer 0 of each step, then layer 1 of the first
+        assert [kv.tokens for kv in runner.seqs[:3]] == [0, 0, 0]
+        assert all(state.pins == 0 for state in runner.experts._runtime.cache._states.values())
+        got = runner.together([], chunks)
+    assert all(torch.equal(g, a) for g, a in zip(got, alone))
