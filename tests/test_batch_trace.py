@@ -8,6 +8,7 @@ gives each row its bits alone), and steps holding both requests' rows.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -53,13 +54,24 @@ def _steps(trace) -> dict[tuple[str, int], int]:
 def test_rounds_of_two_slots_worked_out_by_hand(tmp_path):
     trace = read_trace(_three_requests(tmp_path))
     got = _steps(batch_steps(trace, 2))
-    # round 0: a's prompt; 1: a decodes, b's prompt; 2: a and b decode (a ends: c takes its slot);
-    # 3: b decodes (b ends), c's prompt; 4, 5: c decodes
+    # round 0: a's and b's prompts (4 tokens: one chunk holds both), a forward each; 1, 2: a and b decode
+    # (they end: c takes a slot); 3: c's prompt; 4, 5: c decodes
+    regrouped = batch_steps(trace, 2)
     assert got == {
-        ("a", 0): 0, ("a", 1): 0, ("a", 2): 1, ("b", 0): 2, ("b", 1): 2,
-        ("a", 3): 3, ("b", 2): 3, ("b", 3): 4, ("c", 0): 5, ("c", 1): 5,
-        ("c", 2): 6, ("c", 3): 7,
+        ("a", 0): 0, ("a", 1): 0, ("b", 0): 1, ("b", 1): 1, ("a", 2): 2, ("b", 2): 2,
+        ("a", 3): 3, ("b", 3): 3, ("c", 0): 4, ("c", 1): 4, ("c", 2): 5, ("c", 3): 6,
     }  # fmt: skip
+    assert sorted(set(zip(regrouped.step.tolist(), regrouped.round.tolist()))) == [
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (3, 2),
+        (4, 3),
+        (5, 4),
+        (6, 5),
+    ]
+    # a chunk of 3 tokens holds a's prompt, not b's too: b's waits for the next round, beside a's decode
+    assert _steps(batch_steps(trace, 2, chunk=3))[("b", 0)] == 2
     alone = _steps(batch_steps(trace, 1))
     assert alone == _steps(trace)  # one slot: the order recorded
     # one decode forward of a and b: the union of their experts, read once
@@ -67,6 +79,29 @@ def test_rounds_of_two_slots_worked_out_by_hand(tmp_path):
     assert [(0, 0), (0, 1), (0, 2), (0, 3)] in replay.keys
     with pytest.raises(ValueError, match="--parallel must be at least 1, got 0"):
         batch_steps(trace, 0)
+
+
+def test_a_rounds_forwards_side_by_side_read_a_layers_experts_once(tmp_path):
+    """The replay of a regrouped trace in the engine's side-by-side order: round 0's two prompt forwards
+    layer by layer (a's layer 0, b's layer 0, a's layer 1, b's layer 1), so that under a budget of one
+    layer's experts (4 slots of 2 layers x 4) b's prompt hits what a's read: 8 misses for the two prompts
+    (and 8 for c's, alone in its round), against 16 with the forwards one after the other (what the
+    engine does with prefetch or a GPU tier)."""
+    from moestream.engine import ggml_runner
+    from moestream.trace import batched
+    from moestream.trace.simulator import simulate
+
+    assert batched.CHUNK == ggml_runner.CHUNK  # the engine's round on the host
+    regrouped = batch_steps(read_trace(_three_requests(tmp_path)), 2)
+    assert build_replay(regrouped, side_by_side=True).layer[:4] == [0, 0, 1, 1]
+    assert build_replay(regrouped).layer[:4] == [0, 1, 0, 1]
+
+    def prompt_misses(trace, policy: str = "lru") -> int:
+        records = simulate(trace, [policy], [4 * MiB])[0]
+        return next(r["misses"] for r in records if r["phase"] == "prefill" and r["scope"] == "all")
+
+    assert prompt_misses(regrouped) == 8 + 8
+    assert prompt_misses(dataclasses.replace(regrouped, round=None)) == 16 + 8
 
 
 def test_simulate_parallel_on_the_command_line(tmp_path, capsys):

@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
         trace = batch_steps(trace, args.parallel)
         trace.notes.append(
             f"forwards regrouped as {args.parallel} request{'s' if args.parallel > 1 else ''} at once "
-            f"(--parallel {args.parallel}), requests started in order of first appearance"
+            f"(--parallel {args.parallel}), requests started in order of first appearance, a round's "
+            "forwards side by side, layer by layer (one after the other for a prefetching policy or a "
+            "GPU tier)"
         )
     width = trace.pred_experts.shape[1] if trace.pred_experts is not None else 0
     if args.prefetch_top is not None and width and args.prefetch_top > width:

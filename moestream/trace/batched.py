@@ -3,11 +3,15 @@ slots (`moestream simulate --parallel N`; `engine/batch.py` schedules the live o
 
 Requests start in the order they first appear, each as soon as one of the N slots is free. A round is
 one decode forward of every running request past its prompt (their rows then share one step: each
-layer's forward touches the union of their experts, as the engine's batched step does) and then one
-prompt forward of the request that has waited longest (a recorded prefill forward, as the engine fed
-it). Rows keep their request, token and phase; only `step` changes. A trace recorded with `--parallel`
-already holds such steps (its rows say which request each is); regrouping it takes each request's
-forwards apart first, so a trace of either kind can be replayed at any N.
+layer's forward touches the union of their experts, as the engine's batched step does) and then the
+next prompt forwards (recorded prefill forwards, as the engine fed them) of the requests still in their
+prompts, the longest waiting first, as many as one chunk's tokens hold (the first always), as the
+engine's round feeds them. Rows keep their request, token and phase; `step` changes (a forward each), and
+`round` says which round each forward ran in: where the engine streams experts it runs a round's
+forwards side by side, a layer at a time (`GgmlRunner.together`), and the replay then takes them in that
+order (`build_replay(..., side_by_side=True)`). A trace recorded with `--parallel` already holds such
+steps (its rows say which request each is); regrouping it takes each request's forwards apart first, so
+a trace of either kind can be replayed at any N.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 from moestream.trace.table import Trace
 
 DECODE = 1  # the phase code of decode rows (`PHASES`)
+CHUNK = 256  # the prompt tokens a round of the engine feeds at most on the host (`engine/ggml_runner.py`)
 
 
 def _forwards(trace: Trace) -> dict[int, list[np.ndarray]]:
@@ -33,8 +38,9 @@ def _forwards(trace: Trace) -> dict[int, list[np.ndarray]]:
     return out
 
 
-def batch_steps(trace: Trace, slots: int) -> Trace:
-    """`trace` with each row's step set to its round's forward when `slots` requests run at once.
+def batch_steps(trace: Trace, slots: int, chunk: int = CHUNK) -> Trace:
+    """`trace` with each row's step set to its forward's when `slots` requests run at once, and its
+    `round` to the round that forward ran in (`chunk`: the prompt tokens a round feeds at most).
 
     Raises:
         ValueError: `slots` is below 1.
@@ -46,19 +52,27 @@ def batch_steps(trace: Trace, slots: int) -> Trace:
     waiting = deque(sorted(forwards, key=first.__getitem__))
     running: list[list[int]] = []  # [request, its next forward], in the order they started
     step = np.empty(len(trace), dtype=np.int64)
-    n = 0
+    rounds = np.empty(len(trace), dtype=np.int64)
+    n = k = 0
     while waiting or running:
         while waiting and len(running) < slots:
             running.append([waiting.popleft(), 0])
         decoding = [r for r in running if trace.phase[forwards[r[0]][r[1]][0]] == DECODE]
         for r in decoding:
-            step[forwards[r[0]][r[1]]] = n
+            rows = forwards[r[0]][r[1]]
+            step[rows], rounds[rows] = n, k
             r[1] += 1
         n += bool(decoding)
-        prompt = next((r for r in running if all(r is not d for d in decoding)), None)
-        if prompt is not None:
-            step[forwards[prompt[0]][prompt[1]]] = n
-            prompt[1] += 1
+        budget = chunk
+        for i, r in enumerate(r for r in running if all(r is not d for d in decoding)):
+            rows = forwards[r[0]][r[1]]
+            tokens = len(np.unique(trace.token[rows]))
+            if i and tokens > budget:  # the longest waiting always; the others as the budget holds
+                continue
+            budget -= tokens
+            step[rows], rounds[rows] = n, k
+            r[1] += 1
             n += 1
+        k += 1
         running = [r for r in running if r[1] < len(forwards[r[0]])]
-    return dataclasses.replace(trace, step=step)
+    return dataclasses.replace(trace, step=step, round=rounds)

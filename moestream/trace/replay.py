@@ -1,6 +1,7 @@
 """A trace in execution order, as the expert cache sees it: one list of keys per layer forward.
 
-Order: forwards sorted by (step, layer); inside one forward, rows keep their recorded order (token
+Order: forwards sorted by (step, layer) (`side_by_side`: a round's forwards by (layer, step), as the
+engine runs them where it streams experts); inside one forward, rows keep their recorded order (token
 order), and the keys are `[(layer, e) for e in execution_order(rows)]`, the distinct experts in first
 appearance order, exactly what the engine hands `ResidentSet.access_group`. So a prefill forward
 touches each distinct expert of its layer once, and decode goes token by token, layer by layer.
@@ -73,7 +74,11 @@ def split_halves(trace: Trace) -> tuple[np.ndarray, str]:
 
 
 def build_replay(
-    trace: Trace, prefetch_top: int | None = None, uses: bool = False, min_score: float = 0.0
+    trace: Trace,
+    prefetch_top: int | None = None,
+    uses: bool = False,
+    min_score: float = 0.0,
+    side_by_side: bool = False,
 ) -> Replay:
     """Group a trace's rows into layer forwards in execution order (see the module docstring).
 
@@ -81,11 +86,16 @@ def build_replay(
         prefetch_top: how many predicted experts per token to prefetch; None skips predictions.
         min_score: prefetch only predicted experts whose stale-gate softmax score is at least this.
         uses: also count, per forward, the rows routed to each key (`Replay.uses`).
+        side_by_side: where the trace says each forward's round (`Trace.round`), a round's forwards in
+            the engine's side-by-side order: layer by layer, each layer's forwards in step order.
     """
     check_ids(trace)
     n, n_exp = len(trace), trace.header.n_experts
     half, split = split_halves(trace)
-    order = np.lexsort((np.arange(n), trace.layer, trace.step))
+    if side_by_side and trace.round is not None:
+        order = np.lexsort((np.arange(n), trace.step, trace.layer, trace.round))
+    else:
+        order = np.lexsort((np.arange(n), trace.layer, trace.step))
     step_s, layer_s = trace.step[order], trace.layer[order]
     change = np.flatnonzero((np.diff(step_s) != 0) | (np.diff(layer_s) != 0)) + 1
     starts = np.concatenate([[0], change]).tolist()

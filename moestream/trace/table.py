@@ -27,6 +27,9 @@ class Trace:
         pred_experts / pred_scores: [N, M] stale-gate prediction for layer+1 (-1 / nan where absent), or None.
         pred2_experts / pred2_scores: [N, M2] the same for layer+2, or None.
         notes: what the reader or importer assumed, one sentence each (printed by the CLI).
+        round: [N] int64, the engine round each row's forward ran in (`batch_steps`: a round's forwards
+            run side by side, a layer at a time, where the engine streams experts), or None; a
+            simulation's alone, not written to a file.
     """
 
     header: TraceHeader
@@ -43,6 +46,7 @@ class Trace:
     pred2_experts: np.ndarray | None = None
     pred2_scores: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
+    round: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.layer.shape[0])
