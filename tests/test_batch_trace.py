@@ -23,22 +23,28 @@ from moestream.trace.replay import build_replay
 from moestream.units import MiB
 
 
-def _three_requests(tmp_path: Path) -> Path:
+def _three_requests(tmp_path: Path, predict: bool = False) -> Path:
     """Requests a, b, c one after another: a 2-token prompt, then 2 decoded tokens each, 2 layers x 4
-    experts, top-2 (a's decode tokens route to experts 0, 1; b's to 2, 3; c's to 0, 3)."""
-    path = tmp_path / "three.parquet"
+    experts, top-2 (a's decode tokens route to experts 0, 1; b's to 2, 3; c's to 0, 3). `predict`: each
+    layer-0 row guesses its layer 1's experts (the stale gate), scored 0.9."""
+    path = tmp_path / ("three-predicted.parquet" if predict else "three.parquet")
     routes = {"a": [0, 1], "b": [2, 3], "c": [0, 3]}
     step = 0
+
+    def guess(rows):
+        return dict(pred_experts=rows, pred_scores=[[0.9, 0.9]] * len(rows)) if predict else {}
+
     with TraceWriter(path, TraceHeader("t", 2, 4, 2, expert_bytes=MiB)) as w:
         for name, experts in routes.items():
             for layer in (0, 1):
-                w.append_forward(
-                    name, [0, 1], "prefill", layer, [[0, 1], [2, 3]], [[0.5, 0.5]] * 2, step=step
-                )
+                rows = [[0, 1], [2, 3]]
+                more = guess(rows) if layer == 0 else {}
+                w.append_forward(name, [0, 1], "prefill", layer, rows, [[0.5, 0.5]] * 2, step=step, **more)
             step += 1
             for token in (2, 3):
                 for layer in (0, 1):
-                    w.append(name, token, "decode", layer, experts, [0.5, 0.5], step=step)
+                    more = {k: v[0] for k, v in guess([experts]).items()} if layer == 0 else {}
+                    w.append(name, token, "decode", layer, experts, [0.5, 0.5], step=step, **more)
                 step += 1
     return path
 
@@ -102,6 +108,30 @@ def test_a_rounds_forwards_side_by_side_read_a_layers_experts_once(tmp_path):
 
     assert prompt_misses(regrouped) == 8 + 8
     assert prompt_misses(dataclasses.replace(regrouped, round=None)) == 16 + 8
+
+
+def test_prefetching_policies_replay_a_rounds_forwards_one_after_the_other(tmp_path):
+    """Policies with and without prefetch in one simulation of a regrouped trace with predictions: each
+    replayed as the engine runs it (lru side by side, lru-prefetch one after the other)."""
+    from moestream.trace.simulator import simulate
+
+    regrouped = batch_steps(read_trace(_three_requests(tmp_path, predict=True)), 2)
+    apart = dataclasses.replace(regrouped, round=None)
+
+    def records(trace, policies):
+        return {
+            (r["policy"], r["phase"]): (r["misses"], r["bytes_read"])
+            for r in simulate(trace, policies, [4 * MiB])[0]
+            if r["scope"] == "all"
+        }
+
+    both = records(regrouped, ["lru", "lru-prefetch"])
+    assert both[("lru", "prefill")][0] == 8 + 8
+    assert {k: v for k, v in both.items() if k[0] == "lru"} == records(regrouped, ["lru"])
+    prefetching = {k: v for k, v in both.items() if k[0] == "lru-prefetch"}
+    assert prefetching == records(apart, ["lru-prefetch"])
+    # its prompts' reads, prefetches included: a's and b's each read whole, as one after the other
+    assert both[("lru-prefetch", "prefill")][1] == 24 * MiB and both[("lru", "prefill")][1] == 16 * MiB
 
 
 def test_simulate_parallel_on_the_command_line(tmp_path, capsys):
