@@ -172,10 +172,10 @@ def simulate(
     replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     # a trace regrouped into rounds (`batch_steps`): the engine runs a round's forwards side by side where
     # it streams experts on the host, but one after the other with prefetch or a GPU tier
-    turn = {p: replay for p in policies}
+    replays = {p: replay for p in policies}  # each policy's, in the order the engine would run it
     if trace.round is not None and gpu_tier is None and len(prefetching) < len(policies):
         side = build_replay(trace, None, uses=uses, side_by_side=True)
-        turn.update({p: side for p in policies if p not in PREFETCHING})
+        replays.update({p: side for p in policies if p not in PREFETCHING})
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
     if gpu_tier is not None:  # every capacity replayed (the tiers are exclusive below `every`)
@@ -188,10 +188,10 @@ def simulate(
             "is an expert either held (JSON: gpu_tier_hit_rate, the tier's part)"
         )
     else:
-        limits = {policy: saturation(turn[policy], policy) for policy in policies}
+        limits = {policy: saturation(replays[policy], policy) for policy in policies}
         results = {
             policy: run_capacities(
-                turn[policy], policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
+                replays[policy], policy, {min(c, limits[policy]) for c in capacities.values()}, sizes.unit
             )
             for policy in policies
         }
