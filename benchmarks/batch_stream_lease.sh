@@ -12,7 +12,10 @@
 #     benchmarks/slim_wheel.py .gpu/whl/transformers-*.whl .gpu/whl-slim, and gguf's wheel copied beside it)
 # RAM=1 first runs the same servers with every expert in RAM (no limit, RAM_TOKENS 64 tokens, RAM_REPS 2
 # rounds): issue 33's in-RAM target against llama-server -np 4, in the same call.
-# Outputs under $OUT: batch-ram.json, batch-stream.json, their servers' logs, batch-ram.log, batch-stream.log.
+# SIDE=1 last runs benchmarks/side_by_side.py at 16 threads (a round of four prompts side by side against in
+# turn, on a 3.4 GiB cache: what a round's steps side by side save where the disk reads 1.9 GiB/s).
+# Outputs under $OUT: batch-ram.json, batch-stream.json, their servers' logs, batch-ram.log, batch-stream.log,
+# side-by-side.log.
 set -uo pipefail
 export MODEL=${MODEL:-/tmp/q24v.gguf} VOCAB=${VOCAB:-151936} NATIVE_CPU=1
 . benchmarks/ggml_cuda_env.sh || exit 1
@@ -29,3 +32,5 @@ servers() {
 }
 [ -n "${RAM:-}" ] && servers batch-ram ${RAM_TOKENS:-64} ${RAM_REPS:-2}
 servers batch-stream ${TOKENS:-32} ${REPS:-1} --memory-limit ${LIMIT:-5GiB} --read-ahead ${RA:-128}
+[ -n "${SIDE:-}" ] && CUDA_VISIBLE_DEVICES= python3 benchmarks/side_by_side.py "$MODEL" --cache 3400MiB --threads 16 \
+  --reps 2 2>&1 | tee $OUT/side-by-side.log | cut -c1-300
