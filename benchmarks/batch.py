@@ -177,10 +177,12 @@ def main() -> None:
                     f"at most {1e3 * during:.1f} ms meanwhile"
                 )
             if args.exact:
+                side = engine.batch.together_rounds
                 same, k = exact(engine, args.exact, args.tokens, max(streams))
                 print(
                     f"identical {args.tokens}-token greedy continuations, alone vs {max(streams)} at once: "
-                    f"{same}/{k} ({100 * same / k:.0f}%)"
+                    f"{same}/{k} ({100 * same / k:.0f}%; {engine.batch.together_rounds - side} of the "
+                    "rounds side by side)"
                 )
 
 
