@@ -343,14 +343,18 @@ def test_side_by_side_steps_read_a_layers_experts_once_for_all(tiny_dir):
     assert misses["side by side"] <= 16 < misses["in turn"], misses
 
 
-def test_lockstep_only_where_experts_stream_on_the_host(tiny_dir):
-    """Every expert cached (one graph a step), prefetch (the routing read a step at a time): no lockstep."""
+def test_lockstep_only_where_experts_stream_on_the_host(tiny_dir, tmp_path):
+    """Every expert cached (one graph a step), prefetch (the routing followed a step at a time): no
+    lockstep; a trace (told each step's rows) keeps it."""
     path = str(tiny_dir("qwen3_moe"))
     for options, want in (({"cache": "64MiB"}, False), ({"cache": "150KiB", "prefetch": "on"}, False)):
         with moestream.load(path, trunk="ggml", parallel=2, **options) as engine:
             assert engine.runner.lockstep() is want
     with moestream.load(path, cache="150KiB", trunk="ggml", parallel=2) as engine:
         runner = engine.runner
+        engine.start_trace(tmp_path / "t.parquet", predict=False)
+        assert runner.lockstep() and runner.experts.host_routing()
+        engine.stop_trace()
         with pytest.raises(ValueError, match="each KV slot once"):
             runner.together([(runner.seqs[0], 3)], [([4, 5], runner.seqs[0])])
         with pytest.raises(ValueError, match="a chunk of 0 tokens"):

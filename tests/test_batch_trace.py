@@ -173,3 +173,49 @@ def test_a_trace_of_a_batch_says_which_request_each_row_is(tiny_dir, tmp_path):
     assert shared  # decode steps of both requests
     decode = batch.phase[np.isin(batch.step, shared)]
     assert (decode == 1).all()
+
+
+def test_a_trace_of_rounds_side_by_side_gives_each_step_its_own_rows(tiny_dir, tmp_path):
+    """Three requests that take their slots together, experts streamed: their prompts are fed in one round
+    side by side, the recorder told before each step's layer whose rows come. Every row is the one
+    recorded alone, and each prompt forward's step holds its own request's rows, all layers of it."""
+    import threading
+
+    path = str(tiny_dir("qwen3_moe"))
+    prompts = [[5, 17, 33, 2], [250, 3, 12, 80, 9, 9], [64, 7, 9]]
+    _record(path, tmp_path / "alone.parquet", 1, prompts)
+    with moestream.load(path, cache="150KiB", trunk="ggml", parallel=3) as engine:
+        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
+
+        def acquired(ids: list[int]) -> int:
+            slot = acquire(ids)
+            barrier.wait()
+            return slot
+
+        engine.batch.acquire = acquired
+        engine.start_trace(tmp_path / "side.parquet", predict=False)
+        jobs = [
+            lambda i=i, p=p: engine.generate(p, max_tokens=6, ignore_eos=True, request_id=f"r{i}")
+            for i, p in enumerate(prompts)
+        ]
+        run_all(jobs, 3)
+        engine.stop_trace()
+        assert engine.batch.together_rounds >= 1
+    alone, side = read_trace(tmp_path / "alone.parquet"), read_trace(tmp_path / "side.parquet")
+
+    def rows(trace):
+        names = trace.request_names
+        return sorted(
+            (names[r], int(t), int(lay), tuple(e.tolist()))
+            for r, t, lay, e in zip(trace.request, trace.token, trace.layer, trace.experts)
+        )
+
+    assert rows(side) == rows(alone)
+    prefill = np.unique(side.step[side.phase == 0])
+    assert len(prefill) == 3  # a forward each, in one round
+    for s in prefill:
+        mine = side.step == s
+        (request,) = np.unique(side.request[mine])
+        n = len(prompts[int(side.request_names[request][1:])])
+        assert sorted(set(side.token[mine].tolist())) == list(range(n))
+        assert len(np.unique(side.layer[mine])) == alone.header.n_layers

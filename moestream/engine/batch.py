@@ -211,8 +211,8 @@ class Batcher:
             prefills.append((c, chunk))
         recorder = self.recorder()
         lockstep = getattr(self.runner, "lockstep", None)
-        if recorder is None and len(prefills) + bool(decoding) > 1 and lockstep is not None and lockstep():
-            self._together(decoding, prefills)
+        if len(prefills) + bool(decoding) > 1 and lockstep is not None and lockstep():
+            self._together(decoding, prefills, recorder)
             return
         if decoding:
             self._decode(decoding, recorder)
@@ -249,15 +249,28 @@ class Batcher:
         for c in decoding:
             c.done = True
 
-    def _together(self, decoding: list[_Call], prefills: list[tuple[_Call, list[int]]]) -> None:
+    def _together(
+        self, decoding: list[_Call], prefills: list[tuple[_Call, list[int]]], recorder: Any
+    ) -> None:
         """The round's decode step and chunks side by side (`runner.together`: each computes its bits
-        alone; the experts one reads for a layer are hits for the others). An error ends every call of
-        the round with it."""
+        alone; the experts one reads for a layer are hits for the others); a trace told, before each
+        step's layer, whose rows come (each step its own, as one after the other). An error ends every
+        call of the round with it."""
         self.together_rounds += 1
+        before = None
+        if recorder is not None:
+            contexts = []
+            if decoding:
+                recorder.forward_rows([(c.request, c.kv.tokens, c.phase) for c in decoding])
+                contexts.append(recorder.context())
+            for c, _ in prefills:
+                recorder.forward(c.request, c.phase, c.kv.tokens)
+                contexts.append(recorder.context())
+            before = lambda i: recorder.resume(contexts[i])  # noqa: E731
         step = self.checked(
             lambda _ids, _cache: (
                 self.runner.together(
-                    [(c.kv, c.ids[0]) for c in decoding], [(chunk, c.kv) for c, chunk in prefills]
+                    [(c.kv, c.ids[0]) for c in decoding], [(chunk, c.kv) for c, chunk in prefills], before
                 ),
                 None,
             )

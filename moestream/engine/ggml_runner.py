@@ -491,17 +491,21 @@ class GgmlRunner(ModelRunner):
 
     def lockstep(self) -> bool:
         """Whether a round's steps run side by side, a layer at a time (`together`): on the host, streaming
-        experts through a cache that does not hold every one, with nothing reading the routing a step at
-        a time (a trace, a replay, prefetch). Not on a backend (a step is one graph there)."""
+        experts through a cache that does not hold every one, with nothing following the routing a step
+        at a time (a routing replay, prefetch: `steps_in_order`; a trace is told each step's rows). Not
+        on a backend (a step is one graph there)."""
         return (
             self.memory is None
             and self.tiered is None
-            and not self.experts.host_routing()
+            and not self.experts.steps_in_order()
             and self.experts.resident_slots() is None
         )
 
     def together(
-        self, decode: list[tuple[GgmlKV, int]], chunks: list[tuple[list[int], GgmlKV]]
+        self,
+        decode: list[tuple[GgmlKV, int]],
+        chunks: list[tuple[list[int], GgmlKV]],
+        before: Callable[[int], None] | None = None,
     ) -> list[torch.Tensor]:
         """A round's steps side by side (where `lockstep`): the decode step of `decode` (a token after each
         sequence's cache, as `decode` runs it; none where empty) and each of `chunks` (a prompt's next
@@ -509,6 +513,8 @@ class GgmlRunner(ModelRunner):
         layer as it does alone (its own graphs, its experts by the schedule: the same bits), each in turn,
         so that the experts one step reads for a layer are hits for the others at that layer, not evicted
         by the layers in between. Their logits: the decode step's [B, V], then each chunk's last [V].
+        `before(i)`: called before each layer of step i (the decode step first, then the chunks), for a
+        trace recorder to know whose routing comes next.
 
         Raises:
             ValueError: a sequence twice, a chunk longer than `chunk`, positions beyond the KV cache.
@@ -540,8 +546,11 @@ class GgmlRunner(ModelRunner):
         with kern._lock, kern.hold():
             layers = [self._host_layers(gs, batch, fuse=False) for gs, batch in steps]
             try:
-                for _ in zip(*layers):  # each step's layer i, in turn; then layer i + 1
-                    pass
+                for _ in steps[0][0].layer_graphs()[0]:  # each step's layer i, in turn; then layer i + 1
+                    for i, layer in enumerate(layers):
+                        if before is not None:
+                            before(i)
+                        next(layer)
             finally:
                 for layer in layers:
                     layer.close()

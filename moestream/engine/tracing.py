@@ -58,6 +58,15 @@ class TraceRecorder:
         self.rows = rows
         self.step += 1
 
+    def context(self) -> tuple:
+        """The forward the next rows belong to (`forward`, `forward_rows`), for `resume`."""
+        return self.request, self.phase, self.first_position, self.rows, self.step
+
+    def resume(self, context: tuple) -> None:
+        """The next rows belong to the forward `context` names (a round's steps side by side: their
+        layers come in turn, `GgmlRunner.together`)."""
+        self.request, self.phase, self.first_position, self.rows, self.step = context
+
     @torch.inference_mode()
     def observe(self, event: LayerRouting) -> None:
         if self.error is not None:

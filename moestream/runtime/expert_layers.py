@@ -108,6 +108,13 @@ class ExpertLayers:
         rt = self._runtime
         return rt.replay is not None or bool(rt.observers) or rt.prefetch is not None or not rt.tier.in_place
 
+    def steps_in_order(self) -> bool:
+        """Whether each layer's routing is followed a step at a time, layer after layer: a routing replay
+        replaces it from its recorded order, prefetch reads the next layer ahead from it (its gate scores
+        each guess against the next layer's routing). A trace does not: it is told each step's rows."""
+        rt = self._runtime
+        return rt.replay is not None or rt.prefetch is not None
+
     def replaying(self) -> bool:
         """Whether a routing replay replaces each layer's routing."""
         return self._runtime.replay is not None
