@@ -119,6 +119,9 @@ def complete(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
         "prompt_n": t["prompt_n"],
         "prompt_ms": t["prompt_ms"],
         "bytes_read": (out.get("moe") or {}).get("bytes_read"),  # moestream's per-request figure
+        # moestream's: the time its forwards waited for expert reads over the request's span (with
+        # several requests at once, the engine's over that span, as bytes_read)
+        "read_wait_ms": (out.get("moe") or {}).get("read_wait_ms"),
     }
 
 
