@@ -219,3 +219,46 @@ def test_a_trace_of_rounds_side_by_side_gives_each_step_its_own_rows(tiny_dir, t
         n = len(prompts[int(side.request_names[request][1:])])
         assert sorted(set(side.token[mine].tolist())) == list(range(n))
         assert len(np.unique(side.layer[mine])) == alone.header.n_layers
+
+
+def test_a_traced_round_that_fails_midway_leaves_the_next_steps_numbers_free(tiny_dir, tmp_path):
+    """A round side by side whose expert read fails at the second layer of its first step, after every
+    step's first layer was recorded: the next request's forwards take step numbers after all of the
+    round's, none shared with rows already written."""
+    import threading
+
+    path = str(tiny_dir("qwen3_moe"))
+    prompts = [[5, 17, 33, 2], [250, 3, 12, 80, 9, 9], [64, 7, 9]]
+    with moestream.load(path, cache="150KiB", trunk="ggml", parallel=3) as engine:
+        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
+
+        def acquired(ids: list[int]) -> int:
+            slot = acquire(ids)
+            barrier.wait()
+            return slot
+
+        engine.batch.acquire = acquired
+        compute, calls = engine.runner.experts.compute, []
+
+        def failing(layer, *args, **kwargs):
+            calls.append(layer)
+            if len(calls) == 4:
+                raise OSError("the disk said no")
+            return compute(layer, *args, **kwargs)
+
+        engine.runner.experts.compute = failing
+        engine.start_trace(tmp_path / "t.parquet", predict=False)
+        jobs = [
+            lambda i=i, p=p: engine.generate(p, max_tokens=3, ignore_eos=True, request_id=f"r{i}")
+            for i, p in enumerate(prompts)
+        ]
+        with pytest.raises(OSError, match="the disk said no"):
+            run_all(jobs, 3)
+        assert calls == [0, 0, 0, 1] and engine.batch.together_rounds == 1
+        engine.batch.acquire = acquire
+        engine.generate([9, 8, 7], max_tokens=2, ignore_eos=True, request_id="after")
+        engine.stop_trace()
+    trace = read_trace(tmp_path / "t.parquet")
+    after = trace.request == trace.request_names.index("after")
+    assert len(np.unique(trace.request[~after])) == 3  # each failed step's first layer was written
+    assert trace.step[after].min() > trace.step[~after].max()

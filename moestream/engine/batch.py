@@ -281,6 +281,9 @@ class Batcher:
             for c in [*decoding, *(c for c, _ in prefills)]:
                 c.error, c.done = exc, True
             return
+        finally:  # the round's last step (its highest), whichever ran last: the next forward numbers on
+            if recorder is not None:
+                recorder.resume(contexts[-1])
         if decoding:
             for c, row in zip(decoding, out.pop(0)):
                 c.logits, c.done = row, True
