@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from batch_helpers import arrive_together
 
 import moestream
 from moestream.engine import ggml_runner
@@ -170,14 +171,7 @@ def test_prompts_that_arrive_together_are_fed_in_one_round(tiny_dir, monkeypatch
     want = _alone(path, prompts, [params] * 3)
     with moestream.load(path, cache="64MiB", trunk="ggml", parallel=3) as engine:
         log = _recorded(engine)
-        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
-
-        def acquired(ids: list[int]) -> int:
-            slot = acquire(ids)
-            barrier.wait()
-            return slot
-
-        engine.batch.acquire = acquired
+        arrive_together(engine, 3)
         gens = engine.generate_batch(prompts, params)
         assert engine.batch.busy == 0
     assert [g.tokens for g in gens] == want
@@ -201,14 +195,7 @@ def test_a_rounds_steps_run_side_by_side_where_experts_stream(tiny_dir, monkeypa
         with moestream.load(path, cache="300KiB", trunk="ggml", parallel=3) as engine:
             if way == "in turn":
                 monkeypatch.setattr(engine.runner, "lockstep", lambda: False)
-            barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
-
-            def acquired(ids: list[int], acquire=acquire, barrier=barrier) -> int:
-                slot = acquire(ids)
-                barrier.wait()
-                return slot
-
-            engine.batch.acquire = acquired
+            arrive_together(engine, 3)
             got[way] = [g.tokens for g in engine.generate_batch(prompts, params)]
             misses[way] = engine.counters().misses
             assert (engine.batch.together_rounds == 1) == (way == "side by side")

@@ -366,23 +366,9 @@ def test_side_by_side_over_k_quant_experts_of_many_rows(tmp_path, monkeypatch):
     each expert 9 rows (ggml's tiled kernel, where the loaded ggml has one). Side by side through a few
     slots (every layer by the schedule) against alone with every expert cached (the step one graph, the
     experts in it): the same bits."""
-    from gguf import GGMLQuantizationType as Q
-    from tiny_gguf import perturb_vectors, write_gguf
-    from tiny_models import write_tiny
+    from tiny_gguf import q4k_all_routed
 
-    hf = write_tiny(
-        "qwen2_moe",
-        tmp_path / "hf",
-        experts=4,
-        top_k=4,
-        hidden_size=256,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-        head_dim=64,
-        num_hidden_layers=2,
-    )
-    perturb_vectors(hf)
-    path = str(write_gguf(hf, tmp_path / "model.gguf", ftype=Q.Q4_K, expert_type=lambda layer, kind: Q.Q4_K))
+    path = str(q4k_all_routed(tmp_path))
     monkeypatch.setattr(ggml_runner, "CHUNK", 9)
     prompts = [[5 + i, 17 + 3 * i, 33, 2, 99, 41, 7, 250, 3, 12, 80, 8, 9][: 13 - i] for i in range(3)]
     with torch.inference_mode(), moestream.load(path, cache="64MiB", trunk="ggml", parallel=3) as engine:

@@ -31,9 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
-from tiny_gguf import perturb_vectors, write_gguf
-from tiny_models import write_tiny
+from tiny_gguf import q4k_all_routed
 
 PROMPTS = [[5, 17, 33], [250, 3, 12, 80], [9, 150], [64, 7, 1], [2, 3, 4, 5], [99], [41, 7, 8], [11, 12]]
 STEPS = 4
@@ -85,22 +83,8 @@ with moestream.load(path, trunk="ggml", threads=2, parallel=len(prompts), **opti
 
 @pytest.fixture(scope="module")
 def q4k(tmp_path_factory):
-    """A tiny qwen2_moe GGUF, every matrix Q4_K (256-wide rows: hidden, heads x head_dim, the experts'
-    and the shared expert's intermediate), 4 experts all routed, 2 layers."""
-    root = tmp_path_factory.mktemp("tiled")
-    hf = write_tiny(
-        "qwen2_moe",
-        root / "hf",
-        experts=4,
-        top_k=4,
-        hidden_size=256,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-        head_dim=64,
-        num_hidden_layers=2,
-    )
-    perturb_vectors(hf)
-    return write_gguf(hf, root / "model.gguf", ftype=Q.Q4_K, expert_type=lambda layer, kind: Q.Q4_K)
+    """`tiny_gguf.q4k_all_routed`: every matrix Q4_K, 4 experts all routed, 2 layers."""
+    return q4k_all_routed(tmp_path_factory.mktemp("tiled"))
 
 
 def _run(path: Path, prompts=PROMPTS, options=None, **env: str) -> dict:

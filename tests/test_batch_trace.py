@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from batch_helpers import arrive_together
 
 import moestream
 from moestream.cli import main
@@ -143,15 +144,33 @@ def test_simulate_parallel_on_the_command_line(tmp_path, capsys):
     assert "--parallel must be at least 1, got 0" in capsys.readouterr().err
 
 
-def _record(path: str, out: Path, parallel: int, prompts: list[list[int]]) -> None:
+def _jobs(engine, prompts: list[list[int]], tokens: int) -> list:
+    """A generation of `tokens` greedy tokens for each prompt, request ids r0, r1, ..."""
+    return [
+        lambda i=i, p=p: engine.generate(p, max_tokens=tokens, ignore_eos=True, request_id=f"r{i}")
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _record(path: str, out: Path, parallel: int, prompts: list[list[int]], together: bool = False) -> int:
+    """A trace of `prompts` run `parallel` at a time (`together`: their requests take their slots
+    together, so one round feeds their prompts); the rounds run side by side."""
     with moestream.load(path, cache="150KiB", trunk="ggml", parallel=parallel) as engine:
+        if together:
+            arrive_together(engine, len(prompts))
         engine.start_trace(out, predict=False)
-        jobs = [
-            lambda i=i, p=p: engine.generate(p, max_tokens=6, ignore_eos=True, request_id=f"r{i}")
-            for i, p in enumerate(prompts)
-        ]
-        run_all(jobs, parallel)
+        run_all(_jobs(engine, prompts, 6), parallel)
         engine.stop_trace()
+        return engine.batch.together_rounds if engine.batch is not None else 0
+
+
+def _rows(trace) -> list[tuple]:
+    """Every row as (request, token, layer, experts), sorted."""
+    names = trace.request_names
+    return sorted(
+        (names[r], int(t), int(lay), tuple(e.tolist()))
+        for r, t, lay, e in zip(trace.request, trace.token, trace.layer, trace.experts)
+    )
 
 
 def test_a_trace_of_a_batch_says_which_request_each_row_is(tiny_dir, tmp_path):
@@ -160,15 +179,7 @@ def test_a_trace_of_a_batch_says_which_request_each_row_is(tiny_dir, tmp_path):
     _record(path, tmp_path / "alone.parquet", 1, prompts)
     _record(path, tmp_path / "batch.parquet", 2, prompts)
     alone, batch = read_trace(tmp_path / "alone.parquet"), read_trace(tmp_path / "batch.parquet")
-
-    def rows(trace):
-        names = trace.request_names
-        return sorted(
-            (names[r], int(t), int(lay), tuple(e.tolist()))
-            for r, t, lay, e in zip(trace.request, trace.token, trace.layer, trace.experts)
-        )
-
-    assert rows(batch) == rows(alone)
+    assert _rows(batch) == _rows(alone)
     shared = [s for s in np.unique(batch.step) if len(np.unique(batch.request[batch.step == s])) == 2]
     assert shared  # decode steps of both requests
     decode = batch.phase[np.isin(batch.step, shared)]
@@ -179,38 +190,12 @@ def test_a_trace_of_rounds_side_by_side_gives_each_step_its_own_rows(tiny_dir, t
     """Three requests that take their slots together, experts streamed: their prompts are fed in one round
     side by side, the recorder told before each step's layer whose rows come. Every row is the one
     recorded alone, and each prompt forward's step holds its own request's rows, all layers of it."""
-    import threading
-
     path = str(tiny_dir("qwen3_moe"))
     prompts = [[5, 17, 33, 2], [250, 3, 12, 80, 9, 9], [64, 7, 9]]
     _record(path, tmp_path / "alone.parquet", 1, prompts)
-    with moestream.load(path, cache="150KiB", trunk="ggml", parallel=3) as engine:
-        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
-
-        def acquired(ids: list[int]) -> int:
-            slot = acquire(ids)
-            barrier.wait()
-            return slot
-
-        engine.batch.acquire = acquired
-        engine.start_trace(tmp_path / "side.parquet", predict=False)
-        jobs = [
-            lambda i=i, p=p: engine.generate(p, max_tokens=6, ignore_eos=True, request_id=f"r{i}")
-            for i, p in enumerate(prompts)
-        ]
-        run_all(jobs, 3)
-        engine.stop_trace()
-        assert engine.batch.together_rounds >= 1
+    assert _record(path, tmp_path / "side.parquet", 3, prompts, together=True) >= 1
     alone, side = read_trace(tmp_path / "alone.parquet"), read_trace(tmp_path / "side.parquet")
-
-    def rows(trace):
-        names = trace.request_names
-        return sorted(
-            (names[r], int(t), int(lay), tuple(e.tolist()))
-            for r, t, lay, e in zip(trace.request, trace.token, trace.layer, trace.experts)
-        )
-
-    assert rows(side) == rows(alone)
+    assert _rows(side) == _rows(alone)
     prefill = np.unique(side.step[side.phase == 0])
     assert len(prefill) == 3  # a forward each, in one round
     for s in prefill:
@@ -225,19 +210,11 @@ def test_a_traced_round_that_fails_midway_leaves_the_next_steps_numbers_free(tin
     """A round side by side whose expert read fails at the second layer of its first step, after every
     step's first layer was recorded: the next request's forwards take step numbers after all of the
     round's, none shared with rows already written."""
-    import threading
-
     path = str(tiny_dir("qwen3_moe"))
     prompts = [[5, 17, 33, 2], [250, 3, 12, 80, 9, 9], [64, 7, 9]]
     with moestream.load(path, cache="150KiB", trunk="ggml", parallel=3) as engine:
-        barrier, acquire = threading.Barrier(3, timeout=60), engine.batch.acquire
-
-        def acquired(ids: list[int]) -> int:
-            slot = acquire(ids)
-            barrier.wait()
-            return slot
-
-        engine.batch.acquire = acquired
+        acquire = engine.batch.acquire
+        arrive_together(engine, 3)
         compute, calls = engine.runner.experts.compute, []
 
         def failing(layer, *args, **kwargs):
@@ -248,12 +225,8 @@ def test_a_traced_round_that_fails_midway_leaves_the_next_steps_numbers_free(tin
 
         engine.runner.experts.compute = failing
         engine.start_trace(tmp_path / "t.parquet", predict=False)
-        jobs = [
-            lambda i=i, p=p: engine.generate(p, max_tokens=3, ignore_eos=True, request_id=f"r{i}")
-            for i, p in enumerate(prompts)
-        ]
         with pytest.raises(OSError, match="the disk said no"):
-            run_all(jobs, 3)
+            run_all(_jobs(engine, prompts, 3), 3)
         assert calls == [0, 0, 0, 1] and engine.batch.together_rounds == 1
         engine.batch.acquire = acquire
         engine.generate([9, 8, 7], max_tokens=2, ignore_eos=True, request_id="after")

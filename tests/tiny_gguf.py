@@ -416,3 +416,24 @@ def _add(w: gguf.GGUFWriter, name: str, data: torch.Tensor, ftype: Q, expert_typ
 
 def hf_config_json(hf_dir: Path) -> dict:
     return json.loads((hf_dir / "config.json").read_text())
+
+
+def q4k_all_routed(root: Path) -> Path:
+    """A tiny qwen2_moe GGUF under `root`, every matrix Q4_K (256-wide rows: hidden, heads x head_dim, the
+    experts' and the shared expert's intermediate), 4 experts all routed (top-k = experts), 2 layers: a
+    step of T rows hands each expert T rows."""
+    from tiny_models import write_tiny
+
+    hf = write_tiny(
+        "qwen2_moe",
+        root / "hf",
+        experts=4,
+        top_k=4,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        head_dim=64,
+        num_hidden_layers=2,
+    )
+    perturb_vectors(hf)
+    return write_gguf(hf, root / "model.gguf", ftype=Q.Q4_K, expert_type=lambda layer, kind: Q.Q4_K)
