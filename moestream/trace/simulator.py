@@ -169,13 +169,22 @@ def simulate(
         )
     top = (prefetch_top or trace.header.top_k) if prefetching else None
     uses = any(p in LEARNING for p in policies) or gpu_tier is not None  # (the tier's gate counts uses)
-    replay = build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
     # a trace regrouped into rounds (`batch_steps`): the engine runs a round's forwards side by side where
-    # it streams experts on the host, but one after the other with prefetch or a GPU tier
-    replays = {p: replay for p in policies}  # each policy's, in the order the engine would run it
-    if trace.round is not None and gpu_tier is None and len(prefetching) < len(policies):
-        side = build_replay(trace, None, uses=uses, side_by_side=True)
-        replays.update({p: side for p in policies if p not in PREFETCHING})
+    # it streams experts on the host, but one after the other with prefetch or a GPU tier; each replay is
+    # built where a policy takes it (they hold the same forwards and tokens, in another order)
+    side_by_side = trace.round is not None and gpu_tier is None
+    in_turn = (
+        build_replay(trace, top, uses=uses, min_score=prefetch_min_score)
+        if prefetching or not side_by_side
+        else None
+    )
+    side = (
+        build_replay(trace, None, uses=uses, side_by_side=True)
+        if side_by_side and len(prefetching) < max(len(policies), 1)
+        else None
+    )
+    replays = {p: side if side is not None and p not in PREFETCHING else in_turn for p in policies}
+    replay = in_turn if in_turn is not None else side
     sizes = resolve_sizes(trace.header, replay.layers, unit_bytes)
     capacities = {budget: capacity_for(budget, sizes.slot_bytes) for budget in budgets}
     if gpu_tier is not None:  # every capacity replayed (the tiers are exclusive below `every`)
