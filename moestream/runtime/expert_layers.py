@@ -106,7 +106,7 @@ class ExpertLayers:
         replay replaces it, prefetch reads ahead from it, or the tier's slots cannot be read in place.
         Where not, cached experts can be computed in the runner's graphs."""
         rt = self._runtime
-        return rt.replay is not None or bool(rt.observers) or rt.prefetch is not None or not rt.tier.in_place
+        return self.steps_in_order() or bool(rt.observers) or not rt.tier.in_place
 
     def steps_in_order(self) -> bool:
         """Whether each layer's routing is followed a step at a time, layer after layer: a routing replay
